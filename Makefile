@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs what it needs. On a CPU-only
+# machine torch==2.13.0 is the local CPU build (no multi-GB CUDA download).
+PY ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m weightstream demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not gpu and not multigpu"
+
+# On the device machine (no network): the image's python already has torch,
+# triton and safetensors; diffusers travels as wheels (see .ci/device).
+test-gpu:
+	python3 -m pytest -q -m "gpu or multigpu"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
