@@ -1,0 +1,383 @@
+"""The one configuration object of weightstream.
+
+`OffloadConfig` accepts the vLLM-Omni ``diffusion_offload_config`` JSON schema
+(``mode``, ``components``, ``layer_options``, ``pin_memory``, and the
+``enable_cpu_offload=True`` compatibility entry point) plus weightstream's own
+keys. It is frozen, and every check lives in ``OffloadConfig.__post_init__``.
+
+Errors: a value that is not allowed raises ``ValueError``; a value of the wrong
+Python type raises ``ConfigTypeError``, which is both a ``TypeError`` and a
+``ValueError`` (so ``except ValueError`` catches every rejection). Messages
+name the key as a dotted path, the value's repr, and what is allowed, e.g.
+``layer_options.dit.weight_transfer='rank_local' is not allowed; choose from:
+allgather, rank-local``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["OffloadConfig", "LayerOptions", "ConfigTypeError"]
+
+MODES = ("module", "layer")
+COMPONENTS = ("dit", "text_encoder", "vae")
+LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
+WEIGHT_TRANSFERS = ("allgather", "rank-local")
+CUDA_GRAPHS = ("off", "on")
+COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
+
+
+class ConfigTypeError(TypeError, ValueError):
+    """A config value has the wrong Python type (also a ValueError, so callers
+    that catch ValueError see every config rejection)."""
+
+
+def _choices(options) -> str:
+    return "choose from: " + ", ".join(options)
+
+
+def _reject(path: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{path}={value!r} is not allowed; {allowed}")
+
+
+def _wrong_type(path: str, value: Any, expected: str) -> ConfigTypeError:
+    return ConfigTypeError(
+        f"{path}={value!r} is not allowed; expected {expected} (got {type(value).__name__})"
+    )
+
+
+def _unknown_key(path: str, key: Any, allowed) -> ValueError:
+    return ValueError(f"{path} has unknown key {key!r}, which is not allowed; {_choices(allowed)}")
+
+
+def _check_bool(path: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _wrong_type(path, value, "a bool (true or false)")
+
+
+def _check_int(path: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(path, value, f"an int >= {minimum}")
+    if value < minimum:
+        raise _reject(path, value, f"expected an int >= {minimum}")
+
+
+def _check_budget(path: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(path, value, "a number > 0 (GiB) or null")
+    if not math.isfinite(value) or value <= 0:
+        raise _reject(path, value, "expected a finite number > 0 (GiB) or null")
+    return float(value)
+
+
+def _check_choice(path: str, value: Any, options, *, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if not isinstance(value, str):
+        extra = " or null" if nullable else ""
+        raise _wrong_type(path, value, f"a str{extra}; {_choices(options)}")
+    if value not in options:
+        raise _reject(path, value, _choices(options))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """Per-component options of layer mode (``layer_options.<component>``).
+
+    weight_transfer: "allgather" (each rank pins 1/N of every block and
+        all-gathers it on the device) or "rank-local" (full blocks, no
+        collective); None lets the executor choose.
+    resident_layers: number of leading dit blocks kept on the device instead of
+        streamed (dit only; needs weight_transfer "rank-local" or None).
+
+    Checked when placed in an `OffloadConfig`, where errors can name the
+    component (``layer_options.dit.resident_layers``).
+    """
+
+    weight_transfer: str | None = None
+    resident_layers: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON dict of the options that differ from their defaults."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = value
+        return out
+
+
+_LAYER_KEYS = tuple(f.name for f in dataclasses.fields(LayerOptions))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """How to offload a diffusion pipeline or transformer.
+
+    vLLM-Omni ``diffusion_offload_config`` keys:
+
+    mode: "module" (model-level: one selected component group on the device at
+        a time) or "layer" (stream transformer blocks through device slots).
+        Required unless ``enable_cpu_offload=True``.
+    components: non-empty selection from "dit", "text_encoder", "vae" (a list
+        is stored as a tuple; no duplicates). Layer mode streams only "dit" and
+        "text_encoder".
+    layer_options: layer mode only; component -> `LayerOptions` (or a dict
+        with keys ``weight_transfer``, ``resident_layers``), one entry per
+        selected component at most. Stored as a read-only mapping.
+    pin_memory: pin (page-lock) host copies of offloaded weights.
+    enable_cpu_offload: compatibility entry point; True means mode "module"
+        over components ("dit", "text_encoder"). A contradicting mode or
+        component list is rejected.
+
+    weightstream's own keys:
+
+    cuda_graphs: "off" | "on". "on" captures each denoising step as a CUDA
+        graph and replays it (layer mode only; rejected in module mode).
+    num_slots: int >= 2. Device block buffers used by layer mode; more slots
+        let copies run further ahead of compute at the cost of device memory.
+    pinned_memory_budget_gb: number > 0 or None (no cap). Cap on pinned /
+        registered host memory in GiB; host weights beyond it stay pageable
+        (warning about that is the caller's job).
+    device_memory_budget_gb: number > 0 or None (no cap). Cap on device memory
+        for weights (resident modules + slots) in GiB; the executor checks it.
+    record_events: the executor records a per-block copy/compute event log
+        (for telemetry and the overlap dashboard).
+    progress: print progress while pinning large host stores.
+    debug_graph_addresses: CUDA-graph debug mode; at each replay check that
+        static input addresses did not move.
+
+    Errors: ValueError for values that are not allowed, `ConfigTypeError`
+    (a TypeError and a ValueError) for wrong Python types; each message names
+    the key, the value's repr, and what is allowed.
+    """
+
+    mode: str | None = None
+    components: tuple[str, ...] = ()
+    layer_options: Mapping[str, LayerOptions] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+    pin_memory: bool = True
+    enable_cpu_offload: bool = False
+    # weightstream's own keys
+    cuda_graphs: str = "off"
+    num_slots: int = 2
+    pinned_memory_budget_gb: float | None = None
+    device_memory_budget_gb: float | None = None
+    record_events: bool = False
+    progress: bool = True
+    debug_graph_addresses: bool = False
+
+    # ------------------------------------------------------------------ checks
+    def __post_init__(self) -> None:
+        for name in ("pin_memory", "enable_cpu_offload", "record_events", "progress",
+                     "debug_graph_addresses"):
+            _check_bool(name, getattr(self, name))
+        mode, components = self._check_mode_components()
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "components", components)
+        object.__setattr__(self, "layer_options", self._check_layer_options())
+        _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        if self.cuda_graphs == "on" and self.mode == "module":
+            raise _reject("cuda_graphs", "on",
+                          "CUDA graphs need mode='layer'; with mode='module' choose from: off")
+        _check_int("num_slots", self.num_slots, 2)
+        for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
+            object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
+
+    def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
+        mode, components = self.mode, self.components
+        if isinstance(components, str) or not isinstance(components, (list, tuple)):
+            raise _wrong_type("components", components,
+                              f"a list of component names; {_choices(COMPONENTS)}")
+        components = tuple(components)
+        if self.enable_cpu_offload:
+            if mode not in (None, "module"):
+                raise _reject("mode", mode, "enable_cpu_offload=True maps to mode='module'; "
+                              "choose from: module (or leave mode unset)")
+            if components and sorted(components) != sorted(COMPAT_COMPONENTS):
+                raise _reject("components", components,
+                              "enable_cpu_offload=True maps to components "
+                              f"{list(COMPAT_COMPONENTS)}; give exactly those or leave unset")
+            mode, components = "module", components or COMPAT_COMPONENTS
+        if mode is None:
+            raise _reject("mode", mode, f"mode is required ({_choices(MODES)}) "
+                          "unless enable_cpu_offload=True")
+        _check_choice("mode", mode, MODES)
+        if not components:
+            raise _reject("components", components,
+                          f"select at least one component; {_choices(COMPONENTS)}")
+        allowed = COMPONENTS if mode == "module" else LAYER_COMPONENTS
+        for i, comp in enumerate(components):
+            path = f"components[{i}]"
+            if not isinstance(comp, str):
+                raise _wrong_type(path, comp, f"a component name; {_choices(COMPONENTS)}")
+            if comp not in COMPONENTS:
+                raise _reject(path, comp, _choices(COMPONENTS))
+            if comp not in allowed:
+                raise _reject(path, comp, f"mode={mode!r} streams only dit and text_encoder "
+                              f"(use mode='module' for {comp}); {_choices(allowed)}")
+            if comp in components[:i]:
+                raise _reject("components", components,
+                              f"duplicate {comp!r}; list each component at most once")
+        return mode, components
+
+    def _check_layer_options(self) -> Mapping[str, LayerOptions]:
+        raw = self.layer_options
+        if not isinstance(raw, Mapping):
+            raise _wrong_type("layer_options", raw,
+                              "a dict of component -> {weight_transfer, resident_layers}")
+        if raw and self.mode != "layer":
+            raise _reject("layer_options", dict(raw),
+                          f"layer_options apply only to mode='layer' (got mode={self.mode!r}); "
+                          "remove them")
+        out: dict[str, LayerOptions] = {}
+        for comp, opts in raw.items():
+            if comp not in COMPONENTS:
+                raise _unknown_key("layer_options", comp, self.components)
+            if comp not in self.components:
+                raise ValueError(
+                    f"layer_options has key {comp!r}, which is not allowed: {comp!r} is not in "
+                    f"components={list(self.components)}; {_choices(self.components)}")
+            out[comp] = self._check_layer_entry(comp, opts)
+        return types.MappingProxyType(out)
+
+    @staticmethod
+    def _check_layer_entry(comp: str, opts: Any) -> LayerOptions:
+        path = f"layer_options.{comp}"
+        if isinstance(opts, Mapping):
+            for key in opts:
+                if key not in _LAYER_KEYS:
+                    raise _unknown_key(path, key, _LAYER_KEYS)
+            opts = LayerOptions(**opts)
+        elif not isinstance(opts, LayerOptions):
+            raise _wrong_type(path, opts, "a dict with keys weight_transfer, resident_layers "
+                              "or a LayerOptions")
+        _check_choice(f"{path}.weight_transfer", opts.weight_transfer, WEIGHT_TRANSFERS,
+                      nullable=True)
+        _check_int(f"{path}.resident_layers", opts.resident_layers, 0)
+        if opts.resident_layers and comp != "dit":
+            raise _reject(f"{path}.resident_layers", opts.resident_layers,
+                          "resident layers apply only to dit; expected 0 here")
+        if opts.resident_layers and opts.weight_transfer == "allgather":
+            raise _reject(f"{path}.resident_layers", opts.resident_layers,
+                          f"resident layers require rank-local ({path}.weight_transfer="
+                          "'rank-local'), not 'allgather'; or set resident_layers to 0")
+        return opts
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def layerwise(cls, *, resident_layers: int | None = None,
+                  weight_transfer: str | None = None, **kw: Any) -> "OffloadConfig":
+        """Layer mode over ("dit",) (override with ``components=``).
+
+        ``resident_layers`` / ``weight_transfer`` build ``layer_options["dit"]``;
+        other keyword arguments are config fields (``num_slots=3``, ...).
+        """
+        if resident_layers is not None or weight_transfer is not None:
+            if "layer_options" in kw:
+                raise ValueError(
+                    "layerwise(): give either layer_options or resident_layers/weight_transfer, "
+                    f"not both (layer_options={kw['layer_options']!r})")
+            kw["layer_options"] = {"dit": LayerOptions(
+                weight_transfer=weight_transfer,
+                resident_layers=0 if resident_layers is None else resident_layers)}
+        kw.setdefault("components", ("dit",))
+        return cls(mode="layer", **kw)
+
+    @classmethod
+    def module(cls, components=("dit", "text_encoder"), **kw: Any) -> "OffloadConfig":
+        """Module (model-level) mode over ``components``."""
+        return cls(mode="module", components=components, **kw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OffloadConfig":
+        """Build from a ``diffusion_offload_config`` dict (plus our keys)."""
+        if not isinstance(d, Mapping):
+            raise _wrong_type("OffloadConfig", d, "a dict")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in names:
+                raise _unknown_key("OffloadConfig", key, names)
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> "OffloadConfig":
+        """Build from a JSON object string."""
+        if not isinstance(s, (str, bytes, bytearray)):
+            raise _wrong_type("OffloadConfig", s, "a JSON string")
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"OffloadConfig={s!r} is not allowed; expected a JSON object ({e})") from e
+        if not isinstance(d, dict):
+            raise _wrong_type("OffloadConfig", d, "a JSON object")
+        return cls.from_dict(d)
+
+    @classmethod
+    def coerce(cls, obj: Any) -> "OffloadConfig":
+        """An OffloadConfig as is; a dict or JSON string parsed; None -> layerwise()."""
+        if isinstance(obj, OffloadConfig):
+            return obj
+        if obj is None:
+            return cls.layerwise()
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        if isinstance(obj, str):
+            return cls.from_json(obj)
+        raise _wrong_type("config", obj, "an OffloadConfig, a dict, a JSON string, or None")
+
+    def replace(self, **changes: Any) -> "OffloadConfig":
+        """A new, validated config with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    # -------------------------------------------------------------- serialise
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; omits keys at their defaults except mode and components."""
+        out: dict[str, Any] = {"mode": self.mode, "components": list(self.components)}
+        for f in dataclasses.fields(self):
+            if f.name in out:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "layer_options":
+                if value:
+                    out[f.name] = {comp: opts.to_dict() for comp, opts in value.items()}
+            elif value != f.default:
+                out[f.name] = value
+        return out
+
+    def to_json(self, **json_kw: Any) -> str:
+        return json.dumps(self.to_dict(), **json_kw)
+
+    def __reduce__(self):
+        # mappingproxy cannot be pickled; rebuild (and re-validate) from the dict.
+        return (type(self).from_dict, (self.to_dict(),))
+
+    def __hash__(self) -> int:
+        return hash(tuple(
+            tuple(sorted(getattr(self, f.name).items())) if f.name == "layer_options"
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)))
+
+    # -------------------------------------------------------------- accessors
+    def layer_option(self, component: str) -> LayerOptions:
+        """Options of ``component`` (defaults when it has none)."""
+        if component not in COMPONENTS:
+            raise _reject("component", component, _choices(COMPONENTS))
+        return self.layer_options.get(component, LayerOptions())
+
+    @property
+    def resident_layers(self) -> int:
+        """dit's resident layer count (0 by default)."""
+        return self.layer_option("dit").resident_layers
+
+    @property
+    def weight_transfer(self) -> str | None:
+        """dit's weight transfer ("allgather" | "rank-local" | None)."""
+        return self.layer_option("dit").weight_transfer
