@@ -1,0 +1,261 @@
+"""Eager executor: per-block hooks drive the schedule over fixed device slots.
+
+Forward lifecycle of a streamed block (DESIGN.md section 3):
+1. the compute stream waits on the event of the copy that filled its slot;
+2. parameters and buffers are rebound to views into the slot (identity kept);
+3. the block computes;
+4. "slot free" is recorded on the compute stream; the copy stream waits on it
+   and copies the image of the block that next uses this slot;
+5. the block's tensors go back to placeholders.
+
+Correctness comes from these stream/event dependencies only: there is no
+global synchronize on this path. On ``device="cpu"`` the same mechanism runs
+with synchronous copies and no streams.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .discovery import Block
+from .host_store import HostStore
+from .layout import block_tensors
+from .schedule import Load, Schedule
+
+
+class BlockHook:
+    """Named, removable pre/post forward hook of one streamed block."""
+
+    def __init__(self, executor: "LayerwiseExecutor", block: Block):
+        self.executor = executor
+        self.block = block
+        self.name = f"weightstream.stream[{block.name}]"
+        self._handles = [
+            block.module.register_forward_pre_hook(self.pre_forward),
+            block.module.register_forward_hook(self.post_forward),
+        ]
+
+    def pre_forward(self, module, args):
+        self.executor.before_block(self.block.index)
+
+    def post_forward(self, module, args, output):
+        self.executor.after_block(self.block.index)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        state = "active" if self._handles else "removed"
+        return f"BlockHook({self.name}, {state})"
+
+
+@dataclass
+class _Record:
+    step: int
+    block: int
+    lane: str  # "copy" | "compute"
+    start: object = None  # torch.cuda.Event or float (perf_counter seconds)
+    end: object = None
+
+
+@dataclass
+class EventLog:
+    """Per-block copy/compute intervals, resolved (synchronised) only when read."""
+
+    cuda: bool
+    origin: object = None
+    records: list = field(default_factory=list)
+
+    def mark(self, stream=None):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+            return ev
+        return time.perf_counter()
+
+    def resolve(self) -> list[dict]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            ms = lambda ev: self.origin.elapsed_time(ev)  # noqa: E731
+        else:
+            ms = lambda t: (t - self.origin) * 1e3  # noqa: E731
+        return [
+            {"step": r.step, "block": r.block, "lane": r.lane, "start_ms": ms(r.start), "end_ms": ms(r.end)}
+            for r in self.records
+            if r.start is not None and r.end is not None
+        ]
+
+
+class LayerwiseExecutor:
+    """Streams the blocks of ``schedule.streamed`` through fixed device slots."""
+
+    def __init__(
+        self,
+        blocks: list[Block],
+        store: HostStore,
+        schedule: Schedule,
+        device: torch.device,
+        *,
+        record_events: bool = False,
+    ):
+        self.blocks = blocks
+        self.store = store
+        self.schedule = schedule
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        streamed = [blocks[i] for i in schedule.streamed]
+        self.slot_bytes = max(lay.nbytes for lay in store.layouts)
+        self.slots = [
+            torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.slots)
+        ]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.loaded = [torch.cuda.Event() for _ in self.slots]
+            self.freed = [torch.cuda.Event() for _ in self.slots]
+        # targets[k]: tensor objects of streamed block k in layout order;
+        # views[k][s]: their views in slot s; placeholders[k]: empty stand-ins.
+        self.targets = []
+        self.views = []
+        self.placeholders = []
+        empties: dict[torch.dtype, torch.Tensor] = {}
+        for k, b in enumerate(streamed):
+            objs = [t for _, _, t in block_tensors(b.module)]
+            self.targets.append(objs)
+            specs = store.layouts[k].tensors
+            self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots])
+            self.placeholders.append(
+                [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
+            )
+        self.position = 0  # next position to compute
+        self._bound: int | None = None  # streamed index currently bound
+        self.log = EventLog(cuda=self.cuda) if record_events else None
+        if self.log is not None:
+            self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
+        self.hooks = [BlockHook(self, b) for b in streamed]
+        self._compute_stream = None
+        for k in range(len(streamed)):
+            self._unbind(k)
+        for load in schedule.priming():
+            self._issue(load, wait_free=False)
+
+    # -- copies ----------------------------------------------------------------
+    def _issue(self, load: Load, *, wait_free: bool = True) -> None:
+        k = load.block - self.schedule.resident
+        src = self.store.image(k)
+        dst = self.slots[load.slot][: src.numel()]
+        rec = None
+        if self.log is not None:
+            rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
+            self.log.records.append(rec)
+        if not self.cuda:
+            if rec is not None:
+                rec.start = self.log.mark()
+            dst.copy_(src)
+            if rec is not None:
+                rec.end = self.log.mark()
+            return
+        cs = self.copy_stream
+        if wait_free and load.after_position is not None:
+            cs.wait_event(self.freed[load.slot])
+        with torch.cuda.stream(cs):
+            if rec is not None:
+                rec.start = self.log.mark(cs)
+            dst.copy_(src, non_blocking=True)
+            self.loaded[load.slot].record(cs)
+            if rec is not None:
+                rec.end = self.log.mark(cs)
+
+    # -- binding ---------------------------------------------------------------
+    def _bind(self, k: int, slot: int) -> None:
+        for t, v in zip(self.targets[k], self.views[k][slot]):
+            t.data = v
+        self._bound = k
+
+    def _unbind(self, k: int) -> None:
+        for t, ph in zip(self.targets[k], self.placeholders[k]):
+            t.data = ph
+        if self._bound == k:
+            self._bound = None
+
+    # -- hooks -----------------------------------------------------------------
+    def before_block(self, block: int) -> None:
+        p = self.position
+        expected = self.schedule.block_at(p)
+        if block != expected:
+            if block == self.schedule.resident:
+                self._resync()
+                p = self.position
+            else:
+                raise RuntimeError(
+                    f"streamed block {self.blocks[block].name!r} ran out of order: the schedule expected "
+                    f"{self.blocks[expected].name!r}. Blocks must run once per step in discovery order "
+                    f"({self.blocks[self.schedule.resident].name!r} first)."
+                )
+        slot = self.schedule.slot_at(p)
+        if self.cuda:
+            cs = torch.cuda.current_stream(self.device)
+            cs.wait_event(self.loaded[slot])
+            self._compute_stream = cs
+        self._bind(block - self.schedule.resident, slot)
+        if self.log is not None:
+            self._compute_rec = _Record(self.schedule.step_of(p), block, "compute")
+            self._compute_rec.start = self.log.mark(self._compute_stream)
+            self.log.records.append(self._compute_rec)
+
+    def after_block(self, block: int) -> None:
+        p = self.position
+        slot = self.schedule.slot_at(p)
+        if self.log is not None:
+            self._compute_rec.end = self.log.mark(self._compute_stream)
+        if self.cuda:
+            self.freed[slot].record(self._compute_stream)
+        self._unbind(block - self.schedule.resident)
+        self.position = p + 1
+        self._issue(self.schedule.after_compute(p))
+
+    def _resync(self) -> None:
+        """A step started while the previous one was cut short (an exception
+        inside the model): wait for outstanding work, unbind, re-prime. Not on
+        the normal path."""
+        warnings.warn(
+            "weightstream: a forward started before the previous one finished its blocks "
+            "(an exception inside the model?); re-priming the slots",
+            stacklevel=4,
+        )
+        if self._bound is not None:
+            self._unbind(self._bound)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        n = self.schedule.n
+        self.position = -(-self.position // n) * n
+        for i in range(self.schedule.slots):
+            self._issue(self.schedule.load(self.position + i), wait_free=False)
+
+    # -- lifecycle -------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for in-flight copies (used outside the hot path: teardown, weight updates)."""
+        if self.cuda:
+            self.copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def events(self) -> list[dict]:
+        return [] if self.log is None else self.log.resolve()
+
+    def remove(self) -> None:
+        self.synchronize()
+        for h in self.hooks:
+            h.remove()
+        self.slots = []
+        self.views = []
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerwiseExecutor({len(self.hooks)} streamed blocks, {len(self.slots)} slots x "
+            f"{self.slot_bytes / 2**20:.1f} MiB on {self.device}, hooks={self.hooks!r})"
+        )

@@ -1,0 +1,188 @@
+"""HostStore: one host arena holding every streamed block as a contiguous image.
+
+Each block image starts on a page boundary; each tensor inside it on a
+512-byte boundary (see :mod:`layout`). The arena is an anonymous mapping
+(transparent huge pages requested) filled block by block, and pinned by
+registering each block's range with ``cudaHostRegister`` (chunks of at most
+``REGISTER_CHUNK`` bytes), which costs about a tenth of allocating the same
+bytes pinned (DESIGN.md section 8). A pinned-memory budget is honoured; what
+lies beyond it stays pageable, with one warning. Nothing here allocates after
+construction.
+"""
+from __future__ import annotations
+
+import mmap
+import sys
+import time
+import warnings
+import weakref
+
+import torch
+
+from .layout import BlockLayout, align_up
+
+PAGE = 4096
+REGISTER_CHUNK = 1 << 30
+
+
+def _cuda_register(ptr: int, size: int, flags: int = 0) -> str | None:
+    """Register a host range; return None on success or the reason it failed."""
+    try:
+        rt = torch.cuda.cudart()
+        code = rt.cudaHostRegister(ptr, size, flags)
+    except Exception as e:  # binding missing in this torch build
+        return f"cudaHostRegister unavailable ({e})"
+    code = int(code)  # torch's binding returns the enum with the error already cleared
+    if code != 0:
+        return f"cudaHostRegister returned CUDA error {code}"
+    return None
+
+
+def _cuda_unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # pragma: no cover - best effort at teardown
+        pass
+
+
+class _Registration:
+    """Owns registered ranges; unregisters them when the store goes away."""
+
+    def __init__(self):
+        self.ptrs: list[int] = []
+        self.bytes = 0
+
+    def release(self):
+        for p in self.ptrs:
+            _cuda_unregister(p)
+        self.ptrs.clear()
+        self.bytes = 0
+
+
+class Progress:
+    """Progress lines on stderr for long host work (pinning tens of GB)."""
+
+    def __init__(self, what: str, total_bytes: int, enabled: bool, min_bytes: int = 1 << 30):
+        self.enabled = enabled and total_bytes >= min_bytes
+        self.what, self.total, self.done = what, total_bytes, 0
+        self.t0 = self.last = time.perf_counter()
+        if self.enabled:
+            print(f"weightstream: {what}: {total_bytes / 1e9:.2f} GB", file=sys.stderr, flush=True)
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= 1.0 or self.done >= self.total):
+            self.last = now
+            print(
+                f"weightstream: {self.what}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+                f"({100 * self.done / max(self.total, 1):.0f}%) {now - self.t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class HostStore:
+    """Pinned (or pageable) host arena of block images.
+
+    ``pin``: register block ranges with CUDA (needs CUDA); ``budget_bytes``:
+    at most this many bytes pinned, the rest pageable with one warning.
+    """
+
+    def __init__(self, layouts: list[BlockLayout], *, pin: bool, budget_bytes: int | None = None):
+        self.layouts = list(layouts)
+        self.offsets = []
+        off = 0
+        for lay in self.layouts:
+            self.offsets.append(off)
+            off = align_up(off + lay.nbytes, PAGE)
+        self.nbytes = max(off, PAGE)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # pragma: no cover - kernel without THP
+                pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
+            self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.want_pin = bool(pin) and torch.cuda.is_available()
+        self.budget = budget_bytes
+        self.pin_failure: str | None = None
+        self._reg = _Registration()
+        self._finalizer = weakref.finalize(self, self._reg.release)
+        self._pinned_blocks: set[int] = set()
+
+    # -- access --------------------------------------------------------------
+    def image(self, i: int) -> torch.Tensor:
+        off = self.offsets[i]
+        return self.arena[off : off + self.layouts[i].nbytes]
+
+    def views(self, i: int) -> list[torch.Tensor]:
+        img = self.image(i)
+        return [spec.view_of(img) for spec in self.layouts[i].tensors]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._reg.bytes
+
+    @property
+    def pinned(self) -> bool:
+        """True when every block image is pinned."""
+        return len(self._pinned_blocks) == len(self.layouts)
+
+    def is_pinned(self, i: int) -> bool:
+        return i in self._pinned_blocks
+
+    # -- filling -------------------------------------------------------------
+    def pack(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Copy a block's tensors (in layout order) into its image."""
+        specs = self.layouts[i].tensors
+        if len(tensors) != len(specs):
+            raise ValueError(f"block {self.layouts[i].name!r}: {len(tensors)} tensors given, layout has {len(specs)}")
+        img = self.image(i)
+        with torch.no_grad():
+            for spec, t in zip(specs, tensors):
+                if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                    raise ValueError(
+                        f"block {self.layouts[i].name!r} tensor {spec.name!r}: got {t.dtype} "
+                        f"{tuple(t.shape)}, layout says {spec.dtype} {spec.shape}"
+                    )
+                spec.view_of(img).copy_(t.detach())
+
+    def pin(self, i: int) -> None:
+        """Register block ``i``'s image (chunked) unless pinning is off, failed, or over budget."""
+        if not self.want_pin or self.pin_failure is not None or i in self._pinned_blocks:
+            return
+        off, size = self.offsets[i], align_up(self.layouts[i].nbytes, PAGE)
+        if self.budget is not None and self._reg.bytes + size > self.budget:
+            self.pin_failure = (
+                f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; blocks from "
+                f"{self.layouts[i].name!r} on stay in pageable memory (slower H2D, same results)"
+            )
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
+            return
+        base = self.arena.data_ptr() + off
+        done = 0
+        while done < size:
+            n = min(REGISTER_CHUNK, size - done)
+            err = _cuda_register(base + done, n)
+            if err is not None:
+                self.pin_failure = f"{err} for {n} bytes of block {self.layouts[i].name!r}; host memory stays pageable"
+                warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
+                return
+            self._reg.ptrs.append(base + done)
+            self._reg.bytes += n
+            done += n
+        self._pinned_blocks.add(i)
+
+    def close(self) -> None:
+        """Unregister pinned ranges. Callers make sure no copy still reads them."""
+        self._finalizer()
+        self._pinned_blocks.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostStore({len(self.layouts)} blocks, {self.nbytes / 1e9:.3f} GB, "
+            f"pinned {self.pinned_bytes / 1e9:.3f} GB)"
+        )

@@ -1,0 +1,118 @@
+"""Block layouts: where every parameter and buffer of a block lives in its image.
+
+A block image is one contiguous byte range holding all of a block's tensors,
+each at a 512-byte-aligned offset (the CUDA caching allocator's own alignment:
+BLAS libraries may pick kernels by pointer alignment, and bit-exact outputs
+against the resident model depend on making the same choice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+TENSOR_ALIGN = 512
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements a strided tensor reaches (0 for an empty tensor)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Metadata of one tensor of a block image."""
+
+    name: str  # dotted name inside the block
+    kind: str  # "parameter" | "buffer"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # byte offset inside the block image, TENSOR_ALIGN-aligned
+    nbytes: int  # bytes of the strided span
+
+    @property
+    def span(self) -> int:
+        return self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+
+    def view_of(self, image: torch.Tensor) -> torch.Tensor:
+        """Typed, strided view of this tensor inside a uint8 ``image``."""
+        raw = image[self.offset : self.offset + self.nbytes]
+        typed = raw.view(self.dtype)
+        return typed.as_strided(self.shape, self.stride, typed.storage_offset())
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Every tensor of one block: names, dtypes, shapes, strides, byte offsets."""
+
+    index: int
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int  # image size, TENSOR_ALIGN-aligned
+
+    def __repr__(self) -> str:
+        return f"BlockLayout({self.name!r}, {len(self.tensors)} tensors, {self.nbytes / 2**20:.2f} MiB)"
+
+
+def block_tensors(block: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor object) for every parameter and buffer of a block, deduplicated."""
+    out: list[tuple[str, str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, p in block.named_parameters(remove_duplicate=True):
+        seen.add(id(p))
+        out.append((name, "parameter", p))
+    for name, b in block.named_buffers(remove_duplicate=True):
+        if b is None or id(b) in seen:
+            continue
+        seen.add(id(b))
+        out.append((name, "buffer", b))
+    return out
+
+
+def build_layout(index: int, name: str, tensors: list[tuple[str, str, torch.Tensor]]) -> BlockLayout:
+    specs = []
+    offset = 0
+    for tname, kind, t in tensors:
+        if t.is_sparse or t.layout != torch.strided:
+            raise ValueError(f"block {name!r}: tensor {tname!r} has layout {t.layout}; only strided tensors stream")
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        nbytes = storage_span(shape, stride) * t.element_size()
+        offset = align_up(offset, TENSOR_ALIGN)
+        specs.append(TensorSpec(tname, kind, t.dtype, shape, stride, offset, nbytes))
+        offset += nbytes
+    return BlockLayout(index=index, name=name, tensors=tuple(specs), nbytes=align_up(max(offset, 1), TENSOR_ALIGN))
+
+
+def check_not_shared(blocks, root: nn.Module) -> None:
+    """Raise if a tensor of a streamed block is also used by another block or by the rest of the model."""
+    where: dict[int, str] = {}
+    for b in blocks:
+        for tname, _, t in block_tensors(b.module):
+            if id(t) in where:
+                raise ValueError(
+                    f"tensor {b.name}.{tname} is shared with {where[id(t)]}; shared (tied) weights "
+                    "cannot be streamed: keep one of the blocks resident or untie the weights"
+                )
+            where[id(t)] = f"{b.name}.{tname}"
+    block_ids = {id(b.module) for b in blocks}
+    for mname, mod in root.named_modules():
+        if id(mod) in block_ids:
+            continue
+        for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is not None and id(t) in where and not _inside_block(mname, blocks):
+                raise ValueError(
+                    f"tensor {where[id(t)]} is also {mname + '.' if mname else ''}{pname} outside the "
+                    "streamed blocks; shared weights cannot be streamed"
+                )
+
+
+def _inside_block(mname: str, blocks) -> bool:
+    return any(mname == b.name or mname.startswith(b.name + ".") for b in blocks)

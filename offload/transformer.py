@@ -1,0 +1,276 @@
+"""OffloadedTransformer: the drop-in wrapper that streams a DiT's blocks."""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .discovery import Block, OffloadPlan, discover_blocks
+from .executor import LayerwiseExecutor
+from .host_store import HostStore, Progress
+from .layout import block_tensors, build_layout, check_not_shared
+from .schedule import Schedule
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+    return dev
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class StreamedBlocks:
+    """The layerwise machinery for one DiT: blocks, host store, executor.
+
+    Built in one place so that wrappers (OffloadedTransformer, pipelines, the
+    graph executor) share it.
+    """
+
+    def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
+        t0 = time.perf_counter()
+        self.module, self.config, self.device = module, config, device
+        self.blocks: list[Block] = discover_blocks(module, plan)
+        resident = config.resident_layers
+        if resident >= len(self.blocks):
+            raise ValueError(
+                f"layer_options.dit.resident_layers={resident} leaves no block to stream: "
+                f"{type(module).__name__} has {len(self.blocks)} blocks; allowed: 0..{len(self.blocks) - 1}"
+            )
+        self.schedule = Schedule(len(self.blocks), resident, config.num_slots)
+        check_not_shared(self.blocks, module)
+        streamed = [self.blocks[i] for i in self.schedule.streamed]
+        tensors = [block_tensors(b.module) for b in streamed]
+        layouts = [build_layout(b.index, b.name, ts) for b, ts in zip(streamed, tensors)]
+        streamed_ids = {id(t) for ts in tensors for _, _, t in ts}
+        rest = [t for t in _all_tensors(module) if id(t) not in streamed_ids]
+        self.resident_bytes = sum(tensor_bytes(t) for t in rest)
+        slot_total = self.schedule.slots * max(lay.nbytes for lay in layouts)
+        budget = config.device_memory_budget_gb
+        if budget is not None and self.resident_bytes + slot_total > budget * 1e9:
+            raise ValueError(
+                f"device_memory_budget_gb={budget} is too small: resident modules need "
+                f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.slots} slots "
+                f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
+            )
+        pin_budget = config.pinned_memory_budget_gb
+        self.store = HostStore(
+            layouts,
+            pin=config.pin_memory and device.type == "cuda",
+            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
+        )
+        progress = Progress(f"packing {len(streamed)} blocks into host memory", self.store.nbytes, config.progress)
+        placeholder = {}
+        for k, ts in enumerate(tensors):
+            objs = [t for _, _, t in ts]
+            self.store.pack(k, objs)
+            for t in objs:  # drop the original storage: the store is the one host copy
+                t.data = placeholder.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
+            self.store.pin(k)
+            progress.update(layouts[k].nbytes)
+        with torch.no_grad():
+            for t in rest:
+                if t.device != device:
+                    t.data = t.data.to(device)
+        # id(tensor object) -> its host view, for state_dict() and weight updates
+        self.host_views: dict[int, torch.Tensor] = {}
+        for k, ts in enumerate(tensors):
+            for (_, _, t), hv in zip(ts, self.store.views(k)):
+                self.host_views[id(t)] = hv
+        self.tensors = tensors
+        self.executor = LayerwiseExecutor(
+            self.blocks, self.store, self.schedule, device, record_events=config.record_events
+        )
+        self.setup_s = time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        s = self.schedule
+        return {
+            "blocks_streamed": s.n,
+            "blocks_resident": s.resident,
+            "num_slots": s.slots,
+            "slot_bytes": s.slots * self.executor.slot_bytes,
+            "host_bytes": self.store.nbytes,
+            "pinned": self.store.pinned,
+            "pinned_bytes": self.store.pinned_bytes,
+            "pin_failure": self.store.pin_failure,
+            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.store.layouts),
+            "resident_bytes": self.resident_bytes,
+            "setup_s": self.setup_s,
+            "device": str(self.device),
+        }
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """Write new weights: streamed tensors into the host store, others in place.
+
+        Waits for in-flight copies first (not a hot-path call). Returns the
+        keys written. ``strict`` requires every key of the module.
+        """
+        current = self.module.state_dict(keep_vars=True)
+        unknown = [k for k in state_dict if k not in current]
+        if unknown:
+            raise ValueError(f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        if strict:
+            missing = [k for k in current if k not in state_dict]
+            if missing:
+                raise ValueError(f"update_weights(strict=True): missing keys {missing[:5]}")
+        self.executor.synchronize()
+        written = []
+        with torch.no_grad():
+            for key, new in state_dict.items():
+                obj = current[key]
+                dst = self.host_views.get(id(obj))
+                if dst is None:
+                    dst = obj.data
+                if tuple(new.shape) != tuple(dst.shape) or new.dtype != dst.dtype:
+                    raise ValueError(
+                        f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has "
+                        f"{dst.dtype} {tuple(dst.shape)}"
+                    )
+                dst.copy_(new)
+                written.append(key)
+        return written
+
+    def restore(self) -> nn.Module:
+        """Give every streamed tensor a device copy of its host weights; tear down."""
+        self.executor.remove()
+        with torch.no_grad():
+            for k, ts in enumerate(self.tensors):
+                for (_, _, t), hv in zip(ts, self.store.views(k)):
+                    t.data = hv.to(self.device, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.store.close()
+        self.host_views.clear()
+        return self.module
+
+
+def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class OffloadedTransformer(nn.Module):
+    """Drop-in wrapper: same forward, same outputs, blocks streamed from host memory.
+
+    ``config``: an :class:`OffloadConfig`, a dict, a JSON string or None
+    (layer mode over the DiT). ``device``: where compute runs (default: CUDA
+    if available, else CPU; the CPU path runs the same mechanism without
+    streams). ``plan``: an :class:`OffloadPlan` naming the block containers.
+    """
+
+    def __init__(self, module: nn.Module, config=None, *, device=None, plan: OffloadPlan | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        cfg = OffloadConfig.coerce(config)
+        if cfg.mode != "layer":
+            raise ValueError(
+                f"mode={cfg.mode!r} is not allowed for OffloadedTransformer; choose from: layer "
+                "(module mode swaps whole components: use offload_pipeline)"
+            )
+        if "dit" not in cfg.components:
+            raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; OffloadedTransformer streams a DiT")
+        if cfg.weight_transfer == "allgather":
+            raise ValueError(
+                "layer_options.dit.weight_transfer='allgather' needs a process group: use "
+                "weightstream.offload.distributed (DLO); allowed here: rank-local or unset"
+            )
+        self.module = module
+        self.config = cfg
+        self._device = resolve_device(device)
+        self._streamed = StreamedBlocks(module, cfg, self._device, plan)
+        self._disabled = False
+
+    # attribute access passes through to the wrapped model (.config, .dtype, ...)
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if modules is None or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    @torch.compiler.disable  # hooks and stream events drive the streaming; not traceable
+    def forward(self, *args, **kwargs):
+        if self._disabled:
+            raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped model's state dict; streamed weights are (CPU) views of the host store."""
+        sd = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
+        host = self._streamed.host_views if not self._disabled else {}
+        for k, v in list(sd.items()):
+            hv = host.get(id(v))
+            if hv is not None:
+                sd[k] = hv
+            elif not keep_vars:
+                sd[k] = v.detach()
+        return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) is not allowed on an OffloadedTransformer; use assign=False")
+        self.update_weights(state_dict, strict=strict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """Write new weights (streamed ones into the host store); the next forward uses them."""
+        self._check_live()
+        return self._streamed.update_weights(state_dict, strict=strict)
+
+    def disable(self) -> nn.Module:
+        """Stop streaming: every weight back on the device, hooks removed; returns the plain module."""
+        self._check_live()
+        module = self._streamed.restore()
+        self._disabled = True
+        return module
+
+    def stats(self) -> dict:
+        self._check_live()
+        return self._streamed.stats()
+
+    def events(self) -> list[dict]:
+        """Per-block copy/compute intervals (needs ``record_events=True``); synchronises."""
+        self._check_live()
+        return self._streamed.executor.events()
+
+    @property
+    def executor(self) -> LayerwiseExecutor:
+        return self._streamed.executor
+
+    def _check_live(self):
+        if self._disabled:
+            raise RuntimeError("this OffloadedTransformer was disabled")
+
+    def extra_repr(self) -> str:
+        if self._disabled:
+            return "disabled"
+        s = self._streamed.stats()
+        return (
+            f"streamed={s['blocks_streamed']}, resident_blocks={s['blocks_resident']}, slots={s['num_slots']}, "
+            f"slot_bytes={s['slot_bytes']}, host_bytes={s['host_bytes']}, pinned={s['pinned']}, "
+            f"device={s['device']}"
+        )
