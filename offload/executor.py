@@ -103,6 +103,7 @@ class LayerwiseExecutor:
         device: torch.device,
         *,
         record_events: bool = False,
+        prime: str = "now",
     ):
         self.blocks = blocks
         self.store = store
@@ -110,7 +111,7 @@ class LayerwiseExecutor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         streamed = [blocks[i] for i in schedule.streamed]
-        self.slot_bytes = max(lay.nbytes for lay in store.layouts)
+        self.slot_bytes = self._slot_size()
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.slots)
         ]
@@ -141,7 +142,21 @@ class LayerwiseExecutor:
         self._compute_stream = None
         for k in range(len(streamed)):
             self._unbind(k)
-        for load in schedule.priming():
+        if prime not in ("now", "first_forward"):
+            raise ValueError(f"prime={prime!r} is not allowed; choose from: now, first_forward")
+        self._primed = False
+        if prime == "now":
+            self._prime()
+
+    def _slot_size(self) -> int:
+        """Bytes of one slot (subclasses with padded wire images override)."""
+        return max(lay.nbytes for lay in self.store.layouts)
+
+    def _prime(self) -> None:
+        """Issue the loads every slot's first user needs. Collective executors
+        prime at the first forward so that every rank issues them in the same order."""
+        self._primed = True
+        for load in self.schedule.priming():
             self._issue(load, wait_free=False)
 
     # -- copies ----------------------------------------------------------------
@@ -185,6 +200,8 @@ class LayerwiseExecutor:
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
+        if not self._primed:
+            self._prime()
         p = self.position
         expected = self.schedule.block_at(p)
         if block != expected:

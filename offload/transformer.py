@@ -69,35 +69,48 @@ class StreamedBlocks:
                 f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.slots} slots "
                 f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
             )
-        pin_budget = config.pinned_memory_budget_gb
-        self.store = HostStore(
-            layouts,
-            pin=config.pin_memory and device.type == "cuda",
-            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
-        )
-        progress = Progress(f"packing {len(streamed)} blocks into host memory", self.store.nbytes, config.progress)
-        placeholder = {}
-        for k, ts in enumerate(tensors):
-            objs = [t for _, _, t in ts]
-            self.store.pack(k, objs)
-            for t in objs:  # drop the original storage: the store is the one host copy
-                t.data = placeholder.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
-            self.store.pin(k)
-            progress.update(layouts[k].nbytes)
+        self.tensors = tensors
+        self.layouts = layouts
+        self.store = self._build_store(layouts, tensors)
         with torch.no_grad():
             for t in rest:
                 if t.device != device:
                     t.data = t.data.to(device)
         # id(tensor object) -> its host view, for state_dict() and weight updates
-        self.host_views: dict[int, torch.Tensor] = {}
-        for k, ts in enumerate(tensors):
-            for (_, _, t), hv in zip(ts, self.store.views(k)):
-                self.host_views[id(t)] = hv
-        self.tensors = tensors
-        self.executor = LayerwiseExecutor(
-            self.blocks, self.store, self.schedule, device, record_events=config.record_events
-        )
+        self.host_views: dict[int, torch.Tensor] = self._host_views()
+        self.executor = self._build_executor()
         self.setup_s = time.perf_counter() - t0
+
+    # -- overridable construction steps (the DLO variant shards the store) ----
+    def _build_store(self, layouts, tensors) -> HostStore:
+        """Pack every streamed block into one host store and drop the originals."""
+        cfg, device = self.config, self.device
+        pin_budget = cfg.pinned_memory_budget_gb
+        store = HostStore(
+            layouts,
+            pin=cfg.pin_memory and device.type == "cuda",
+            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
+        )
+        progress = Progress(f"packing {len(layouts)} blocks into host memory", store.nbytes, cfg.progress)
+        for k, ts in enumerate(tensors):
+            objs = [t for _, _, t in ts]
+            store.pack(k, objs)
+            drop_storage(objs, device)  # the store is now the one host copy
+            store.pin(k)
+            progress.update(layouts[k].nbytes)
+        return store
+
+    def _host_views(self) -> dict[int, torch.Tensor]:
+        views = {}
+        for k, ts in enumerate(self.tensors):
+            for (_, _, t), hv in zip(ts, self.store.views(k)):
+                views[id(t)] = hv
+        return views
+
+    def _build_executor(self) -> LayerwiseExecutor:
+        return LayerwiseExecutor(
+            self.blocks, self.store, self.schedule, self.device, record_events=self.config.record_events
+        )
 
     def stats(self) -> dict:
         s = self.schedule
@@ -161,6 +174,13 @@ class StreamedBlocks:
         return self.module
 
 
+def drop_storage(tensors, device: torch.device) -> None:
+    """Point tensors at shared empty placeholders (identity kept, storage released)."""
+    empties: dict[torch.dtype, torch.Tensor] = {}
+    for t in tensors:
+        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
+
+
 def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
     seen, out = set(), []
     for t in list(module.parameters()) + list(module.buffers()):
@@ -179,7 +199,9 @@ class OffloadedTransformer(nn.Module):
     streams). ``plan``: an :class:`OffloadPlan` naming the block containers.
     """
 
-    def __init__(self, module: nn.Module, config=None, *, device=None, plan: OffloadPlan | None = None):
+    def __init__(
+        self, module: nn.Module, config=None, *, device=None, plan: OffloadPlan | None = None, parallel=None
+    ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -191,15 +213,21 @@ class OffloadedTransformer(nn.Module):
             )
         if "dit" not in cfg.components:
             raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; OffloadedTransformer streams a DiT")
-        if cfg.weight_transfer == "allgather":
-            raise ValueError(
-                "layer_options.dit.weight_transfer='allgather' needs a process group: use "
-                "weightstream.offload.distributed (DLO); allowed here: rank-local or unset"
-            )
         self.module = module
         self.config = cfg
         self._device = resolve_device(device)
-        self._streamed = StreamedBlocks(module, cfg, self._device, plan)
+        if parallel is not None:
+            # distributed layerwise offload (DLO) over an existing torch.distributed topology
+            from .distributed import build_streamed
+
+            self._streamed = build_streamed(module, cfg, self._device, plan, parallel)
+        elif cfg.weight_transfer == "allgather":
+            raise ValueError(
+                "layer_options.dit.weight_transfer='allgather' needs a process group: pass "
+                "parallel=ParallelConfig(...) (DLO); allowed without one: rank-local or unset"
+            )
+        else:
+            self._streamed = StreamedBlocks(module, cfg, self._device, plan)
         self._disabled = False
 
     # attribute access passes through to the wrapped model (.config, .dtype, ...)
