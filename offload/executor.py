@@ -261,6 +261,14 @@ class LayerwiseExecutor:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
+    def reload_pending(self) -> None:
+        """Re-copy the slots already loaded for upcoming positions (after the host
+        store changed). Callers synchronize first; not a hot-path call."""
+        if not self._primed:
+            return
+        for i in range(self.schedule.slots):
+            self._issue(self.schedule.load(self.position + i), wait_free=False)
+
     def events(self) -> list[dict]:
         return [] if self.log is None else self.log.resolve()
 

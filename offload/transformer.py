@@ -158,6 +158,7 @@ class StreamedBlocks:
                     )
                 dst.copy_(new)
                 written.append(key)
+        self.executor.reload_pending()  # slots prefetched before the update hold old weights
         return written
 
     def restore(self) -> nn.Module:

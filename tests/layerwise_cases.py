@@ -1,0 +1,37 @@
+"""Checks shared by the CPU and GPU layerwise tests (device is a parameter)."""
+import copy
+
+import torch
+
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
+
+MODELS = {
+    "flux": (tiny_flux, flux_inputs),
+    "wan": (tiny_wan, wan_inputs),
+    "toy": (lambda dtype=torch.float32: ToyDiT(), lambda m, device="cpu", **kw: toy_inputs(device=device)),
+}
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def build(name, device, dtype=torch.float32):
+    """(offloadable model on CPU, resident reference on device, inputs on device)."""
+    make, inputs = MODELS[name]
+    model = make(dtype=dtype) if name != "toy" else make()
+    ref = copy.deepcopy(model).to(device)
+    return model, ref, inputs(model, device=device)
+
+
+def check_equal_outputs(name, device, *, dtype=torch.float32, steps=3, **cfg):
+    model, ref, x = build(name, device, dtype)
+    with torch.no_grad():
+        expected = first(ref(**x))
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**cfg), device=device)
+        outs = [first(wrapped(**x)) for _ in range(steps)]
+    for i, out in enumerate(outs):
+        assert out.device == expected.device
+        assert torch.equal(out, expected), f"{name} step {i}: max diff {(out.float() - expected.float()).abs().max()}"
+    return wrapped, ref, x

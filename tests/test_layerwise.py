@@ -1,0 +1,259 @@
+"""Layerwise offload on the CPU: the same mechanism as on CUDA, without streams."""
+import copy
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+
+from weightstream import OffloadConfig, OffloadedTransformer, OffloadPlan
+from weightstream.models import ToyDiT, tiny_flux, toy_inputs
+
+from layerwise_cases import build, check_equal_outputs, first
+
+DEV = "cpu"
+
+
+@pytest.mark.parametrize("name", ["flux", "wan", "toy"])
+def test_bit_exact_against_unwrapped(name):
+    check_equal_outputs(name, DEV)
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_bit_exact_bf16(name):
+    check_equal_outputs(name, DEV, dtype=torch.bfloat16, steps=2)
+
+
+@pytest.mark.parametrize("resident_layers", [1, 2, 4])
+def test_resident_layers(resident_layers):
+    wrapped, _, _ = check_equal_outputs("flux", DEV, resident_layers=resident_layers)
+    s = wrapped.stats()
+    assert s["blocks_resident"] == resident_layers and s["blocks_streamed"] == 5 - resident_layers
+    # resident blocks keep real tensors between forwards; streamed ones hold placeholders
+    blocks = list(wrapped.transformer_blocks) + list(wrapped.single_transformer_blocks)
+    for i, b in enumerate(blocks):
+        sizes = [p.numel() for p in b.parameters()]
+        assert (min(sizes) > 0) == (i < resident_layers)
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_num_slots(num_slots):
+    wrapped, _, _ = check_equal_outputs("toy", DEV, num_slots=num_slots)
+    assert wrapped.stats()["num_slots"] == num_slots
+
+
+def test_heterogeneous_blocks_have_their_own_layouts():
+    model = ToyDiT()
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    layouts = wrapped.executor.store.layouts
+    assert len({lay.nbytes for lay in layouts}) > 2
+    dtypes = {spec.dtype for lay in layouts for spec in lay.tensors}
+    assert dtypes == {torch.float32, torch.bfloat16}
+    assert any(spec.kind == "buffer" for lay in layouts for spec in lay.tensors)
+    assert all(spec.offset % 512 == 0 for lay in layouts for spec in lay.tensors)
+    assert wrapped.executor.slot_bytes == max(lay.nbytes for lay in layouts)
+
+
+def test_fp8_weights_with_scales():
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8")
+
+    class Fp8Block(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.weight = torch.nn.Parameter((torch.randn(w, w) * 0.1).to(torch.float8_e4m3fn), requires_grad=False)
+            self.register_buffer("scale", torch.rand(w) + 0.5)
+
+        def forward(self, x):
+            return x + x @ (self.weight.float() * self.scale[:, None])
+
+    class Fp8DiT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([Fp8Block(w) for w in (16, 16, 16)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    m = Fp8DiT()
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 16)
+    wrapped = OffloadedTransformer(m, None, device=DEV)
+    assert torch.equal(wrapped(x), ref(x)) and torch.equal(wrapped(x), ref(x))
+
+
+def test_parameter_identity_and_placeholders():
+    model, _, x = build("flux", DEV)
+    params = {n: p for n, p in model.named_parameters()}
+    ids = {n: id(p) for n, p in params.items()}
+    flags = {n: p.requires_grad for n, p in params.items()}
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+    assert {n: id(p) for n, p in wrapped.module.named_parameters()} == ids
+    assert {n: p.requires_grad for n, p in wrapped.module.named_parameters()} == flags
+    streamed = [n for n in params if "transformer_blocks." in n]
+    assert streamed and all(params[n].numel() == 0 for n in streamed)  # placeholders between forwards
+    assert all(params[n].numel() > 0 for n in params if n not in streamed)  # the rest stays resident
+    assert [n for n, _ in wrapped.module.named_modules()] == [n for n, _ in build("flux", DEV)[0].named_modules()]
+
+
+def test_parameters_bound_during_the_block_forward():
+    model, _, x = build("toy", DEV)
+    seen = []
+    block = model.single_blocks[2]
+    block.register_forward_hook(lambda m, a, o: seen.append(m.up.weight.shape))
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+    assert seen == [torch.Size([5 * 32, 32])] and block.up.weight.numel() == 0
+
+
+def test_one_host_backing_store():
+    model, _, _ = build("toy", DEV)
+    originals = [weakref.ref(p.untyped_storage()) for b in model.single_blocks for p in b.parameters()]
+    gc.collect()
+    assert all(r() is not None for r in originals)  # the check can fail: storages are tracked
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    gc.collect()
+    assert all(r() is None for r in originals), "an original block storage is still alive"
+    arena = wrapped.executor.store.arena
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    for v in wrapped.state_dict().values():
+        if v.numel() and v.device.type == "cpu" and lo <= v.data_ptr() < hi:
+            break
+    else:
+        raise AssertionError("state_dict does not read the host store")
+
+
+def test_state_dict_round_trip():
+    model, ref, x = build("flux", DEV)
+    ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    sd = wrapped.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+    fresh = tiny_flux(seed=123)
+    fresh.load_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(first(fresh(**x)), first(ref(**x)))
+
+
+def test_disable_restores_an_ordinary_module():
+    wrapped, ref, x = check_equal_outputs("toy", DEV)
+    plain = wrapped.disable()
+    assert plain._forward_hooks == {} or all("weightstream" not in repr(h) for h in plain._forward_hooks.values())
+    for b in list(plain.double_blocks) + list(plain.single_blocks):
+        assert not b._forward_pre_hooks and not b._forward_hooks
+        assert all(p.numel() > 0 for p in b.parameters())
+    with torch.no_grad():
+        assert torch.equal(plain(**x), ref(**x))
+    with pytest.raises(RuntimeError, match="disabled"):
+        wrapped(**x)
+
+
+def test_update_weights_reaches_streamed_blocks():
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    new = {k: v * 0.5 if v.is_floating_point() else v for k, v in ref.state_dict().items()}
+    ref.load_state_dict(new)
+    wrapped.update_weights(new)
+    with torch.no_grad():
+        assert torch.equal(wrapped(**x), ref(**x))
+    with pytest.raises(ValueError, match="unknown keys"):
+        wrapped.update_weights({"nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="single_blocks.0.up.weight"):
+        wrapped.update_weights({"single_blocks.0.up.weight": torch.zeros(1)})
+
+
+def test_attribute_passthrough_and_config_forms():
+    model, _, x = build("flux", DEV)
+    cfg = model.config
+    wrapped = OffloadedTransformer(model, {"mode": "layer", "components": ["dit"]}, device=DEV)
+    assert wrapped.config.mode == "layer" and wrapped.module.config is cfg
+    assert wrapped.dtype == torch.float32
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute
+    model2, _, _ = build("toy", DEV)
+    w2 = OffloadedTransformer(model2, json.dumps({"mode": "layer", "components": ["dit"]}), device=DEV)
+    assert "streamed=7" in repr(w2) and "BlockHook(weightstream.stream[single_blocks.4], active)" in repr(w2.executor)
+
+
+def test_event_log():
+    model, _, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True), device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+        wrapped(**x)
+    ev = wrapped.events()
+    compute = [e for e in ev if e["lane"] == "compute"]
+    copies = [e for e in ev if e["lane"] == "copy"]
+    assert [e["block"] for e in compute] == list(range(7)) * 2
+    assert len(copies) == 2 + 14  # priming + one per computed block
+    assert all(e["end_ms"] >= e["start_ms"] for e in ev)
+    # every compute starts after the copy that loaded its block for that step
+    for c in compute:
+        loads = [e for e in copies if e["block"] == c["block"] and e["end_ms"] <= c["start_ms"]]
+        assert loads
+    model2, _, _ = build("toy", DEV)
+    assert OffloadedTransformer(model2, None, device=DEV).events() == []
+
+
+def test_out_of_order_block_is_an_error():
+    model, _, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with pytest.raises(RuntimeError, match=r"'single_blocks.1' ran out of order.*expected 'double_blocks.0'"):
+        model.single_blocks[1](torch.randn(2, 5, 32))
+
+
+def test_recovers_after_an_exception_mid_forward():
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    boom = model.single_blocks[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(KeyError("boom")))
+    with torch.no_grad(), pytest.raises(KeyError):
+        wrapped(**x)
+    boom.remove()
+    with torch.no_grad(), pytest.warns(UserWarning, match="re-priming"):
+        out = wrapped(**x)
+    with torch.no_grad():
+        assert torch.equal(out, ref(**x)) and torch.equal(wrapped(**x), ref(**x))
+
+
+def test_plan_argument():
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV, plan=OffloadPlan(["single_blocks"]))
+    assert wrapped.stats()["blocks_streamed"] == 5
+    with torch.no_grad():
+        assert torch.equal(wrapped(**x), ref(**x))
+
+
+@pytest.mark.parametrize(
+    "config, exc, match",
+    [
+        ({"mode": "module", "components": ["dit"]}, ValueError, "mode='module' is not allowed for OffloadedTransformer"),
+        ({"mode": "layer", "components": ["text_encoder"]}, ValueError, "does not select 'dit'"),
+        (OffloadConfig.layerwise(resident_layers=7), ValueError, "resident_layers=7 leaves no block"),
+        (OffloadConfig.layerwise(weight_transfer="allgather"), ValueError, "needs a process group"),
+        (OffloadConfig.layerwise(device_memory_budget_gb=1e-6), ValueError, "device_memory_budget_gb=1e-06 is too small"),
+        (42, TypeError, None),
+    ],
+)
+def test_rejections(config, exc, match):
+    model = ToyDiT()
+    with pytest.raises(exc, match=match):
+        OffloadedTransformer(model, config, device=DEV)
+
+
+def test_bad_device_and_module():
+    with pytest.raises(ValueError, match="device='tpu'"):
+        OffloadedTransformer(ToyDiT(), None, device="tpu")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        OffloadedTransformer("model", None, device=DEV)
+    with pytest.raises(ValueError, match="shared"):
+        m = ToyDiT()
+        m.single_blocks[0].up.weight = m.single_blocks[1].up.weight
+        OffloadedTransformer(m, None, device=DEV)

@@ -1,0 +1,84 @@
+"""The schedule is pure: check its safety properties by simulation."""
+import pytest
+
+from weightstream.offload.schedule import Schedule
+
+
+def simulate(sched: Schedule, steps: int):
+    """Run ``steps`` steps; return (slot contents seen by each compute, loads issued)."""
+    contents = {}  # slot -> (position, block) loaded there last
+    writers_since = {}  # slot -> positions loaded into the slot since its current content
+    issued = []
+    for load in sched.priming():
+        assert load.after_position is None
+        contents[load.slot] = (load.position, load.block)
+        issued.append(load)
+    seen = []
+    for p in range(steps * sched.n):
+        slot = sched.slot_at(p)
+        pos, block = contents[slot]
+        # the slot holds exactly this position's block, loaded for this position
+        assert pos == p and block == sched.block_at(p), (p, slot, contents[slot])
+        seen.append((p, slot, block))
+        nxt = sched.after_compute(p)
+        # the next load into this slot waits for this compute, nothing else
+        assert nxt.slot == slot and nxt.after_position == p
+        contents[nxt.slot] = (nxt.position, nxt.block)
+        issued.append(nxt)
+    return seen, issued
+
+
+@pytest.mark.parametrize("num_blocks", range(2, 10))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_slot_reuse_never_overlaps(num_blocks, slots):
+    for resident in range(num_blocks):
+        sched = Schedule(num_blocks, resident, slots)
+        seen, issued = simulate(sched, steps=3)
+        # every streamed block computes once per step, in order
+        blocks = [b for _, _, b in seen]
+        assert blocks == list(sched.streamed) * 3
+        # resident blocks are never loaded
+        assert all(ld.block >= resident for ld in issued)
+        # at most `slots` loads are outstanding (issued, not yet computed) at a time
+        for p in range(len(seen)):
+            outstanding = [ld for ld in issued if ld.position > p and ld.position <= p + sched.slots]
+            assert len({ld.slot for ld in outstanding}) == len(outstanding) <= sched.slots
+
+
+def test_last_block_prefetches_first_of_next_step():
+    sched = Schedule(5, 0, 2)
+    assert sched.after_compute(3).block == 0 and sched.after_compute(3).position == 5
+    assert sched.after_compute(4).block == 1
+
+
+def test_odd_block_count_alternates_slots_between_steps():
+    sched = Schedule(3, 0, 2)
+    first = [sched.slot_at(p) for p in range(3)]
+    second = [sched.slot_at(p) for p in range(3, 6)]
+    assert first == [0, 1, 0] and second == [1, 0, 1]
+
+
+def test_resident_blocks_shift_the_ring():
+    sched = Schedule(6, 2, 2)
+    assert sched.streamed == (2, 3, 4, 5)
+    assert [ld.block for ld in sched.priming()] == [2, 3]
+    assert sched.after_compute(3).block == 3  # last streamed block prefetches the second
+
+
+def test_slots_capped_by_streamed_blocks():
+    assert Schedule(4, 3, 2).slots == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_blocks=0), "num_blocks=0"),
+        (dict(num_blocks=3, resident=3), "resident_layers=3"),
+        (dict(num_blocks=3, resident=-1), "resident_layers=-1"),
+        (dict(num_blocks=3, num_slots=0), "num_slots=0"),
+        (dict(num_blocks=True), "must be an int"),
+    ],
+)
+def test_rejections(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Schedule(**kwargs)
