@@ -1,0 +1,155 @@
+"""Benchmark modes: how one scenario's model is placed and run.
+
+- `resident`: the whole model on the device (built there directly).
+- weightstream: `layerwise`, `layerwise-r<R>` (R resident blocks),
+  `layerwise-mmap` (config key source="mmap", refused until the API has it),
+  `graphs` (CUDA graphs on); `-graphs`, `-r<R>`, `-mmap` combine after
+  `layerwise` (e.g. `layerwise-r4-graphs`).
+- peers: `diffusers-block` (group offload, block level, 1 block per group,
+  stream + record_stream), `diffusers-leaf` (leaf level, stream),
+  `diffusers-model` (model-level offload as `enable_model_cpu_offload` does it,
+  through accelerate's `cpu_offload_with_hook`; the model is put back on the
+  host after every step outside the timed region, so each timed step starts
+  with the whole model on the host), `accelerate-cpu` (`accelerate.cpu_offload`,
+  sequential leaf offload from pageable memory; flux-12b-512 only).
+
+`prepare()` turns a host (or device) model into a `Prepared` runner.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from perf.results import validate_mode_name
+from perf.scenarios import Scenario, block_bytes, tensor_bytes
+
+PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs)$")
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    kind: str                      # resident | weightstream | diffusers-group | diffusers-model | accelerate-cpu
+    config_kw: dict = field(default_factory=dict)   # OffloadConfig.layerwise(**config_kw)
+    peer_kw: dict = field(default_factory=dict)     # apply_group_offloading(**peer_kw)
+
+    @property
+    def builds_on_device(self) -> bool:
+        return self.kind == "resident"
+
+
+def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
+    """Validate a mode name (and whether the scenario allows it)."""
+    validate_mode_name(name)
+    if name == "resident":
+        return ModeSpec(name, "resident")
+    if name.startswith(("layerwise", "graphs")):
+        head, *variants = name.split("-")
+        kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
+        for v in variants:
+            m = _LAYERWISE_VARIANT.match(v)
+            if not m:
+                raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, graphs")
+            if m.group(2) is not None:
+                kw["resident_layers"] = int(m.group(2))
+            elif v == "mmap":
+                kw["source"] = "mmap"
+            else:
+                kw["cuda_graphs"] = "on"
+        return ModeSpec(name, "weightstream", config_kw=kw)
+    if name == "diffusers-block":
+        return ModeSpec(name, "diffusers-group", peer_kw=dict(
+            offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
+    if name == "diffusers-leaf":
+        return ModeSpec(name, "diffusers-group", peer_kw=dict(offload_type="leaf_level", use_stream=True))
+    if name == "diffusers-model":
+        return ModeSpec(name, "diffusers-model")
+    if name == "accelerate-cpu":
+        if scenario is not None and name not in scenario.allowed_peers:
+            raise ValueError(
+                f"mode 'accelerate-cpu' is refused on scenario {scenario.name!r}: it streams every weight "
+                "from pageable memory each step and would not finish inside the time budget; "
+                "it is allowed on: flux-12b-512")
+        return ModeSpec(name, "accelerate-cpu")
+    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, "
+                     f"layerwise[-r<N>|-mmap|-graphs], graphs, {', '.join(PEER_MODES)}")
+
+
+@dataclass
+class Prepared:
+    module: Callable[..., Any]
+    streamed_bytes: int | None = None
+    after_step: Callable[[], None] | None = None     # untimed, after each step
+    stats: dict = field(default_factory=dict)
+    events: Callable[[], list] | None = None
+    pinned_bytes: int | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def _need_accelerate(what: str):
+    try:
+        import accelerate  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"{what} needs the accelerate package, which is not installed ({e})") from e
+    return accelerate
+
+
+def prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.device,
+            *, record_events: bool = False) -> Prepared:
+    if spec.kind == "resident":
+        return Prepared(model.to(device), streamed_bytes=None)
+    if spec.kind == "weightstream":
+        return _prepare_weightstream(spec, model, device, record_events)
+    blocks = block_bytes(model, scenario)
+    if spec.kind == "diffusers-group":
+        _need_accelerate("diffusers group offloading (diffusers.hooks calls accelerate's send_to_device)")
+        from diffusers.hooks import apply_group_offloading
+        kw = dict(spec.peer_kw)
+        if device.type != "cuda":
+            kw["use_stream"] = False       # streams exist only on CUDA
+            kw.pop("record_stream", None)
+        apply_group_offloading(model, onload_device=device, offload_device=torch.device("cpu"), **kw)
+        return Prepared(model, streamed_bytes=blocks, notes={"peer_kwargs": kw})
+    if spec.kind == "diffusers-model":
+        accelerate = _need_accelerate("diffusers model-level offload (enable_model_cpu_offload)")
+        model, hook = accelerate.cpu_offload_with_hook(model, execution_device=device)
+        return Prepared(model, streamed_bytes=blocks, after_step=hook.offload,
+                        notes={"peer": "accelerate.cpu_offload_with_hook, hook.offload() after each step"})
+    if spec.kind == "accelerate-cpu":
+        accelerate = _need_accelerate("accelerate-cpu")
+        model = accelerate.cpu_offload(model, execution_device=device)
+        return Prepared(model, streamed_bytes=blocks, notes={"peer": "accelerate.cpu_offload"})
+    raise ValueError(f"unknown mode kind {spec.kind!r}")
+
+
+def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device,
+                          record_events: bool) -> Prepared:
+    from weightstream import OffloadConfig, OffloadedTransformer
+
+    kw = dict(spec.config_kw)
+    if record_events:
+        kw["record_events"] = True
+    try:
+        cfg = OffloadConfig.layerwise(**kw)
+    except (TypeError, ValueError) as e:
+        raise RuntimeError(
+            f"mode {spec.name!r}: the weightstream API rejected OffloadConfig.layerwise(**{kw!r}): {e}"
+            + (" (the mmap source is not implemented by the controller yet)" if "source" in kw else "")
+        ) from e
+    m = OffloadedTransformer(model, cfg, device=device)
+    stats = m.stats()
+    pinned = stats.get("pinned_bytes")
+    if pinned is None and stats.get("pinned"):
+        pinned = stats.get("host_bytes")
+    return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+                    events=m.events if record_events else None, pinned_bytes=pinned,
+                    notes={"config": cfg.to_dict()})
+
+
+def model_sizes(model: nn.Module, scenario: Scenario) -> tuple[int, int]:
+    return tensor_bytes(model), block_bytes(model, scenario)

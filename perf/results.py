@@ -1,0 +1,189 @@
+"""The result-file format (DESIGN.md section 7), its validation, and the
+floor / ratio arithmetic shared by the harness and the regression check.
+
+Sizes are decimal: 1 GB = 1e9 bytes, bandwidth in GB/s = 1e9 bytes per second.
+"""
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+from typing import Any
+
+GB = 1e9
+
+# Figures the regression check compares. All are "lower is better" ratios, so
+# they survive a change of clock, driver or machine load better than times.
+RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")
+
+# Peers are other libraries' offloading, named by library prefix.
+PEER_PREFIXES = ("diffusers-", "accelerate-")
+
+_MODE_RE = re.compile(
+    r"^(resident|module|naive-block|dlo-allgather|dlo-rank-local"
+    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*"
+    r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
+)
+_MODE_FORMS = ("resident, module, naive-block, dlo-allgather, dlo-rank-local, "
+               "layerwise[-variant...], graphs[-variant...], diffusers-<x>, accelerate-<x>")
+
+_REQUIRED_TOP = {
+    "scenario": str, "gpu": str, "gpus": int, "commit": str, "torch": str,
+    "date": str, "modes": dict,
+}
+_OPTIONAL_TOP_NUM = ("h2d_gbps", "model_gb")
+# per-mode figures that, when present, must be finite non-negative numbers
+_MODE_NUMBERS = (
+    "step_ms", "floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer",
+    "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
+    "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
+)
+
+
+def is_peer(mode: str) -> bool:
+    return mode.startswith(PEER_PREFIXES)
+
+
+def is_weightstream(mode: str) -> bool:
+    """Modes that run our own controller (compared against the best peer)."""
+    return mode == "module" or mode.startswith(("layerwise", "graphs", "dlo-"))
+
+
+def is_offloaded(mode: str) -> bool:
+    return mode != "resident"
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate_mode_name(mode: str) -> None:
+    if not isinstance(mode, str) or not _MODE_RE.match(mode):
+        raise ValueError(f"mode name {mode!r} is not one of the allowed forms: {_MODE_FORMS}")
+
+
+def validate_result(result: dict) -> None:
+    """Raise ValueError naming the first thing wrong with a result dict."""
+    if not isinstance(result, dict):
+        raise ValueError(f"result must be a JSON object, got {type(result).__name__}")
+    for key, typ in _REQUIRED_TOP.items():
+        if key not in result:
+            raise ValueError(f"result is missing the key {key!r}")
+        val = result[key]
+        if not isinstance(val, typ) or isinstance(val, bool):
+            raise ValueError(f"result key {key!r} must be {typ.__name__}, got {val!r}")
+    for key in ("scenario", "gpu", "commit", "torch"):
+        if not result[key]:
+            raise ValueError(f"result key {key!r} must not be empty")
+    if result["gpus"] < 0:
+        raise ValueError(f"result key 'gpus' must be >= 0, got {result['gpus']}")
+    try:
+        datetime.fromisoformat(result["date"].replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"result key 'date' must be an ISO-8601 time, got {result['date']!r}") from None
+    for key in _OPTIONAL_TOP_NUM:
+        val = result.get(key)
+        if val is not None and not (_is_number(val) and val > 0):
+            raise ValueError(f"result key {key!r} must be a positive number or null, got {val!r}")
+    if "driver" in result and result["driver"] is not None and not isinstance(result["driver"], str):
+        raise ValueError(f"result key 'driver' must be a string or null, got {result['driver']!r}")
+    modes = result["modes"]
+    if not modes:
+        raise ValueError("result 'modes' is empty: no mode finished")
+    for mode, figs in modes.items():
+        validate_mode_name(mode)
+        where = f"mode {mode!r}"
+        if not isinstance(figs, dict):
+            raise ValueError(f"{where} must map to an object of figures, got {figs!r}")
+        if "step_ms" not in figs:
+            raise ValueError(f"{where} is missing 'step_ms'")
+        for key in _MODE_NUMBERS:
+            if key in figs and figs[key] is not None and not (_is_number(figs[key]) and figs[key] >= 0):
+                raise ValueError(f"{where} figure {key!r} must be a finite number >= 0, got {figs[key]!r}")
+        if not figs["step_ms"] or figs["step_ms"] <= 0:
+            raise ValueError(f"{where} 'step_ms' must be > 0, got {figs['step_ms']!r}")
+        if is_offloaded(mode):
+            for key in ("floor_ms", "ratio_to_floor"):
+                if figs.get(key) is None:
+                    raise ValueError(f"{where} is offloaded and must carry {key!r}")
+            if figs["floor_ms"] <= 0:
+                raise ValueError(f"{where} 'floor_ms' must be > 0, got {figs['floor_ms']!r}")
+            want = figs["step_ms"] / figs["floor_ms"]
+            if not math.isclose(figs["ratio_to_floor"], want, rel_tol=0.01):
+                raise ValueError(
+                    f"{where} 'ratio_to_floor' {figs['ratio_to_floor']} disagrees with "
+                    f"step_ms / floor_ms = {want:.4f}")
+
+
+# ---------------------------------------------------------------- arithmetic
+
+def floor_ms(resident_ms: float, streamed_bytes: float | None, h2d_gbps: float | None) -> float:
+    """The streaming floor: a step can be no faster than its compute (the
+    resident step) nor than moving its streamed bytes over the H2D link."""
+    if streamed_bytes is None or not h2d_gbps:
+        return float(resident_ms)
+    return max(float(resident_ms), streamed_bytes / (h2d_gbps * GB) * 1e3)
+
+
+def summarise(modes: dict[str, dict], h2d_gbps: float | None,
+              resident_ms: float | None = None) -> dict[str, dict]:
+    """Add floor_ms and the ratios to each mode's figures (a new dict).
+
+    Each offloaded mode's raw figures carry `streamed_bytes` or `streamed_gb`
+    (what it moves host-to-device per step). `resident_ms` defaults to the resident mode's
+    step time. Peers are compared as a group: ratio_to_best_peer is a
+    weightstream mode's step time over the fastest peer's."""
+    out = {m: dict(f) for m, f in modes.items()}
+    if resident_ms is None and "resident" in out:
+        resident_ms = out["resident"]["step_ms"]
+    peers = [f["step_ms"] for m, f in out.items() if is_peer(m)]
+    best_peer = min(peers) if peers else None
+    for mode, f in out.items():
+        if not is_offloaded(mode) or resident_ms is None:
+            continue
+        streamed = f.get("streamed_bytes")
+        if streamed is None and f.get("streamed_gb") is not None:
+            streamed = f["streamed_gb"] * GB
+        f["floor_ms"] = round(floor_ms(resident_ms, streamed, h2d_gbps), 3)
+        f["ratio_to_floor"] = round(f["step_ms"] / f["floor_ms"], 4)
+        f["ratio_to_resident"] = round(f["step_ms"] / resident_ms, 4)
+        if best_peer is not None and is_weightstream(mode):
+            f["ratio_to_best_peer"] = round(f["step_ms"] / best_peer, 4)
+    return out
+
+
+def gpu_slug(gpu: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (file names and baseline keys)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return slug or "unknown"
+
+
+def result_filename(scenario: str, gpu: str, commit: str) -> str:
+    return f"{scenario}-{gpu_slug(gpu)}-{commit[:12]}.json"
+
+
+# ---------------------------------------------------------------- markdown
+
+_COLUMNS = (
+    ("step ms", "step_ms", "{:.1f}"), ("floor ms", "floor_ms", "{:.1f}"),
+    ("x floor", "ratio_to_floor", "{:.3f}"), ("x resident", "ratio_to_resident", "{:.2f}"),
+    ("x best peer", "ratio_to_best_peer", "{:.3f}"), ("peak dev GB", "peak_device_gb", "{:.2f}"),
+    ("NVML GB", "nvml_peak_used_gb", "{:.2f}"), ("pinned GB", "pinned_host_gb", "{:.2f}"),
+    ("RSS peak GB", "host_rss_peak_gb", "{:.2f}"), ("setup s", "setup_s", "{:.2f}"),
+)
+
+
+def markdown_table(result: dict) -> str:
+    head = (f"### {result['scenario']} on {result['gpu']} ({result['commit'][:12]}), "
+            f"H2D {result.get('h2d_gbps') or 'n/a'} GB/s, model {result.get('model_gb', 'n/a')} GB")
+    lines = [head, "", "| mode | " + " | ".join(c[0] for c in _COLUMNS) + " |",
+             "| --- |" + " ---: |" * len(_COLUMNS)]
+    for mode, f in result["modes"].items():
+        cells = []
+        for _, key, fmt in _COLUMNS:
+            v = f.get(key)
+            cells.append(fmt.format(v) if _is_number(v) else "")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    for mode, err in (result.get("failed") or {}).items():
+        lines.append(f"| {mode} | failed: {str(err).splitlines()[0][:100]} |" + " |" * (len(_COLUMNS) - 1))
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Benchmark scenarios: diffusers DiTs sized like real models, random weights.
+
+A scenario names a diffusers transformer class, its config, the input shapes
+(batch 1, bf16), and the block containers that offloading streams. Each has a
+tiny variant (`<name>-tiny`, or `tiny=True`) with the same structure and
+inputs at toy sizes, so the whole pipeline runs on a CPU in seconds.
+
+Building is fast at 12-14 B parameters: the model is constructed with every
+parameter on the `meta` device (a parameter-registration hook replaces each
+freshly created parameter by a meta tensor, so no constructor initialises
+gigabytes on the CPU; buffers such as rotary tables stay real), then each
+parameter is materialised with random values generated on the GPU in chunks
+and copied to its destination (host or device). Weights get N(0, 0.02), biases
+zero and norm scales one, which keeps bf16 activations finite.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+DTYPE = torch.bfloat16
+CHUNK_ELEMS = 1 << 27  # 128 Mi elements (256 MB of bf16) per generated chunk
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str                      # "flux" | "wan"
+    config: dict                     # diffusers constructor kwargs
+    shape: dict                      # input sizes (see build_inputs)
+    tiny_config: dict
+    tiny_shape: dict
+    block_containers: tuple[str, ...]
+    description: str = ""
+    allowed_peers: tuple[str, ...] = field(default=())  # peers refused elsewhere (accelerate-cpu)
+
+
+_FLUX_DEV = dict(  # FluxTransformer2DModel defaults are Flux.1-dev sized; dev has guidance embeds
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+    guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)
+_FLUX_TINY = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+    guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)
+_WAN_14B = dict(  # Wan2.1-T2V-14B
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+_WAN_TINY = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+    out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s for s in (
+        Scenario("flux-12b-1024", "flux", _FLUX_DEV,
+                 dict(image_hw=(64, 64), text_tokens=512),
+                 _FLUX_TINY, dict(image_hw=(8, 8), text_tokens=8),
+                 ("transformer_blocks", "single_transformer_blocks"),
+                 "Flux.1-dev sized (11.9 B), 1024x1024: 4096 image + 512 text tokens"),
+        Scenario("flux-12b-512", "flux", _FLUX_DEV,
+                 dict(image_hw=(32, 32), text_tokens=512),
+                 _FLUX_TINY, dict(image_hw=(4, 4), text_tokens=8),
+                 ("transformer_blocks", "single_transformer_blocks"),
+                 "Flux.1-dev sized, 512x512: 1024 image + 512 text tokens (launch/stream bound)",
+                 allowed_peers=("accelerate-cpu",)),
+        Scenario("wan-14b-480p", "wan", _WAN_14B,
+                 dict(latent=(1, 16, 21, 60, 104), text_tokens=512),
+                 _WAN_TINY, dict(latent=(1, 16, 2, 8, 8), text_tokens=8),
+                 ("blocks",),
+                 "Wan2.1-14B sized (14.3 B), 480x832, 81 frames: 32760 video + 512 text tokens"),
+    )
+}
+
+
+def get_scenario(name: str) -> tuple[Scenario, bool]:
+    """Scenario and whether its tiny variant was asked for (`<name>-tiny`)."""
+    tiny = name.endswith("-tiny")
+    base = name[: -len("-tiny")] if tiny else name
+    if base not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; known: {sorted(SCENARIOS)} (each also as <name>-tiny)")
+    return SCENARIOS[base], tiny
+
+
+def scenario_label(scenario: Scenario, tiny: bool) -> str:
+    return scenario.name + ("-tiny" if tiny else "")
+
+
+def model_class(family: str) -> type:
+    if family == "flux":
+        from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+        return FluxTransformer2DModel
+    if family == "wan":
+        from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+        return WanTransformer3DModel
+    raise ValueError(f"unknown model family {family!r}; known: flux, wan")
+
+
+# ------------------------------------------------------------------ building
+
+def _construct_meta(cls: type, config: dict) -> nn.Module:
+    """Construct with every parameter on `meta`; buffers stay real (CPU)."""
+    def to_meta(module, name, param):
+        if param is None or param.device.type == "meta":
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=False)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        return cls(**config)
+    finally:
+        handle.remove()
+
+
+def _keeps_fp32(model: nn.Module, name: str) -> bool:
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    parts = name.split(".")
+    return any(k in parts for k in keep)
+
+
+def _fill_kind(owner: nn.Module, pname: str) -> str:
+    if pname == "bias":
+        return "zeros"
+    if "norm" in type(owner).__name__.lower() and pname == "weight":
+        return "ones"
+    return "normal"
+
+
+def _random_like(shape: torch.Size, dtype: torch.dtype, device: torch.device, kind: str,
+                 std: float, gen_device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if kind == "zeros":
+        return out.zero_()
+    if kind == "ones":
+        return out.fill_(1)
+    if device == gen_device:
+        return out.normal_(0.0, std, generator=gen)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMS):
+        stop = min(start + CHUNK_ELEMS, flat.numel())
+        chunk = torch.empty(stop - start, dtype=dtype, device=gen_device).normal_(0.0, std, generator=gen)
+        flat[start:stop].copy_(chunk)  # pageable D2H: no pinned block enters torch's host cache
+    return out
+
+
+def default_gen_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model(scenario: Scenario, *, tiny: bool = False, device: str | torch.device = "cpu",
+                gen_device: str | torch.device | None = None, std: float = 0.02, seed: int = 0,
+                progress: Callable[[str], None] | None = None) -> nn.Module:
+    """The scenario's transformer with random weights, in eval mode, bf16
+    (modules the class keeps in fp32 stay fp32), every tensor on `device`."""
+    device = torch.device(device)
+    gen_device = torch.device(gen_device) if gen_device is not None else default_gen_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if gen_device.type == "cuda" and gen_device.index is None:
+        gen_device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    cls = model_class(scenario.family)
+    model = _construct_meta(cls, scenario.tiny_config if tiny else scenario.config)
+    gen = torch.Generator(device=gen_device)
+    gen.manual_seed(seed)
+    done = 0
+    for mod_name, module in model.named_modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            dtype = torch.float32 if _keeps_fp32(model, full) else DTYPE
+            data = _random_like(param.shape, dtype, device, _fill_kind(module, pname), std, gen_device, gen)
+            setattr(module, pname, nn.Parameter(data, requires_grad=False))
+            done += data.numel() * data.element_size()
+        for bname, buf in list(module.named_buffers(recurse=False)):
+            full = f"{mod_name}.{bname}" if mod_name else bname
+            dtype = buf.dtype
+            if buf.is_floating_point() and not _keeps_fp32(model, full):
+                dtype = DTYPE
+            module._buffers[bname] = buf.to(device=device, dtype=dtype)
+    if gen_device.type == "cuda":
+        torch.cuda.synchronize(gen_device)
+        torch.cuda.empty_cache()
+    if progress:
+        progress(f"built {scenario_label(scenario, tiny)} ({done / 1e9:.2f} GB) on {device} "
+                 f"in {time.perf_counter() - t0:.1f} s")
+    return model.eval().requires_grad_(False)
+
+
+def build_inputs(scenario: Scenario, device: str | torch.device, *, tiny: bool = False,
+                 seed: int = 1) -> dict:
+    """Keyword inputs for one denoising step (batch 1), as the diffusers
+    pipelines pass them."""
+    cfg = scenario.tiny_config if tiny else scenario.config
+    shape = scenario.tiny_shape if tiny else scenario.shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size, dtype=DTYPE):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=dtype)
+
+    if scenario.family == "flux":
+        h, w = shape["image_hw"]
+        n_txt = shape["text_tokens"]
+        img_ids = torch.zeros(h, w, 3)
+        img_ids[..., 1] = torch.arange(h)[:, None]
+        img_ids[..., 2] = torch.arange(w)[None, :]
+        inputs = dict(
+            hidden_states=randn(1, h * w, cfg["in_channels"]),
+            encoder_hidden_states=randn(1, n_txt, cfg["joint_attention_dim"]),
+            pooled_projections=randn(1, cfg["pooled_projection_dim"]),
+            timestep=torch.full((1,), 0.999, dtype=DTYPE, device=device),
+            img_ids=img_ids.reshape(h * w, 3).to(device=device, dtype=DTYPE),
+            txt_ids=torch.zeros(n_txt, 3, dtype=DTYPE, device=device),
+            return_dict=False,
+        )
+        if cfg.get("guidance_embeds"):
+            inputs["guidance"] = torch.full((1,), 3.5, dtype=torch.float32, device=device)
+        return inputs
+    if scenario.family == "wan":
+        return dict(
+            hidden_states=randn(*shape["latent"]),
+            timestep=torch.full((1,), 999.0, dtype=torch.float32, device=device),
+            encoder_hidden_states=randn(1, shape["text_tokens"], cfg["text_dim"]),
+            return_dict=False,
+        )
+    raise ValueError(f"unknown model family {scenario.family!r}")
+
+
+def first_output(out) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return getattr(out, "sample", out)
+
+
+# ------------------------------------------------------------------ sizes
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of a module (each storage once)."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = (t.device, t.data_ptr()) if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def block_bytes(model: nn.Module, scenario: Scenario) -> int:
+    """Bytes of the block containers: what a block-streaming peer moves per step."""
+    return sum(tensor_bytes(getattr(model, c)) for c in scenario.block_containers)
