@@ -1,0 +1,233 @@
+"""`python -m perf run`: every mode of a scenario in its own fresh process.
+
+Order: (host-memory touch) -> resident (added when not asked for: the floor
+and ratio_to_resident need it) -> the other modes as given. After each mode
+the result file is rewritten, so a run killed part-way keeps what finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from perf.modes import parse_mode
+from perf.results import GB, markdown_table, result_filename, summarise, validate_result
+from perf.scenarios import get_scenario, scenario_label
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "perf" / "results"
+TOUCH_STAMP = Path(tempfile.gettempdir()) / "weightstream-perf-touched-gb"
+
+# worker figures copied into the result's per-mode entry
+MODE_KEYS = (
+    "step_ms", "step_ms_all", "wall_ms_per_step", "first_step_ms", "peak_device_gb", "peak_reserved_gb",
+    "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb", "setup_s", "build_s",
+    "h2d_gbps", "streamed_gb", "output_finite", "record_events", "stats", "notes", "trace",
+)
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.1f}s] {msg}",
+              file=sys.stderr, flush=True)
+
+
+def git_commit() -> tuple[str, bool]:
+    """(sha, dirty). WEIGHTSTREAM_COMMIT overrides (copies without .git)."""
+    env = os.environ.get("WEIGHTSTREAM_COMMIT")
+    if env:
+        return env, False
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True).stdout.strip())
+        return sha, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def touch_host_memory(gb: float, clock: Clock) -> None:
+    if gb <= 0:
+        return
+    try:
+        done = float(TOUCH_STAMP.read_text())
+    except (OSError, ValueError):
+        done = 0.0
+    if done >= gb:
+        clock.log(f"host memory already touched ({done:.0f} GB >= {gb:.0f} GB), skipping")
+        return
+    clock.log(f"touching {gb:.0f} GB of host memory in a throwaway process")
+    rc = subprocess.run([sys.executable, "-m", "perf", "_touch", "--gb", str(gb)], cwd=REPO, env=_child_env()).returncode
+    if rc == 0:
+        TOUCH_STAMP.write_text(str(gb))
+    else:
+        clock.log(f"host-memory touch failed (exit {rc}); continuing")
+
+
+def run_worker(label: str, mode: str, *, steps: int, warmup: int, device: str | None,
+               trace_dir: str | None, timeout: float | None, clock: Clock, extra: list[str] = ()) -> dict:
+    """Run one mode in a fresh process; its stderr passes through, stdout lines
+    other than the result are echoed to stderr."""
+    cmd = [sys.executable, "-m", "perf", "_worker", "--scenario", label, "--mode", mode,
+           "--steps", str(steps), "--warmup", str(warmup), *extra]
+    if device:
+        cmd += ["--device", device]
+    if trace_dir:
+        cmd += ["--trace-dir", trace_dir]
+    clock.log(f"{label} {mode}: starting worker")
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE, text=True)
+    result = None
+    fired = threading.Event()
+
+    def _kill():
+        fired.set()
+        proc.kill()
+
+    watchdog = threading.Timer(timeout, _kill) if timeout else None
+    if watchdog:
+        watchdog.start()
+    try:
+        for line in proc.stdout:
+            s = line.strip()
+            if s.startswith("{") and '"_perf_worker"' in s:
+                try:
+                    result = json.loads(s)
+                    continue
+                except ValueError:
+                    pass
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        rc = proc.wait()
+    finally:
+        if watchdog:
+            watchdog.cancel()
+    if fired.is_set() and result is None:
+        result = {"mode": mode, "ok": False, "error": f"killed after the --mode-timeout of {timeout:.0f} s"}
+    elapsed = time.perf_counter() - t
+    if result is None:
+        result = {"mode": mode, "ok": False,
+                  "error": f"worker exited with status {rc} after {elapsed:.0f} s without a result line"}
+    clock.log(f"{label} {mode}: {'done' if result.get('ok') else 'FAILED'} in {elapsed:.1f} s")
+    return result
+
+
+def assemble(label: str, workers: dict[str, dict], failed: dict[str, str], *, commit: str, dirty: bool,
+             prior: dict | None = None) -> dict:
+    """The result dict (DESIGN.md section 7) from worker outputs."""
+    ok = {m: w for m, w in workers.items() if w.get("ok")}
+    first = next(iter(ok.values()), {})
+    rates = [w["h2d_gbps"] for w in ok.values() if w.get("h2d_gbps")]
+    h2d = round(statistics.median(rates), 2) if rates else None
+    raw = {}
+    if prior:
+        for m, f in prior.get("modes", {}).items():
+            if m not in workers:
+                raw[m] = {k: v for k, v in f.items()
+                          if k not in ("floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")}
+    for m, w in ok.items():
+        raw[m] = {k: w[k] for k in MODE_KEYS if w.get(k) is not None}
+        if w.get("streamed_bytes") is not None:
+            raw[m]["streamed_bytes"] = w["streamed_bytes"]
+    modes = summarise(raw, h2d)
+    for f in modes.values():
+        f.pop("streamed_bytes", None)
+    model_gb = first.get("model_gb") or (prior or {}).get("model_gb")
+    result = {
+        "scenario": label, "gpu": first.get("gpu") or (prior or {}).get("gpu", "unknown"),
+        "gpus": first.get("gpus", (prior or {}).get("gpus", 0)), "commit": commit, "dirty": dirty,
+        "torch": first.get("torch") or (prior or {}).get("torch", "unknown"),
+        "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "h2d_gbps": h2d, "driver": first.get("driver"), "model_gb": model_gb,
+        "diffusers": first.get("diffusers"), "accelerate": first.get("accelerate"),
+        "modes": modes,
+    }
+    if failed:
+        result["failed"] = dict(failed)
+    if prior and any(m not in workers for m in prior.get("modes", {})):
+        result["merged_from"] = prior.get("date")
+    return result
+
+
+def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out_dir: str | Path = DEFAULT_OUT,
+        tiny: bool = False, device: str | None = None, touch_gb: float | None = None, trace_dir: str | None = None,
+        mode_timeout: float | None = None, merge: bool = False, clock: Clock | None = None) -> tuple[dict | None, Path | None, bool]:
+    """Run the modes; returns (result, path, all_ok)."""
+    clock = clock or Clock()
+    sc, tiny_name = get_scenario(scenario)
+    tiny = tiny or tiny_name
+    label = scenario_label(sc, tiny)
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps} warmup={warmup}")
+    for m in modes:
+        parse_mode(m, sc)  # refuse unknown or disallowed modes before spending any time
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--modes lists a mode twice: {modes}")
+    if "resident" not in modes:
+        clock.log("adding mode 'resident': the floor and ratio_to_resident come from it")
+        modes = ["resident"] + list(modes)
+    else:
+        modes = ["resident"] + [m for m in modes if m != "resident"]
+    commit, dirty = git_commit()
+    clock.log(f"scenario {label}: modes {','.join(modes)}; {warmup} warm-up + {steps} timed steps; "
+              f"commit {commit[:12]}{' (dirty)' if dirty else ''}")
+    if touch_gb is None:
+        touch_gb = 0.0 if tiny else round(2 * sc.approx_model_gb)
+    touch_host_memory(touch_gb, clock)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workers, failed = {}, {}
+    result, path, all_ok = None, None, True
+    for mode in modes:
+        w = run_worker(label, mode, steps=steps, warmup=warmup, device=device, trace_dir=trace_dir,
+                       timeout=mode_timeout, clock=clock)
+        workers[mode] = w
+        if not w.get("ok"):
+            failed[mode] = w.get("error", "failed")
+            all_ok = False
+            continue
+        prior = None
+        ok_first = next(w2 for w2 in workers.values() if w2.get("ok"))
+        path = out_dir / result_filename(label, ok_first.get("gpu", "unknown"), commit)
+        if merge and path.exists():
+            prior = json.loads(path.read_text())
+        result = assemble(label, workers, failed, commit=commit, dirty=dirty, prior=prior)
+        try:
+            validate_result(result)
+        except ValueError as e:
+            clock.log(f"result does not validate yet: {e}")
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        clock.log(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    if result is not None and failed and path is not None:
+        result = assemble(label, workers, failed, commit=commit, dirty=dirty,
+                          prior=json.loads(path.read_text()) if merge else None)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    if result is not None:
+        try:
+            validate_result(result)
+        except ValueError as e:
+            clock.log(f"INVALID result {path}: {e}")
+            all_ok = False
+        print(markdown_table(result), flush=True)
+    for mode, err in failed.items():
+        clock.log(f"mode {mode} failed: {err}")
+    return result, path, all_ok

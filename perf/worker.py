@@ -1,0 +1,296 @@
+"""One mode of one scenario, in this (fresh) process: `python -m perf _worker`.
+
+Builds the model, sets the mode up, runs warm-up steps, then times `steps`
+steps with CUDA events around each (no synchronisation inside the timed
+region), measures pinned H2D bandwidth last (so its pinned buffer cannot feed
+the mode's own pinning from torch's host cache), and prints one JSON line
+(`{"_perf_worker": 1, ...}`) on stdout. Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from perf.modes import parse_mode, prepare
+from perf.results import GB
+from perf.scenarios import build_inputs, build_model, first_output, get_scenario, scenario_label, tensor_bytes, block_bytes
+
+
+def log(prefix: str, msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {prefix}: {msg}", file=sys.stderr, flush=True)
+
+
+def host_rss_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def torch_pinned_bytes() -> int | None:
+    """Bytes held by torch's pinned host allocator (pin_memory=True / .pin_memory())."""
+    fn = getattr(torch.cuda, "host_memory_stats", None)
+    if fn is None or not torch.cuda.is_available():
+        return None
+    try:
+        stats = fn()
+    except Exception:
+        return None
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def measure_h2d_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 7) -> tuple[float, list[float]]:
+    """Median pinned host -> device copy bandwidth (GB/s) of `nbytes` copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    rates = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src, non_blocking=True)
+        e.record()
+        e.synchronize()
+        rates.append(nbytes / GB / (s.elapsed_time(e) / 1e3))
+    del src, dst
+    return statistics.median(rates), rates
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__.split("+")[0], "torch_full": torch.__version__,
+           "python": sys.version.split()[0], "gpu": "cpu", "gpus": 0, "driver": None}
+    for mod in ("diffusers", "accelerate"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpus"] = torch.cuda.device_count()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return env
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(run, after, device: torch.device, steps: int, warmup: int):
+    """Warm-up, then `steps` timed steps. Returns (per-step ms, wall ms per
+    step, first warm-up step ms, last output)."""
+    out, first_ms = None, None
+    for i in range(warmup):
+        t = time.perf_counter()
+        out = run()
+        _sync(device)
+        if i == 0:
+            first_ms = (time.perf_counter() - t) * 1e3
+        if after:
+            after()
+    _sync(device)
+    ms = []
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for s, e in marks:
+            s.record()
+            out = run()
+            e.record()
+            if after:
+                after()
+        torch.cuda.synchronize(device)
+        ms = [s.elapsed_time(e) for s, e in marks]
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            out = run()
+            ms.append((time.perf_counter() - t) * 1e3)
+            if after:
+                after()
+    wall = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+    return ms, wall, first_ms, out
+
+
+def run_mode(args, prefix: str) -> dict:
+    scenario, tiny = get_scenario(args.scenario)
+    if args.tiny:
+        tiny = True
+    label = scenario_label(scenario, tiny)
+    spec = parse_mode(args.mode, scenario)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    env = environment(device)
+    events_dir = os.environ.get("WEIGHTSTREAM_EVENTS_DIR")
+    record_events = bool(args.trace_dir or events_dir) and spec.kind == "weightstream"
+
+    t = time.perf_counter()
+    model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",
+                        seed=args.seed, progress=lambda m: log(prefix, m))
+    build_s = time.perf_counter() - t
+    model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
+    inputs = build_inputs(scenario, device, tiny=tiny)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    t = time.perf_counter()
+    prepared = prepare(spec, model, scenario, device, record_events=record_events)
+    _sync(device)
+    setup_s = time.perf_counter() - t
+    del model
+    log(prefix, f"set up in {setup_s:.2f} s; {args.warmup} warm-up + {args.steps} timed steps")
+    rss_after_setup = host_rss_bytes()
+    pinned = prepared.pinned_bytes if prepared.pinned_bytes is not None else torch_pinned_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    mon = None
+    if device.type == "cuda" and not args.no_monitor:
+        from weightstream.telemetry import MemoryMonitor
+
+        mon = MemoryMonitor(hz=args.monitor_hz, devices=[device.index], host_hz=0, pcie=bool(args.trace_dir))
+        if prepared.events is not None:
+            mon.attach_events(prepared.events)
+        mon.start()
+    try:
+        with torch.no_grad():
+            ms, wall, first_ms, out = time_steps(lambda: prepared.module(**inputs), prepared.after_step,
+                                                 device, args.steps, args.warmup)
+    finally:
+        if mon is not None:
+            mon.stop()
+    y = first_output(out)
+    finite = bool(torch.isfinite(y).all().item())
+    step_ms = statistics.median(ms)
+    log(prefix, f"median step {step_ms:.1f} ms (min {min(ms):.1f}, max {max(ms):.1f}); output finite: {finite}")
+
+    figs = dict(env)
+    figs.update(
+        step_ms=round(step_ms, 3), step_ms_all=[round(x, 3) for x in ms], wall_ms_per_step=round(wall, 3),
+        first_step_ms=None if first_ms is None else round(first_ms, 3), steps=args.steps, warmup=args.warmup,
+        build_s=round(build_s, 3), setup_s=round(setup_s, 3),
+        model_gb=round(model_bytes / GB, 4), block_gb=round(blk_bytes / GB, 4),
+        host_rss_gb=None if rss_after_setup is None else round(rss_after_setup / GB, 3),
+        host_rss_peak_gb=round(host_rss_peak_bytes() / GB, 3),
+        pinned_host_gb=None if pinned is None else round(pinned / GB, 3),
+        output_finite=finite, record_events=record_events,
+    )
+    if prepared.streamed_bytes is not None:
+        figs["streamed_bytes"] = int(prepared.streamed_bytes)
+        figs["streamed_gb"] = round(prepared.streamed_bytes / GB, 4)
+    if prepared.stats:
+        figs["stats"] = prepared.stats
+    if prepared.notes:
+        figs["notes"] = prepared.notes
+    if device.type == "cuda":
+        figs["peak_device_gb"] = round(torch.cuda.max_memory_allocated(device) / GB, 3)
+        figs["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GB, 3)
+    if mon is not None:
+        trace = mon.to_trace(meta={"scenario": label, "mode": args.mode})
+        used = [u for u in (trace["gpu"][0]["used_bytes"] if trace["gpu"] else []) if u is not None]
+        if used:
+            figs["nvml_peak_used_gb"] = round(max(used) / GB, 3)
+            figs["nvml_total_gb"] = round(trace["devices"][0]["total_bytes"] / GB, 3)
+        if args.trace_dir:
+            from weightstream.report import render_html
+            from weightstream.telemetry import save_trace
+
+            base = os.path.join(args.trace_dir, f"{label}-{args.mode}")
+            save_trace(trace, base + "-trace.json")
+            paths = render_html(trace, base + "-report.html", title=f"{label} {args.mode}")
+            figs["trace"] = base + "-trace.json"
+            log(prefix, f"trace {base}-trace.json, report {paths['html']}")
+    if events_dir and prepared.events is not None:
+        with open(os.path.join(events_dir, f"events-{label}-{args.mode}.json"), "w") as f:
+            json.dump(prepared.events(), f)
+    del out, y
+    if device.type == "cuda" and not args.no_h2d:
+        h2d, rates = measure_h2d_gbps(device)
+        figs["h2d_gbps"] = round(h2d, 2)
+        figs["h2d_gbps_all"] = [round(r, 2) for r in rates]
+        log(prefix, f"pinned H2D {h2d:.1f} GB/s")
+    return figs
+
+
+def worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf _worker")
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--mode", required=True)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--monitor-hz", type=float, default=50.0)
+    p.add_argument("--no-monitor", action="store_true")
+    p.add_argument("--no-h2d", action="store_true")
+    args = p.parse_args(argv)
+    prefix = f"{args.scenario}{'-tiny' if args.tiny and not args.scenario.endswith('-tiny') else ''} {args.mode}"
+    result = {"_perf_worker": 1, "scenario": args.scenario, "mode": args.mode, "ok": False}
+    try:
+        result.update(run_mode(args, prefix))
+        result["ok"] = True
+        rc = 0
+    except Exception as e:  # reported to the harness, which records the mode as failed
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        log(prefix, f"FAILED: {result['error']}")
+        rc = 1
+    print(json.dumps(result), flush=True)
+    return rc
+
+
+def touch_main(argv: list[str]) -> int:
+    """Allocate and write `--gb` GB of host memory, then exit (the device
+    machine's RAM grows on first use; touching it once keeps that cost out of
+    whichever mode runs first)."""
+    p = argparse.ArgumentParser(prog="python -m perf _touch")
+    p.add_argument("--gb", type=float, required=True)
+    args = p.parse_args(argv)
+    t = time.perf_counter()
+    chunks, left = [], int(args.gb * GB)
+    while left > 0:
+        n = min(left, 1 << 30)
+        chunks.append(torch.empty(n, dtype=torch.uint8).fill_(1))
+        left -= n
+    log("touch", f"wrote {args.gb:.1f} GB of host memory in {time.perf_counter() - t:.1f} s")
+    return 0
