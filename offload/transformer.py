@@ -1,7 +1,9 @@
 """OffloadedTransformer: the drop-in wrapper that streams a DiT's blocks."""
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
 import torch
@@ -92,12 +94,30 @@ class StreamedBlocks:
             budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
         )
         progress = Progress(f"packing {len(layouts)} blocks into host memory", store.nbytes, cfg.progress)
-        for k, ts in enumerate(tensors):
-            objs = [t for _, _, t in ts]
-            store.pack(k, objs)
-            drop_storage(objs, device)  # the store is now the one host copy
-            store.pin(k)
-            progress.update(layouts[k].nbytes)
+        objs = [[t for _, _, t in ts] for ts in tensors]
+        # Packing is page-fault and memcpy bound: blocks are packed on worker
+        # threads (torch copies release the GIL); registration, dropping the
+        # originals and progress stay on this thread, in block order.
+        workers = max(1, min(8, os.cpu_count() or 1, len(layouts)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-pack") as pool:
+            packed = [pool.submit(store.pack, k, objs[k]) for k in range(len(layouts))]
+            dropped = 0
+            try:
+                for k, fut in enumerate(packed):
+                    fut.result()
+                    drop_storage(objs[k], device)  # the store is now the one host copy
+                    dropped = k + 1
+                    store.pin(k)
+                    progress.update(layouts[k].nbytes)
+            except BaseException:
+                for f in packed:
+                    f.cancel()
+                with torch.no_grad():  # nothing lost: give dropped tensors their weights back
+                    for k in range(dropped):
+                        for t, hv in zip(objs[k], store.views(k)):
+                            t.data = hv.clone()
+                store.close()
+                raise
         return store
 
     def _host_views(self) -> dict[int, torch.Tensor]:

@@ -36,6 +36,7 @@ class Scenario:
     tiny_shape: dict
     block_containers: tuple[str, ...]
     description: str = ""
+    approx_model_gb: float = 0.0     # full size, for sizing the host-memory touch before a run
     allowed_peers: tuple[str, ...] = field(default=())  # peers refused elsewhere (accelerate-cpu)
 
 
@@ -66,18 +67,18 @@ SCENARIOS: dict[str, Scenario] = {
                  dict(image_hw=(64, 64), text_tokens=512),
                  _FLUX_TINY, dict(image_hw=(8, 8), text_tokens=8),
                  ("transformer_blocks", "single_transformer_blocks"),
-                 "Flux.1-dev sized (11.9 B), 1024x1024: 4096 image + 512 text tokens"),
+                 "Flux.1-dev sized (11.9 B), 1024x1024: 4096 image + 512 text tokens", 23.8),
         Scenario("flux-12b-512", "flux", _FLUX_DEV,
                  dict(image_hw=(32, 32), text_tokens=512),
                  _FLUX_TINY, dict(image_hw=(4, 4), text_tokens=8),
                  ("transformer_blocks", "single_transformer_blocks"),
-                 "Flux.1-dev sized, 512x512: 1024 image + 512 text tokens (launch/stream bound)",
+                 "Flux.1-dev sized, 512x512: 1024 image + 512 text tokens (launch/stream bound)", 23.8,
                  allowed_peers=("accelerate-cpu",)),
         Scenario("wan-14b-480p", "wan", _WAN_14B,
                  dict(latent=(1, 16, 21, 60, 104), text_tokens=512),
                  _WAN_TINY, dict(latent=(1, 16, 2, 8, 8), text_tokens=8),
                  ("blocks",),
-                 "Wan2.1-14B sized (14.3 B), 480x832, 81 frames: 32760 video + 512 text tokens"),
+                 "Wan2.1-14B sized (14.3 B), 480x832, 81 frames: 32760 video + 512 text tokens", 28.6),
     )
 }
 

@@ -257,3 +257,24 @@ def test_bad_device_and_module():
         m = ToyDiT()
         m.single_blocks[0].up.weight = m.single_blocks[1].up.weight
         OffloadedTransformer(m, None, device=DEV)
+
+
+def test_failed_setup_loses_nothing(monkeypatch):
+    from weightstream.offload import host_store
+
+    model, ref, x = build("toy", DEV)
+    calls = {"n": 0}
+    real_pin = host_store.HostStore.pin
+
+    def failing_pin(self, i):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise MemoryError("injected")
+        return real_pin(self, i)
+
+    monkeypatch.setattr(host_store.HostStore, "pin", failing_pin)
+    with pytest.raises(MemoryError):
+        OffloadedTransformer(model, None, device=DEV)
+    assert all(p.numel() > 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(**x), ref(**x))

@@ -113,8 +113,9 @@ class MemoryMonitor:
     ``hz``: memory/utilisation samples per second. ``devices``: CUDA device
     indices (as this process sees them through CUDA_VISIBLE_DEVICES) to
     sample; None = every visible GPU. ``host_pid``: the process whose RSS
-    (with its children) is sampled, default this one. ``pcie``: sample PCIe
-    throughput (needs NVML). Use as a context manager or start()/stop().
+    (with its children) is sampled, default this one, at ``host_hz`` (0: not
+    sampled). ``pcie``: sample PCIe throughput (needs NVML). Use as a context
+    manager or start()/stop().
     """
 
     def __init__(self, hz: float = 100, devices: Iterable[int] | None = None, *,
@@ -123,7 +124,7 @@ class MemoryMonitor:
         if not (isinstance(hz, (int, float)) and 0 < hz <= 1000):
             raise ValueError(f"hz={hz!r} must be a number in (0, 1000]")
         self.hz = float(hz)
-        self.host_hz = float(min(host_hz, hz))
+        self.host_hz = float(min(host_hz, hz)) if host_hz else 0.0
         self.host_pid = host_pid if host_pid is not None else os.getpid()
         self._want_devices = None if devices is None else [int(d) for d in devices]
         self._want_pcie = pcie
@@ -242,9 +243,10 @@ class MemoryMonitor:
 
     # ---------------------------------------------------------------- sampling
     def _run(self):
-        period, host_period = 1.0 / self.hz, 1.0 / self.host_hz
+        period = 1.0 / self.hz
+        host_period = 1.0 / self.host_hz if self.host_hz else float("inf")
         next_t = time.perf_counter()
-        next_host = next_t
+        next_host = next_t if self.host_hz else float("inf")
         while True:
             now = time.perf_counter()
             self._sample(now, host=now >= next_host)
