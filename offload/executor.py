@@ -134,6 +134,9 @@ class LayerwiseExecutor:
                 [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
             )
         self.position = 0  # next position to compute
+        # Positions below this had their loads waited for outside (before a
+        # graph launch): a capture must not wait on events recorded outside it.
+        self.external_loads_until = 0
         self._bound: int | None = None  # streamed index currently bound
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:
@@ -217,7 +220,8 @@ class LayerwiseExecutor:
         slot = self.schedule.slot_at(p)
         if self.cuda:
             cs = torch.cuda.current_stream(self.device)
-            cs.wait_event(self.loaded[slot])
+            if p >= self.external_loads_until:
+                cs.wait_event(self.loaded[slot])
             self._compute_stream = cs
         self._bind(block - self.schedule.resident, slot)
         if self.log is not None:
@@ -260,6 +264,30 @@ class LayerwiseExecutor:
         if self.cuda:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
+
+    def pending_loads(self) -> list[tuple[int, int]]:
+        """(position, slot) of the loads already issued for upcoming positions."""
+        return [(self.position + i, self.schedule.slot_at(self.position + i)) for i in range(self.schedule.slots)]
+
+    def wait_pending(self, stream) -> None:
+        """Make ``stream`` wait for the loads of upcoming positions (before a graph launch)."""
+        if not self._primed:
+            self._prime()
+        for _, slot in self.pending_loads():
+            stream.wait_event(self.loaded[slot])
+
+    def reset(self) -> None:
+        """Unbind, wait for all outstanding work, re-prime at the next step boundary.
+        Used after a failed capture; not on the normal path."""
+        if self._bound is not None:
+            self._unbind(self._bound)
+        self.synchronize()
+        n = self.schedule.n
+        self.position = -(-self.position // n) * n
+        self.external_loads_until = 0
+        if self._primed:
+            for i in range(self.schedule.slots):
+                self._issue(self.schedule.load(self.position + i), wait_free=False)
 
     def reload_pending(self) -> None:
         """Re-copy the slots already loaded for upcoming positions (after the host

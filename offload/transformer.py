@@ -249,6 +249,15 @@ class OffloadedTransformer(nn.Module):
             )
         else:
             self._streamed = StreamedBlocks(module, cfg, self._device, plan)
+        self._graphs = None
+        if cfg.cuda_graphs == "on":
+            from weightstream.graphs.runner import GraphRunner
+
+            try:
+                self._graphs = GraphRunner(module, self._streamed.executor, cfg)
+            except BaseException:
+                self._streamed.restore()  # nothing lost: the module gets its weights back
+                raise
         self._disabled = False
 
     # attribute access passes through to the wrapped model (.config, .dtype, ...)
@@ -265,6 +274,8 @@ class OffloadedTransformer(nn.Module):
     def forward(self, *args, **kwargs):
         if self._disabled:
             raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
+        if self._graphs is not None:
+            return self._graphs(args, kwargs)
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -293,6 +304,9 @@ class OffloadedTransformer(nn.Module):
     def disable(self) -> nn.Module:
         """Stop streaming: every weight back on the device, hooks removed; returns the plain module."""
         self._check_live()
+        if self._graphs is not None:
+            self._graphs.release()
+            self._graphs = None
         module = self._streamed.restore()
         self._disabled = True
         return module
@@ -305,6 +319,11 @@ class OffloadedTransformer(nn.Module):
         """Per-block copy/compute intervals (needs ``record_events=True``); synchronises."""
         self._check_live()
         return self._streamed.executor.events()
+
+    @property
+    def graphs(self):
+        """The GraphRunner when cuda_graphs='on' (counts, policy), else None."""
+        return self._graphs
 
     @property
     def executor(self) -> LayerwiseExecutor:

@@ -1,0 +1,111 @@
+"""Capture/replay policy: pure, CPU-tested, no CUDA.
+
+Keys: one graph per *input signature* (the structure of args/kwargs, each
+tensor's shape, dtype, device and requires_grad, each other leaf's value) and
+*phase* (which step of the slot pattern: with an odd block count and two
+slots, even and odd steps use the slots the other way round, so they need
+different graphs).
+
+Decisions per call: a new signature runs eager once (warm-up: lazy
+initialisation, library autotuning, allocator growth); the next call with it
+captures; later calls replay. A signature whose capture failed runs eager from
+then on (one warning, naming the cause, is the mechanism's job). The number of
+live graphs is bounded; the least recently used is evicted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class Action(Enum):
+    EAGER_WARMUP = "eager-warmup"
+    CAPTURE = "capture"
+    REPLAY = "replay"
+    EAGER_FALLBACK = "eager-fallback"
+
+
+class UnsupportedInput(ValueError):
+    """An argument leaf that cannot be part of a graph signature."""
+
+
+def _leaf_key(leaf):
+    if isinstance(leaf, torch.Tensor):
+        return ("T", tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad, tuple(leaf.stride()))
+    if leaf is None or isinstance(leaf, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return ("V", type(leaf).__name__, leaf)
+    try:
+        hash(leaf)
+    except TypeError as e:
+        raise UnsupportedInput(
+            f"argument leaf of type {type(leaf).__name__} is neither a tensor nor a hashable value"
+        ) from e
+    return ("V", type(leaf).__name__, leaf)
+
+
+def signature(args: tuple, kwargs: dict):
+    """Hashable key of a call: argument structure plus per-leaf metadata/values."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec), tuple(_leaf_key(x) for x in leaves))
+
+
+def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class GraphPolicy:
+    max_graphs: int = 8
+    warmed: set = field(default_factory=set)
+    failed: dict = field(default_factory=dict)  # signature -> cause
+    live: OrderedDict = field(default_factory=OrderedDict)  # (signature, phase) -> None (LRU order)
+
+    def __post_init__(self):
+        if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
+            raise ValueError(f"max_graphs={self.max_graphs!r} must be an int >= 1")
+
+    def decide(self, sig, phase: int) -> Action:
+        if sig in self.failed:
+            return Action.EAGER_FALLBACK
+        key = (sig, phase)
+        if key in self.live:
+            self.live.move_to_end(key)
+            return Action.REPLAY
+        if sig not in self.warmed:
+            return Action.EAGER_WARMUP
+        return Action.CAPTURE
+
+    def warmed_up(self, sig) -> None:
+        self.warmed.add(sig)
+
+    def captured(self, sig, phase: int) -> list:
+        """Record a new graph; return the keys to evict (LRU beyond max_graphs)."""
+        self.live[(sig, phase)] = None
+        evict = []
+        while len(self.live) > self.max_graphs:
+            k, _ = self.live.popitem(last=False)
+            evict.append(k)
+        return evict
+
+    def capture_failed(self, sig, cause: str) -> bool:
+        """Mark a signature eager-only; True the first time any capture failed (warn once)."""
+        first = not self.failed
+        self.failed[sig] = cause
+        return first
+
+    def clear(self) -> None:
+        self.warmed.clear()
+        self.failed.clear()
+        self.live.clear()
+
+
+def phase_period(num_streamed: int, num_slots: int) -> int:
+    """Steps after which the slot pattern repeats."""
+    from math import gcd
+
+    return num_slots // gcd(num_streamed, num_slots)

@@ -1,0 +1,162 @@
+"""CUDA-graph mechanism: capture one denoising step over the fixed slots, replay it.
+
+What one graph holds: every streamed block's H2D copy from the pinned host
+store into its slot (issued by the executor's hooks on the copy stream during
+capture), the compute of every block, the copies the last blocks issue for the
+next step, and the events joining the streams. The loads of a step's first
+positions were issued before the graph starts (by the previous step); the
+launching stream waits for them eagerly, because a capture may not wait on
+events recorded outside it. Host weights are read at replay time, so
+``update_weights`` needs no recapture.
+
+Policy (keys, when to capture, fallback) lives in :mod:`policy`.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .policy import Action, GraphPolicy, UnsupportedInput, phase_period, signature
+
+
+class CapturePreconditionError(RuntimeError):
+    """A condition for capturing the step does not hold (named in the message)."""
+
+
+class StaticAddressError(RuntimeError):
+    """debug_graph_addresses: a static buffer moved between capture and replay."""
+
+
+def check_preconditions(executor, config) -> None:
+    """Raise CapturePreconditionError naming the first unmet condition."""
+    if executor.device.type != "cuda":
+        raise CapturePreconditionError(f"cuda_graphs='on' needs a CUDA device, got {executor.device}")
+    if not executor.store.pinned:
+        raise CapturePreconditionError(
+            "cuda_graphs='on' needs every block of the host store pinned (pin_memory=true and no "
+            f"pinned-memory budget cut-off); store: {executor.store!r}, reason: {executor.store.pin_failure}"
+        )
+    if config.record_events:
+        raise CapturePreconditionError("cuda_graphs='on' cannot record the per-block event log; set record_events=false")
+
+
+class _Graph:
+    def __init__(self, graph, static_in: list[torch.Tensor], static_out, addresses: list[int]):
+        self.graph, self.static_in, self.static_out, self.addresses = graph, static_in, static_out, addresses
+
+
+class GraphRunner:
+    """Runs a module's steps through captured CUDA graphs, eager where it must."""
+
+    def __init__(self, module, executor, config, *, max_graphs: int = 8):
+        check_preconditions(executor, config)
+        self.module, self.executor, self.config = module, executor, config
+        self.policy = GraphPolicy(max_graphs=max_graphs)
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.period = phase_period(executor.schedule.n, executor.schedule.slots)
+        self.counts = {a.value: 0 for a in Action}
+
+    def _phase(self) -> int:
+        ex = self.executor
+        return (ex.position // ex.schedule.n) % self.period
+
+    def __call__(self, args: tuple, kwargs: dict):
+        try:
+            sig = signature(args, kwargs)
+        except UnsupportedInput as e:
+            return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=str(e))
+        action = self.policy.decide(sig, self._phase())
+        if action is Action.REPLAY:
+            return self._replay(self.graphs[(sig, self._phase())], args, kwargs)
+        if action is Action.CAPTURE:
+            return self._capture(sig, args, kwargs)
+        out = self._eager(args, kwargs, action)
+        if action is Action.EAGER_WARMUP:
+            self.policy.warmed_up(sig)
+        return out
+
+    def _eager(self, args, kwargs, action: Action, cause: str | None = None):
+        if cause is not None and self.policy.capture_failed(("unsupported",), cause):
+            warnings.warn(f"weightstream: cuda_graphs: running eager: {cause}", stacklevel=4)
+        self.counts[action.value] += 1
+        return self.module(*args, **kwargs)
+
+    # -- capture -----------------------------------------------------------------
+    def _capture(self, sig, args, kwargs):
+        ex = self.executor
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        for x in static:
+            if isinstance(x, torch.Tensor) and x.device != ex.device:
+                return self._fail(sig, args, kwargs, f"input tensor on {x.device}, not {ex.device}: inputs must live on the device")
+        s_args, s_kwargs = pytree.tree_unflatten(static, spec)
+        phase = self._phase()
+        ex.wait_pending(torch.cuda.current_stream(ex.device))  # primes a deferred executor
+        graph = torch.cuda.CUDAGraph()
+        # the step's first loads were issued before the graph (torch.cuda.graph
+        # synchronises on entry); the capture must not wait on their events
+        ex.external_loads_until = ex.position + ex.schedule.slots
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.module(*s_args, **s_kwargs)
+                # join the copy stream back into the capturing stream
+                torch.cuda.current_stream(ex.device).wait_stream(ex.copy_stream)
+        except Exception as e:  # data-dependent shapes, host syncs, unsupported ops
+            ex.external_loads_until = 0
+            ex.reset()
+            return self._fail(sig, args, kwargs, f"{type(e).__name__}: {e}")
+        ex.external_loads_until = 0
+        # Capture ran the hooks (position advanced by one step) but executed
+        # nothing; the replay below executes that step.
+        tensors = [x for x in static if isinstance(x, torch.Tensor)]
+        g = _Graph(graph, tensors, out, [t.data_ptr() for t in tensors])
+        for key in self.policy.captured(sig, phase):
+            self.graphs.pop(key, None)
+        self.graphs[(sig, phase)] = g
+        self.counts[Action.CAPTURE.value] += 1
+        graph.replay()
+        return _fresh(out)
+
+    def _fail(self, sig, args, kwargs, cause: str):
+        if self.policy.capture_failed(sig, cause):
+            warnings.warn(f"weightstream: cuda_graphs: capture failed, running eager: {cause}", stacklevel=4)
+        self.counts[Action.EAGER_FALLBACK.value] += 1
+        return self.module(*args, **kwargs)
+
+    # -- replay ------------------------------------------------------------------
+    def _replay(self, g: _Graph, args, kwargs):
+        ex = self.executor
+        if self.config.debug_graph_addresses:
+            moved = [i for i, (t, a) in enumerate(zip(g.static_in, g.addresses)) if t.data_ptr() != a]
+            if moved:
+                raise StaticAddressError(f"static inputs {moved} moved since capture")
+        with torch.no_grad():
+            for dst, src in zip(g.static_in, tensor_inputs(args, kwargs)):
+                dst.copy_(src)
+        stream = torch.cuda.current_stream(ex.device)
+        ex.wait_pending(stream)
+        g.graph.replay()
+        ex.position += ex.schedule.n
+        self.counts[Action.REPLAY.value] += 1
+        return _fresh(g.static_out)
+
+    def release(self) -> None:
+        """Drop every graph and static buffer (their pool memory returns to the allocator)."""
+        torch.cuda.synchronize(self.executor.device)
+        self.graphs.clear()
+        self.policy.clear()
+        self.pool = None
+        torch.cuda.empty_cache()
+
+
+def tensor_inputs(args, kwargs) -> list[torch.Tensor]:
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _fresh(out):
+    """Clone every tensor of a static output (the next replay overwrites it)."""
+    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)

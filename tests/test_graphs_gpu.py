@@ -1,0 +1,160 @@
+"""CUDA graphs on the device: each case runs in its own process (pytest -m gpu)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_isolated(name: str):
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_graphs_gpu as t; t.{name}()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+# -- bodies (run in a fresh process each) -------------------------------------------------
+
+def _setup(name="flux", dtype="bfloat16", **cfg):
+    import torch
+
+    from layerwise_cases import build, first
+    from weightstream import OffloadConfig, OffloadedTransformer
+
+    model, ref, x = build(name, "cuda", getattr(torch, dtype))
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), device="cuda")
+    return torch, first, w, ref, x
+
+
+def case_graph_equals_eager_flux():
+    torch, first, w, ref, x = _setup("flux")
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(5)]  # warm-up, capture, replays (odd n: two phases)
+    assert all(torch.equal(o, expected) for o in outs), [float((o.float() - expected.float()).abs().max()) for o in outs]
+    c = w.graphs.counts
+    assert c["eager-warmup"] == 1 and c["capture"] == 2 and c["replay"] == 2, c
+    assert outs[-1].data_ptr() != outs[-2].data_ptr()  # fresh tensors, not the static output
+
+
+def case_graph_equals_eager_wan():
+    torch, first, w, ref, x = _setup("wan", "float32")
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(4)]
+    assert all(torch.equal(o, expected) for o in outs)
+    assert w.graphs.counts["replay"] >= 1
+
+
+def case_update_weights_without_recapture():
+    torch, first, w, ref, x = _setup("flux")
+    with torch.no_grad():
+        for _ in range(4):
+            w(**x)
+        captures = w.graphs.counts["capture"]
+        new = {k: v * 0.5 if v.is_floating_point() else v for k, v in ref.state_dict().items()}
+        ref.load_state_dict(new)
+        w.update_weights(new)
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(2)]
+    assert w.graphs.counts["capture"] == captures, "update_weights must not recapture"
+    assert all(torch.equal(o, expected) for o in outs)
+
+
+def case_fallback_on_host_sync():
+    import warnings
+
+    import torch
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import ToyDiT, toy_inputs
+
+    class Syncing(ToyDiT):
+        def forward(self, x):
+            h = super().forward(x)
+            if h.sum().item() > 1e30:  # a host sync: cannot be captured
+                h = h * 2
+            return h
+
+    model = Syncing().cuda()
+    ref = Syncing().cuda()
+    x = toy_inputs(device="cuda")
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cuda")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [w(**x) for _ in range(4)]
+        expected = ref(**x)
+    msgs = [str(c.message) for c in caught if "cuda_graphs" in str(c.message)]
+    assert len(msgs) == 1 and "capture failed" in msgs[0], msgs
+    assert all(torch.equal(o, expected) for o in outs)
+    assert w.graphs.counts["eager-fallback"] >= 2
+
+
+def case_several_signatures_alive():
+    torch, first, w, ref, x = _setup("toy", "float32")
+    from weightstream.models import toy_inputs
+
+    x2 = toy_inputs(batch=3, tokens=7, device="cuda", seed=5)
+    with torch.no_grad():
+        e1, e2 = ref(**x), ref(**x2)
+        outs = []
+        for _ in range(4):
+            outs.append((w(**x), w(**x2)))
+    assert all(torch.equal(a, e1) and torch.equal(b, e2) for a, b in outs)
+    assert len({k[0] for k in w.graphs.graphs}) == 2, list(w.graphs.graphs)
+
+
+def case_disable_releases_graph_memory():
+    import gc
+
+    torch, first, w, ref, x = _setup("flux")
+    with torch.no_grad():
+        for _ in range(4):
+            w(**x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    plain = w.disable()
+    del w
+    gc.collect()
+    torch.cuda.empty_cache()
+    after_reserved = torch.cuda.memory_reserved()
+    assert after_reserved < before, (before, after_reserved)
+    with torch.no_grad():
+        assert torch.equal(first(plain(**x)), first(ref(**x)))
+
+
+def case_debug_addresses():
+    torch, first, w, ref, x = _setup("toy", "float32", debug_graph_addresses=True)
+    from weightstream.graphs.runner import StaticAddressError
+
+    with torch.no_grad():
+        for _ in range(3):
+            w(**x)
+        g = next(iter(w.graphs.graphs.values()))
+        g.static_in[0] = g.static_in[0].clone()  # simulate a moved static buffer
+        try:
+            w(**x)
+        except StaticAddressError:
+            return
+    raise AssertionError("moved static input not detected")
+
+
+# -- pytest entry points ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "case_graph_equals_eager_flux",
+        "case_graph_equals_eager_wan",
+        "case_update_weights_without_recapture",
+        "case_fallback_on_host_sync",
+        "case_several_signatures_alive",
+        "case_disable_releases_graph_memory",
+        "case_debug_addresses",
+    ],
+)
+def test_graphs(case):
+    run_isolated(case)

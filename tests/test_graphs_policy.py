@@ -1,0 +1,84 @@
+"""Graph capture/replay policy: pure, on the CPU."""
+import pytest
+import torch
+
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.graphs.policy import Action, GraphPolicy, UnsupportedInput, phase_period, signature
+from weightstream.graphs.runner import CapturePreconditionError
+from weightstream.models import ToyDiT, toy_inputs
+
+
+def test_signature_keys_shapes_dtypes_and_values():
+    a = torch.zeros(2, 3)
+    base = signature((a,), {"flag": True})
+    assert base == signature((torch.ones(2, 3),), {"flag": True})  # values of tensors do not matter
+    assert base != signature((torch.zeros(2, 4),), {"flag": True})
+    assert base != signature((torch.zeros(2, 3, dtype=torch.float64),), {"flag": True})
+    assert base != signature((a,), {"flag": False})
+    assert base != signature((a,), {"flag": True, "extra": None})
+    assert base != signature((a.t().contiguous().t(),), {"flag": True})  # strides
+    nested = signature((), {"kw": {"x": a, "scale": 1.0}})
+    assert nested != signature((), {"kw": {"x": a, "scale": 2.0}})
+    hash(base), hash(nested)
+
+
+def test_unhashable_leaf_is_rejected():
+    with pytest.raises(UnsupportedInput, match="bytearray"):
+        signature((bytearray(b"x"),), {})
+
+
+def test_warmup_then_capture_then_replay():
+    pol = GraphPolicy(max_graphs=4)
+    sig = signature((torch.zeros(1),), {})
+    assert pol.decide(sig, 0) is Action.EAGER_WARMUP
+    pol.warmed_up(sig)
+    assert pol.decide(sig, 0) is Action.CAPTURE
+    assert pol.captured(sig, 0) == []
+    assert pol.decide(sig, 0) is Action.REPLAY
+    assert pol.decide(sig, 1) is Action.CAPTURE  # other phase: its own graph
+
+
+def test_cache_is_bounded_lru():
+    pol = GraphPolicy(max_graphs=2)
+    sigs = [signature((torch.zeros(i + 1),), {}) for i in range(3)]
+    for s in sigs[:2]:
+        pol.warmed_up(s)
+        pol.captured(s, 0)
+    pol.decide(sigs[0], 0)  # touch: sigs[1] becomes least recently used
+    pol.warmed_up(sigs[2])
+    assert pol.captured(sigs[2], 0) == [(sigs[1], 0)]
+    assert pol.decide(sigs[1], 0) is Action.CAPTURE
+    assert pol.decide(sigs[0], 0) is Action.REPLAY
+
+
+def test_failed_capture_falls_back_for_that_signature_only():
+    pol = GraphPolicy()
+    s1, s2 = signature((1,), {}), signature((2,), {})
+    pol.warmed_up(s1)
+    pol.warmed_up(s2)
+    assert pol.capture_failed(s1, "host sync") is True
+    assert pol.capture_failed(s2, "again") is False  # warn once
+    assert pol.decide(s1, 0) is Action.EAGER_FALLBACK
+    pol.failed.pop(s2)
+    assert pol.decide(s2, 0) is Action.CAPTURE
+
+
+@pytest.mark.parametrize("n, slots, period", [(4, 2, 1), (5, 2, 2), (57, 2, 2), (6, 3, 1), (7, 3, 3)])
+def test_phase_period(n, slots, period):
+    assert phase_period(n, slots) == period
+
+
+def test_bad_max_graphs():
+    with pytest.raises(ValueError, match="max_graphs=0"):
+        GraphPolicy(max_graphs=0)
+
+
+def test_preconditions_are_named_and_lose_nothing():
+    model = ToyDiT()
+    x = toy_inputs()
+    with torch.no_grad():
+        ref = model(**x)
+    with pytest.raises(CapturePreconditionError, match="needs a CUDA device"):
+        OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(**x), ref)  # weights given back
