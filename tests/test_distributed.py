@@ -1,0 +1,595 @@
+"""Distributed layerwise offload (DLO) on CPU over gloo.
+
+Multi-rank checks run in real processes (2 and 3 ranks), one launch per rank
+count: every check of a launch runs in the same processes and reports back
+through a pickle per rank, and the test functions below assert on those
+reports. Processes come from a forkserver that has imported torch and
+diffusers once (a plain spawn re-imports diffusers in every process, about
+12 s each on a 2-core machine). The compatibility rules need no process group
+and run in the test process.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import re
+import sys
+import traceback
+
+import pytest
+import torch
+
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
+from weightstream.offload import distributed as dlo
+from weightstream.offload.distributed import ParallelConfig, resolve_transfer, shard_size, validate_wave
+from weightstream.offload.host_store import PAGE
+from weightstream.offload.layout import TENSOR_ALIGN
+
+PRELOAD = [
+    "torch", "torch.distributed", "weightstream.models", "weightstream.offload.distributed",
+    "diffusers.models.transformers.transformer_flux",
+]
+
+
+# --------------------------------------------------------------------------- launcher
+def run_ranks(world: int, tmpdir, target: str, *, backend: str = "gloo", timeout: float = 240.0) -> list[dict]:
+    """Run ``target`` ("module:function", called as fn(rank, world)) on ``world``
+    ranks of a fresh process group; return each rank's report dict."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    tmpdir = str(tmpdir)
+    procs = [ctx.Process(target=_worker, args=(r, world, tmpdir, target, backend)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    for p in procs:
+        p.join(max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    reports = []
+    for r in range(world):
+        path = os.path.join(tmpdir, f"rank{r}.pkl")
+        if not os.path.exists(path):
+            pytest.fail(f"rank {r} wrote no report (exit code {procs[r].exitcode}; hung ranks: {hung})")
+        with open(path, "rb") as f:
+            reports.append(pickle.load(f))
+    for r, rep in enumerate(reports):
+        if "__error__" in rep:
+            pytest.fail(f"rank {r} failed outside a check:\n{rep['__error__']}")
+    if hung:
+        pytest.fail(f"ranks {hung} did not finish within {timeout} s")
+    return reports
+
+
+def _worker(rank, world, tmpdir, target, backend):
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    import torch.distributed as dist
+
+    report: dict = {}
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        mod, fn = target.split(":")
+        report = getattr(importlib.import_module(mod), fn)(rank, world)
+    except BaseException:
+        report["__error__"] = traceback.format_exc()
+    with open(os.path.join(tmpdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(report, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (seconds with diffusers loaded) and gloo's
+
+
+class Checks:
+    """Runs named checks inside a rank; an exception becomes that check's report."""
+
+    def __init__(self):
+        self.report: dict = {}
+
+    def run(self, name, fn, *args, **kw):
+        try:
+            self.report[name] = fn(*args, **kw)
+        except BaseException:
+            self.report[name] = {"__error__": traceback.format_exc()}
+
+
+def get(reports, name) -> list:
+    """One check's report from every rank (failing with the rank's traceback)."""
+    out = []
+    for r, rep in enumerate(reports):
+        if name not in rep:
+            pytest.fail(f"rank {r} has no report for {name!r}")
+        v = rep[name]
+        if isinstance(v, dict) and "__error__" in v:
+            pytest.fail(f"rank {r}, check {name!r} raised:\n{v['__error__']}")
+        out.append(v)
+    return out
+
+
+# --------------------------------------------------------------------------- checks (inside ranks)
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _model(kind, rank, dtype=torch.float32):
+    """(model, inputs): the same weights on every rank, this rank's own request."""
+    if kind == "toy":
+        return ToyDiT(), toy_inputs(seed=1 + rank)
+    m = tiny_flux(dtype=dtype)
+    return m, flux_inputs(m, seed=1 + rank)
+
+
+STAT_KEYS = ("transfer", "shard_group", "shard_group_size", "shard_rank", "host_bytes", "model_bytes",
+             "pinned_host_gb_per_rank", "streamed_bytes_per_step", "h2d_bytes_per_step", "blocks_streamed",
+             "gather", "shard_bytes", "usable")
+
+
+def check_equal(kind, parallel, *, transfer=None, forwards=3, rank=0, device="cpu", dtype=torch.float32,
+                same_inputs=False, **cfg_kw):
+    """Offloaded outputs vs the resident model over several forwards, then disable()."""
+    model, inputs = _model(kind, 0 if same_inputs else rank, dtype)
+    ref_model = copy.deepcopy(model).to(device)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = _first(ref_model(**inputs))
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, progress=False, **cfg_kw)
+    om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
+    primed_before = om.executor._primed
+    with torch.no_grad():
+        equal = [torch.equal(_first(om(**inputs)), ref) for _ in range(forwards)]
+    stats = om.stats()
+    layouts = [lay.nbytes for lay in om._streamed.layouts]
+    plain = om.disable()
+    with torch.no_grad():
+        restored = torch.equal(_first(plain(**inputs)), ref)
+    ref_sd = ref_model.state_dict()
+    weights_back = all(torch.equal(v, ref_sd[k]) for k, v in plain.state_dict().items())
+    return dict(equal=equal, restored=restored, weights_back=weights_back, primed_before=primed_before,
+                layouts=layouts, stats={k: stats.get(k) for k in STAT_KEYS})
+
+
+def check_weights(parallel, rank):
+    """update_weights / gather_state_dict / state_dict() on an AllGather backend."""
+    model, inputs = _model("toy", rank)
+    ref_model = copy.deepcopy(model)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)  # primes and prefetches the next step's first blocks
+    g = torch.Generator().manual_seed(7)  # the same new weights on every rank
+    new = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in ref_model.state_dict().items()}
+    written = om.update_weights(new)
+    ref_model.load_state_dict(new)
+    with torch.no_grad():
+        ref = ref_model(**inputs)
+        equal = [torch.equal(om(**inputs), ref) for _ in range(2)]
+    full = om._streamed.gather_state_dict()
+    gathered_ok = sorted(full) == sorted(new) and all(torch.equal(full[k], new[k]) for k in new)
+    try:
+        om.state_dict()
+        state_dict_error = None
+    except RuntimeError as e:
+        state_dict_error = str(e)
+    om.disable()
+    return dict(written=len(written), expected=len(new), equal=equal, gathered_ok=gathered_ok,
+                state_dict_error=state_dict_error)
+
+
+def _message(fn):
+    try:
+        return ("ok", fn())
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+def check_waves(parallel, rank, world):
+    base = {"prompt": f"request of rank {rank}", "num_inference_steps": 4, "height": 64, "width": 64,
+            "guidance_scale": 3.5}
+    last = world - 1
+    without_steps = {k: v for k, v in base.items() if k != "num_inference_steps"}
+    return {
+        "agree": _message(lambda: validate_wave(dict(base), parallel)),
+        "steps_differ": _message(lambda: validate_wave({**base, "num_inference_steps": 4 + (rank == last)},
+                                                       parallel)),
+        "steps_missing": _message(lambda: validate_wave(without_steps if rank == last else base, parallel)),
+        "steps_none": _message(lambda: validate_wave({**base, "num_inference_steps": None} if rank == 0 else base,
+                                                     parallel)),
+        "path_differ": _message(lambda: validate_wave({**base, "height": 64 if rank == 0 else 128}, parallel)),
+        "cfg_differs": _message(lambda: validate_wave({**base, "negative_prompt": "blurry"} if rank == last
+                                                      else base, parallel)),
+        "not_a_dict": _message(lambda: validate_wave(None if rank == last else base, parallel)),
+        "custom_keys": _message(lambda: validate_wave({**base, "mode": rank}, parallel, path_keys=("mode",))),
+        "rank_local": _message(lambda: validate_wave(without_steps, parallel, transfer="rank-local")),
+        "after": _message(lambda: validate_wave(dict(base), parallel)),  # still in step after rejections
+    }
+
+
+def check_failure_everywhere(parallel, rank):
+    """A collective that raises on every rank (injected) marks the backend unusable."""
+    import torch.distributed as dist
+
+    model, inputs = _model("toy", rank)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
+    calls = {"n": 0}
+
+    def failing(*args, **kw):  # third-party function replaced in this rank process only
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected collective failure")
+        return original(*args, **kw)
+
+    setattr(dist, name, failing)
+    try:
+        try:
+            with torch.no_grad():
+                om(**inputs)
+            first = None
+        except RuntimeError as e:
+            first = str(e)
+        with torch.no_grad():
+            try:
+                om(**inputs)
+                later = None
+            except RuntimeError as e:
+                later = str(e)
+        try:
+            om.disable()
+            disable = None
+        except RuntimeError as e:
+            disable = str(e)
+    finally:
+        setattr(dist, name, original)
+    return dict(first=first, later=later, disable=disable, usable=om._streamed.usable,
+                stats_failure=om.stats()["failure"], calls_after=calls["n"])
+
+
+def check_failure_one_rank(rank, world):
+    """One rank raises inside a block (a user hook); its peers time out in the next
+    gather. Every rank ends unusable, and later forwards raise at once."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, inputs = _model("toy", rank)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+    state = {"forward": 0}
+
+    def boom(module, args):
+        if rank == 1 and state["forward"] == 1:
+            raise ValueError("injected failure inside single_blocks.0 on rank 1")
+
+    handle = model.single_blocks[0].register_forward_pre_hook(boom)
+    errors = []
+    for i in range(3):
+        state["forward"] = i
+        try:
+            with torch.no_grad():
+                om(**inputs)
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    handle.remove()
+    return dict(errors=errors, usable=om._streamed.usable, failure=om.stats()["failure"])
+
+
+def check_list_gather(parallel, rank):
+    """A backend without all_gather_into_tensor (gloo before it gained one): the
+    construction-time probe fails on every rank and DLO gathers into a list of
+    views of the block slot instead."""
+    import torch.distributed as dist
+
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def unsupported(*args, **kw):  # third-party function replaced in this rank process only
+        raise RuntimeError("no support for _allgather_base in Gloo process group (simulated)")
+
+    for n in names:
+        setattr(dist, n, unsupported)
+    try:
+        return check_equal("toy", parallel, rank=rank, forwards=2)
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def scenario_two(rank, world):
+    """Every 2-rank check, in one launch."""
+    import torch.distributed as dist
+
+    dp = ParallelConfig(dp=world)
+    c = Checks()
+    c.run("toy_allgather", check_equal, "toy", dp, transfer="allgather", rank=rank)
+    c.run("toy_default", check_equal, "toy", dp, rank=rank, forwards=2)
+    c.run("toy_allgather_3slots", check_equal, "toy", dp, rank=rank, num_slots=3, forwards=3)
+    c.run("toy_list_gather", check_list_gather, dp, rank)
+    c.run("toy_rank_local_resident", check_equal, "toy", dp, transfer="rank-local", rank=rank,
+          resident_layers=2)
+    c.run("flux_allgather", check_equal, "flux", dp, transfer="allgather", rank=rank, forwards=2)
+    c.run("flux_rank_local", check_equal, "flux", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("weights", check_weights, dp, rank)
+    c.run("waves", check_waves, dp, rank, world)
+    c.run("failure_everywhere", check_failure_everywhere, dp, rank)
+    dist.barrier()
+    c.run("failure_one_rank", check_failure_one_rank, rank, world)
+    return c.report
+
+
+def scenario_three(rank, world):
+    """Every 3-rank check, in one launch."""
+    c = Checks()
+    dp = ParallelConfig(dp=world)
+    sp = ParallelConfig(sp=world)
+    c.run("toy_allgather", check_equal, "toy", dp, rank=rank)
+    c.run("flux_allgather_sp", check_equal, "flux", sp, rank=rank, forwards=2, same_inputs=True)
+    c.run("flux_allgather_bf16", check_equal, "flux", dp, rank=rank, forwards=2, dtype=torch.bfloat16)
+    c.run("toy_rank_local", check_equal, "toy", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("waves", check_waves, dp, rank, world)
+    return c.report
+
+
+# --------------------------------------------------------------------------- launches
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_ranks(2, tmp_path_factory.mktemp("dlo2"), "test_distributed:scenario_two")
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    return run_ranks(3, tmp_path_factory.mktemp("dlo3"), "test_distributed:scenario_three")
+
+
+EQUALITY_2 = ["toy_allgather", "toy_default", "toy_allgather_3slots", "toy_list_gather",
+              "toy_rank_local_resident", "flux_allgather", "flux_rank_local"]
+EQUALITY_3 = ["toy_allgather", "flux_allgather_sp", "flux_allgather_bf16", "toy_rank_local"]
+
+
+def _assert_equal_report(reps, name, world):
+    for r, rep in enumerate(reps):
+        assert rep["equal"] and all(rep["equal"]), f"rank {r} {name}: outputs differ from resident {rep['equal']}"
+        assert rep["restored"], f"rank {r} {name}: disable() output differs from resident"
+        assert rep["weights_back"], f"rank {r} {name}: disable() weights differ from the originals"
+        assert rep["primed_before"] is False, f"rank {r} {name}: loads were issued before the first forward"
+        st = rep["stats"]
+        want = "rank-local" if "rank_local" in name else "allgather"
+        assert st["transfer"] == want
+        if want == "allgather":
+            assert st["shard_group_size"] == world and st["shard_rank"] == r
+    if "rank_local" not in name:
+        assert {rep["stats"]["shard_rank"] for rep in reps} == set(range(world))
+
+
+@pytest.mark.parametrize("name", EQUALITY_2)
+def test_two_ranks_bit_exact(two, name):
+    _assert_equal_report(get(two, name), name, 2)
+
+
+@pytest.mark.parametrize("name", EQUALITY_3)
+def test_three_ranks_bit_exact(three, name):
+    _assert_equal_report(get(three, name), name, 3)
+
+
+def test_models_have_odd_blocks_and_sizes_not_divisible(two, three):
+    for reps, world in ((get(two, "toy_allgather"), 2), (get(three, "toy_allgather"), 3),
+                        (get(three, "flux_allgather_sp"), 3)):
+        layouts = reps[0]["layouts"]
+        assert len(layouts) % 2 == 1
+        assert any(n % (world * TENSOR_ALIGN) for n in layouts), "every block divides evenly: padding untested"
+
+
+@pytest.mark.parametrize("launch,name,world", [("two", "toy_allgather", 2), ("two", "flux_allgather", 2),
+                                               ("three", "toy_allgather", 3), ("three", "flux_allgather_bf16", 3)])
+def test_allgather_host_bytes_per_rank(request, launch, name, world):
+    reps = get(request.getfixturevalue(launch), name)
+    for rep in reps:
+        st, n = rep["stats"], len(rep["layouts"])
+        total = st["streamed_bytes_per_step"]
+        assert st["shard_bytes"] <= total / world + n * TENSOR_ALIGN
+        assert st["shard_bytes"] * world >= total
+        assert st["host_bytes"] <= total / world + n * (TENSOR_ALIGN + PAGE)
+        assert st["h2d_bytes_per_step"] == st["shard_bytes"]
+        assert st["model_bytes"] > total
+
+
+def test_rank_local_keeps_full_blocks(two):
+    for rep in get(two, "flux_rank_local"):
+        st = rep["stats"]
+        assert st["shard_group_size"] == 1
+        assert st["host_bytes"] >= st["streamed_bytes_per_step"]
+    for rep in get(two, "toy_rank_local_resident"):
+        assert rep["stats"]["blocks_streamed"] == 5
+
+
+def test_list_gather_fallback_and_probe(two):
+    assert [r["stats"]["gather"] for r in get(two, "toy_list_gather")] == ["list", "list"]
+    # gloo in this torch has all_gather_into_tensor; the probe picks it
+    assert [r["stats"]["gather"] for r in get(two, "toy_allgather")] == ["tensor", "tensor"]
+
+
+def test_update_weights_and_gather_state_dict(two):
+    for rep in get(two, "weights"):
+        assert rep["written"] == rep["expected"]
+        assert all(rep["equal"]), "after update_weights outputs differ from the resident model with new weights"
+        assert rep["gathered_ok"]
+        assert rep["state_dict_error"] and "gather_state_dict" in rep["state_dict_error"]
+
+
+@pytest.mark.parametrize("launch,world", [("two", 2), ("three", 3)])
+def test_request_waves(request, launch, world):
+    reps = get(request.getfixturevalue(launch), "waves")
+    for key in reps[0]:
+        assert len({repr(rep[key]) for rep in reps}) == 1, f"{key}: ranks disagree: {[rep[key] for rep in reps]}"
+    w = reps[0]
+    last = world - 1
+    assert w["agree"] == ("ok", 4)
+    assert w["after"] == ("ok", 4)
+    assert w["rank_local"] == ("ok", None)
+    kind, msg = w["steps_differ"]
+    assert kind == "ValueError" and "num_inference_steps differs" in msg and f"dp rank {last}: 5" in msg
+    assert "before any weight collective" in msg
+    kind, msg = w["steps_missing"]
+    assert kind == "ValueError" and f"missing (or None) on dp rank(s) [{last}]" in msg
+    kind, msg = w["steps_none"]
+    assert kind == "ValueError" and "missing (or None) on dp rank(s) [0]" in msg
+    kind, msg = w["path_differ"]
+    assert kind == "ValueError" and "height differs" in msg and "128" in msg and "width" not in msg.split(".")[0]
+    kind, msg = w["cfg_differs"]
+    assert kind == "ValueError" and "negative_prompt differs" in msg
+    kind, msg = w["not_a_dict"]
+    assert kind == "ValueError" and f"dp rank {last}: the request is a NoneType" in msg
+    kind, msg = w["custom_keys"]
+    assert kind == "ValueError" and "mode differs" in msg
+
+
+def test_collective_failure_marks_unusable(two):
+    for rep in get(two, "failure_everywhere"):
+        assert rep["first"] and "injected collective failure" in rep["first"]
+        assert rep["later"] and "unusable" in rep["later"] and "injected collective failure" in rep["later"]
+        assert rep["disable"] and "unusable" in rep["disable"]
+        assert rep["usable"] is False and "injected" in rep["stats_failure"]
+        assert rep["calls_after"] == 3, "a collective ran after the backend was marked unusable"
+
+
+def test_one_rank_failure_marks_every_rank_unusable(two):
+    reps = get(two, "failure_one_rank")
+    r0, r1 = reps
+    assert r0["errors"][0] is None and r1["errors"][0] is None
+    assert "injected failure inside single_blocks.0" in r1["errors"][1]
+    assert r0["errors"][1] and r0["errors"][1].startswith("RuntimeError")  # its gather timed out or broke
+    for rep in reps:
+        assert rep["usable"] is False
+        assert "unusable" in rep["errors"][2]
+    assert "injected failure inside single_blocks.0" in r1["errors"][2]
+    assert "stopped after" in r1["failure"]
+
+
+# --------------------------------------------------------------------------- rules (no process group)
+def _toy_and_ptrs():
+    m = ToyDiT()
+    return m, {k: (v.data_ptr(), v.numel()) for k, v in m.state_dict().items()}
+
+
+REJECTIONS = [
+    (dict(dp=2, tp=2), "allgather", 0, "weight_transfer='allgather' with tp=2"),
+    (dict(dp=2, tp=2), None, 0, "unset (the DLO default 'allgather' for dp=2) with tp=2"),
+    (dict(sp=2, tp=4), None, 0, "for sp=2) with tp=4"),
+    (dict(sp=2, hsdp=2), "allgather", 0, "hsdp=2 is not allowed: HSDP already shards the parameters, so a DLO "
+                                        "AllGather would double-shard"),
+    (dict(sp=2, hsdp=2), None, 0, "would double-shard"),
+    (dict(hsdp=2), "allgather", 0, "would double-shard"),
+    (dict(dp=2), None, 2, "resident_layers=2 with layer_options.dit.weight_transfer unset"),
+    (dict(tp=2), "allgather", 0, "with tp=2"),
+]
+
+
+@pytest.mark.parametrize("par,transfer,resident,match", REJECTIONS)
+def test_rejections_before_any_tensor_moves(par, transfer, resident, match):
+    model, ptrs = _toy_and_ptrs()
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
+    with pytest.raises(ValueError) as e:
+        OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(**par))
+    assert match in str(e.value)
+    assert "rank-local" in str(e.value)  # names the way out
+    after = {k: (v.data_ptr(), v.numel()) for k, v in model.state_dict().items()}
+    assert after == ptrs, "a rejected config moved or released tensors"
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("par,msg", [
+    (dict(hsdp=2, dp=2), "HSDP combines with SP only"),
+    (dict(hsdp=2, tp=2), "HSDP combines with SP only"),
+    (dict(dp=0), "ParallelConfig.dp=0"),
+    (dict(sp=-1), "ParallelConfig.sp=-1"),
+    (dict(tp=1.5), "ParallelConfig.tp=1.5"),
+    (dict(hsdp=True), "ParallelConfig.hsdp=True"),
+])
+def test_parallel_config_rejections(par, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        ParallelConfig(**par)
+
+
+@pytest.mark.parametrize("par,transfer,resident,want", [
+    (dict(dp=2), None, 0, "allgather"),
+    (dict(sp=2), None, 0, "allgather"),
+    (dict(dp=2, sp=4), None, 0, "allgather"),
+    (dict(), None, 0, "rank-local"),
+    (dict(), "allgather", 0, "rank-local"),  # a group of one rank has nothing to gather
+    (dict(tp=4), None, 0, "rank-local"),
+    (dict(dp=2, tp=2), "rank-local", 0, "rank-local"),
+    (dict(hsdp=2), None, 0, "rank-local"),
+    (dict(hsdp=2, sp=2), "rank-local", 0, "rank-local"),
+    (dict(dp=2), "rank-local", 3, "rank-local"),
+])
+def test_transfer_resolution(par, transfer, resident, want):
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None)
+    assert resolve_transfer(cfg, ParallelConfig(**par)) == want
+
+
+def test_sharding_group_is_dp_then_sp_never_tp():
+    assert ParallelConfig(dp=2, sp=4, tp=2).shard_dim == "dp"
+    assert ParallelConfig(sp=4, tp=2).shard_dim == "sp"
+    assert ParallelConfig(tp=8).shard_dim is None
+    assert ParallelConfig(hsdp=2, sp=2).shard_size == 2
+
+
+@pytest.mark.parametrize("par", [dict(hsdp=2, sp=2), dict(hsdp=2), dict(dp=2, tp=2), dict(dp=4), dict(tp=2)])
+def test_rank_local_accepted_without_collectives(par):
+    """HSDP(+SP), TP and DP stream rank-locally; no process group is needed or used."""
+    model, inputs = ToyDiT(), toy_inputs()
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = ref_model(**inputs)
+    cfg = OffloadConfig.layerwise(weight_transfer="rank-local", progress=False)
+    om = OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(**par))
+    with torch.no_grad():
+        assert torch.equal(om(**inputs), ref)
+        assert torch.equal(om(**inputs), ref)
+    assert om.stats()["transfer"] == "rank-local" and om.stats()["shard_group_size"] == 1
+    plain = om.disable()
+    with torch.no_grad():
+        assert torch.equal(plain(**inputs), ref)
+
+
+def test_allgather_needs_an_initialised_group():
+    model, ptrs = _toy_and_ptrs()
+    with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):
+        OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu",
+                             parallel=ParallelConfig(dp=2))
+    assert {k: (v.data_ptr(), v.numel()) for k, v in model.state_dict().items()} == ptrs
+
+
+def test_parallel_must_be_a_parallel_config():
+    with pytest.raises(TypeError, match="ParallelConfig"):
+        OffloadedTransformer(ToyDiT(), OffloadConfig.layerwise(), device="cpu", parallel={"dp": 2})
+
+
+def test_validate_wave_without_collective():
+    assert validate_wave({}, ParallelConfig(dp=2), transfer="rank-local") is None
+    assert validate_wave({}, ParallelConfig(sp=2)) is None  # SP ranks share one request
+    assert validate_wave({}, ParallelConfig()) is None
+    with pytest.raises(ValueError, match="transfer='ring'"):
+        validate_wave({}, ParallelConfig(dp=2), transfer="ring")
+    with pytest.raises(ValueError, match="needs an initialised"):
+        validate_wave({"num_inference_steps": 4}, ParallelConfig(dp=2))
+
+
+@pytest.mark.parametrize("nbytes,n,want", [(512, 2, 512), (1024, 2, 512), (1536, 2, 1024), (1536, 3, 512),
+                                           (2048, 3, 1024), (157696, 3, 52736), (512, 1, 512)])
+def test_shard_size(nbytes, n, want):
+    got = shard_size(nbytes, n)
+    assert got == want and got % TENSOR_ALIGN == 0 and got * n >= nbytes
