@@ -15,10 +15,12 @@ Mechanism (DESIGN.md section 3):
   image (every tensor 512-byte aligned) and pinned once. That image is the
   one host master; nothing is ever copied back (weights are immutable).
 - Arrival: allocate the unit's device buffer, ONE H2D copy of its image on a
-  copy stream, the compute stream waits on the copy's event
-  (``current_stream().wait_event``), and every parameter / buffer is rebound
-  (``.data``) to its aligned view of the buffer. Parameter objects keep their
-  identity.
+  copy stream (issued as one copy per registered 1 GiB range of the image:
+  a copy spanning several ``cudaHostRegister`` ranges may not take the pinned
+  path), the compute stream waits on the copy's event
+  (``current_stream().wait_event``, no synchronize), and every parameter /
+  buffer is rebound (``.data``) to its aligned view of the buffer while the
+  copy is in flight. Parameter objects keep their identity.
 - Departure: every tensor is rebound to an empty placeholder and the buffer
   reference is dropped, which returns its memory to the allocator. No D2H
   copy, no synchronisation.
@@ -53,8 +55,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -65,7 +69,7 @@ from torch import nn
 from .components import Component, Components, SupportsComponentDiscovery, discover_components
 from .config import OffloadConfig
 from .discovery import resolve_path
-from .host_store import HostStore, Progress
+from .host_store import REGISTER_CHUNK, HostStore, Progress
 from .layout import block_tensors, build_layout
 from .transformer import resolve_device
 
@@ -84,6 +88,7 @@ __all__ = [
 SWAPPED_KINDS = ("dit", "text_encoder")
 MAX_EVENTS = 10_000
 CPU_ALIGN = 4096
+PARALLEL_PACK_BYTES = 64 << 20  # below this, packing on one thread is faster than a pool
 _MARK = "_weightstream_module_offload"
 
 
@@ -417,7 +422,13 @@ class ModuleOffload:
         rest: list[torch.Tensor] = []
         seen: set[int] = set(owner)
         for c in self.components.items:
-            for t in _tensors_of(c.module):
+            for tname, _, t in block_tensors(c.module):
+                unit = self.units.get(owner.get(id(t), ""))
+                if unit is not None and unit.module is not c.module and unit.group != c.name:
+                    raise ValueError(
+                        f"tensor {c.name}.{tname} is shared with component {unit.name!r}, which is offloaded; "
+                        "a swapped tensor cannot also belong to another component: untie the weights"
+                    )
                 if id(t) not in seen:
                     seen.add(id(t))
                     rest.append(t)
@@ -430,19 +441,55 @@ class ModuleOffload:
             pin=self.config.pin_memory and self.cuda,
             budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
         )
-        progress = Progress(f"packing {len(layouts)} components into host memory", self.store.nbytes, self.config.progress)
-        empties: dict[torch.dtype, torch.Tensor] = {}
+        self._pack_all()
         with torch.no_grad():
-            for u in self.units.values():
-                self.store.pack(u.index, u.tensors)
-                u.placeholders = [empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=self.device)) for t in u.tensors]
-                for t, ph in zip(u.tensors, u.placeholders):  # the store is now the one host copy
-                    t.data = ph
-                self.store.pin(u.index)
-                progress.update(u.nbytes)
             for t in rest:
                 if t.device != self.device:
                     t.data = t.data.to(self.device)
+
+    def _pack_all(self) -> None:
+        """Copy every unit's tensors into its image, drop the originals, pin.
+
+        Copies run on worker threads (page-fault and memcpy bound; torch
+        copies release the GIL); dropping and pinning stay on this thread in
+        unit order. On failure every dropped tensor gets its weights back.
+        """
+        units = list(self.units.values())
+        progress = Progress(f"packing {len(units)} components into host memory", self.store.nbytes,
+                            self.config.progress)
+        jobs = [(u, spec, t) for u in units for spec, t in zip(u.layout.tensors, u.tensors)]
+        total = sum(spec.nbytes for _, spec, _ in jobs)
+        workers = max(1, min(8, os.cpu_count() or 1)) if total >= PARALLEL_PACK_BYTES else 1
+        empties: dict[torch.dtype, torch.Tensor] = {}
+        done: list[_Unit] = []
+
+        def copy_one(job) -> None:
+            u, spec, t = job
+            with torch.no_grad():
+                spec.view_of(self.store.image(u.index)).copy_(t.detach())
+
+        try:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-pack") as pool:
+                futures = {id(u): [] for u in units}
+                for job in jobs:
+                    futures[id(job[0])].append(pool.submit(copy_one, job))
+                for u in units:
+                    for f in futures[id(u)]:
+                        f.result()
+                    u.placeholders = [empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=self.device))
+                                      for t in u.tensors]
+                    for t, ph in zip(u.tensors, u.placeholders):  # the store is now the one host copy
+                        t.data = ph
+                    done.append(u)
+                    self.store.pin(u.index)
+                    progress.update(u.nbytes)
+        except BaseException:
+            with torch.no_grad():  # nothing lost: give dropped tensors their weights back
+                for u in done:
+                    for t, hv in zip(u.tensors, self.store.views(u.index)):
+                        t.data = hv.to(self.device, copy=True)
+            self.store.close()
+            raise
 
     def _ordered_layouts(self):
         return [u.layout for u in self.units.values() if u.layout is not None]
@@ -486,7 +533,9 @@ class ModuleOffload:
             # the new buffer may reuse memory that kernels of a unit that just left still read
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
-                buf.copy_(image, non_blocking=True)
+                for lo in range(0, u.nbytes, REGISTER_CHUNK):
+                    hi = min(lo + REGISTER_CHUNK, u.nbytes)
+                    buf[lo:hi].copy_(image[lo:hi], non_blocking=True)
                 u.loaded.record(self.copy_stream)
             compute.wait_event(u.loaded)
         else:

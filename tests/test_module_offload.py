@@ -600,3 +600,46 @@ def test_stats_and_repr(toy):
     hook = handle.hooks[0]
     hook.remove()
     assert "removed" in repr(hook)
+
+
+def test_shared_tensor_with_unselected_component_rejected():
+    class Tied:
+        def __init__(self):
+            self.transformer = ToyDenoiser()
+            self.text_encoder = ToyTextEncoder()
+            self.text_encoder.norm.weight = self.transformer.blocks[0].norm.weight
+
+    with pytest.raises(ValueError, match="text_encoder.norm.weight is shared with component 'transformer'"):
+        offload_pipeline(Tied(), cfg(["dit"]), device="cpu")
+
+
+def test_parallel_packing_path_equal(monkeypatch, toy):
+    import weightstream.offload.module as module_mod
+
+    monkeypatch.setattr(module_mod, "PARALLEL_PACK_BYTES", 0)  # force the worker pool on small weights
+    pipe, inputs, expected = toy
+    offload_pipeline(pipe, cfg(), device="cpu")
+    assert torch.equal(pipe(**inputs), expected)
+
+
+def test_failed_packing_gives_weights_back(monkeypatch, toy):
+    import weightstream.offload.module as module_mod
+
+    pipe, inputs, expected = toy
+    calls = {"n": 0}
+    real_pin = module_mod.HostStore.pin
+
+    def failing_pin(self, i):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("simulated")
+        return real_pin(self, i)
+
+    monkeypatch.setattr(module_mod.HostStore, "pin", failing_pin)
+    with pytest.raises(MemoryError):
+        offload_pipeline(pipe, cfg(), device="cpu")
+    for name in ("text_encoder", "transformer", "transformer_2", "vae"):
+        for t in getattr(pipe, name).parameters():
+            assert t.numel() > 0 and not t._backward_hooks
+        assert not getattr(pipe, name)._forward_pre_hooks
+    assert torch.equal(pipe(**inputs), expected)
