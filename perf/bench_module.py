@@ -1,0 +1,330 @@
+"""Module-offload swap benchmark: encoder -> DiT -> encoder transitions at real sizes.
+
+    python perf/bench_module.py [--encoder-gb 9.5] [--dit-gb 23.8] [--width 4096] [--rounds 3]
+                                [--no-peer] [--out perf/results]
+
+Components are stacks of bf16 ``nn.Linear`` layers (with bias, so the tensor
+count is close to the real models'): a T5-XXL-sized encoder (4.7 B params,
+about 9.5 GB) and a Flux.1-dev-sized DiT (11.9 B params, about 23.8 GB).
+Random weights are generated on the GPU in chunks and copied to host memory
+(CPU random init of 33 GB is slow). The forward is trivial (first and last
+layer on one token), so each timed call is the arrival plus a negligible
+forward.
+
+Measured in the same run:
+
+- pinned H2D bandwidth (1 GiB copies, median) -> the floor of an arrival,
+  component bytes / H2D;
+- ``module``: weightstream module offload (``offload_pipeline``): per
+  arrival, CUDA events around the hooked forward call; departures from the
+  controller's event log (host time of the rebind; no copy back);
+- ``diffusers-model``: what ``DiffusionPipeline.enable_model_cpu_offload``
+  installs (accelerate ``cpu_offload_with_hook`` chain, pageable host
+  weights, ``.to()`` both ways), same modules, arrivals timed the same way,
+  departures (``hook.offload()``) with a host timer around a synchronised call.
+
+Target: every module-mode arrival within 1.1x of its floor, departures < 1 ms.
+Writes ``perf/results/module-swap-<gpu>-<commit>.json`` and prints a table.
+GPU only; ``--help`` works anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import types
+from datetime import datetime, timezone
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python perf/bench_module.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+SCENARIO = "module-swap"
+GB = 1e9
+REPO = Path(__file__).resolve().parent.parent
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class LinearStack(nn.Module):
+    """``n`` bf16 Linear(width, width) layers; forward touches the first and the last."""
+
+    def __init__(self, n: int, width: int):
+        super().__init__()
+        with torch.device("meta"):
+            self.layers = nn.ModuleList([nn.Linear(width, width, dtype=torch.bfloat16) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[-1](self.layers[0](x))
+
+
+def build_stack(target_gb: float, width: int, device: torch.device, seed: int) -> LinearStack:
+    """A stack of about ``target_gb`` with host weights generated on the GPU."""
+    per_layer = (width * width + width) * 2
+    n = max(2, round(target_gb * GB / per_layer))
+    stack = LinearStack(n, width)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for layer in stack.layers:
+        for name in ("weight", "bias"):
+            meta = getattr(layer, name)
+            dev = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0, 0.02, generator=gen)
+            host = torch.empty(meta.shape, dtype=meta.dtype)
+            host.copy_(dev)
+            setattr(layer, name, nn.Parameter(host, requires_grad=False))
+    return stack.eval()
+
+
+def nbytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def measure_h2d_gbps(device: torch.device, size: int = 1 << 30, reps: int = 9) -> float:
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    rates = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src, non_blocking=True)
+        e.record()
+        e.synchronize()
+        rates.append(size / GB / (s.elapsed_time(e) / 1e3))
+    del src, dst
+    return statistics.median(rates)
+
+
+def timed_call(module: nn.Module, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """CUDA-event ms around one hooked call (arrival + trivial forward)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    y = module(x)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e), y
+
+
+def host_timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def git_commit() -> tuple[str, bool]:
+    try:
+        from perf.harness import git_commit as harness_commit
+
+        return harness_commit()
+    except Exception:  # perf.harness moved or missing: the bench still runs
+        return "unknown", False
+
+
+def gpu_slug(name: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3)
+
+
+# ---------------------------------------------------------------- modes
+def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int) -> dict:
+    from weightstream.offload.config import OffloadConfig
+    from weightstream.offload.module import offload_pipeline
+
+    pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
+    t = time.perf_counter()
+    handle = offload_pipeline(pipe, OffloadConfig.module(["dit", "text_encoder"], progress=True), device=device)
+    setup_s = time.perf_counter() - t
+    stats = handle.stats()
+    log(f"module: setup {setup_s:.1f} s (pack + pin), pinned {stats['pinned_bytes'] / GB:.1f} GB"
+        + (f", pin failure: {stats['pin_failure']}" if stats["pin_failure"] else ""))
+    arrivals = {"text_encoder": [], "transformer": []}
+    device_gb = {"text_encoder": [], "transformer": []}
+    out = None
+    for r in range(rounds + 1):  # round 0 warms the allocator (first cudaMalloc of each size)
+        for name, mod in (("text_encoder", enc), ("transformer", dit)):
+            ms, y = timed_call(mod, x)
+            if r:
+                arrivals[name].append(ms)
+                device_gb[name].append(torch.cuda.memory_allocated(device) / GB)
+            if name == "transformer":
+                out = y
+        log(f"module: round {r}{' (warm-up)' if r == 0 else ''}: encoder "
+            f"{arrivals['text_encoder'][-1] if r else float('nan'):.1f} ms, DiT "
+            f"{arrivals['transformer'][-1] if r else float('nan'):.1f} ms")
+    ms, _ = timed_call(enc, x)  # the DiT leaves once more (for the departure figure)
+    departures = {"text_encoder": [], "transformer": []}
+    for e in list(handle.events):
+        if e.action == "depart":
+            departures[e.unit].append(e.host_ms)
+    handle.disable()
+    del handle
+    return {"arrival_ms": {k: med(v) for k, v in arrivals.items()},
+            "arrival_ms_all": {k: [round(a, 2) for a in v] for k, v in arrivals.items()},
+            "departure_ms": {k: med(v) for k, v in departures.items() if v},
+            "device_gb_after_arrival": {k: round(med(v), 2) for k, v in device_gb.items()},
+            "setup_s": round(setup_s, 2), "pinned_host_gb": round(stats["pinned_bytes"] / GB, 2),
+            "output": out}
+
+
+def run_diffusers_model(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int) -> dict:
+    from accelerate import cpu_offload_with_hook
+
+    # what DiffusionPipeline.enable_model_cpu_offload builds for text_encoder->transformer
+    _, hook_e = cpu_offload_with_hook(enc, device)
+    _, hook_d = cpu_offload_with_hook(dit, device, prev_module_hook=hook_e)
+    arrivals = {"text_encoder": [], "transformer": []}
+    departures = {"text_encoder": [], "transformer": []}
+    out = None
+    try:
+        for r in range(rounds + 1):
+            ms_e, _ = timed_call(enc, x)
+            dep_e = host_timed(hook_e.offload)  # (the DiT's pre-forward would do this itself)
+            ms_d, out = timed_call(dit, x)
+            dep_d = host_timed(hook_d.offload)  # maybe_free_model_hooks() at the end of a pipeline call
+            if r:
+                arrivals["text_encoder"].append(ms_e)
+                arrivals["transformer"].append(ms_d)
+                departures["text_encoder"].append(dep_e)
+                departures["transformer"].append(dep_d)
+            log(f"diffusers-model: round {r}{' (warm-up)' if r == 0 else ''}: encoder {ms_e:.0f} ms "
+                f"(+{dep_e:.0f} ms to offload), DiT {ms_d:.0f} ms (+{dep_d:.0f} ms to offload)")
+    finally:
+        hook_e.remove()
+        hook_d.remove()
+    return {"arrival_ms": {k: med(v) for k, v in arrivals.items()},
+            "arrival_ms_all": {k: [round(a, 1) for a in v] for k, v in arrivals.items()},
+            "departure_ms": {k: med(v) for k, v in departures.items()},
+            "output": out.detach().cpu() if out is not None else None}
+
+
+def figures(raw: dict, sizes: dict, h2d: float) -> dict:
+    floors = {k: round(b / (h2d * GB) * 1e3, 3) for k, b in sizes.items()}
+    ratios = {k: round(raw["arrival_ms"][k] / floors[k], 4) for k in floors}
+    step = raw["arrival_ms"]["transformer"]
+    out = {"step_ms": step, "floor_ms": floors["transformer"],
+           "ratio_to_floor": round(step / floors["transformer"], 4),
+           "arrival_ratio_to_floor": ratios["transformer"],
+           "arrival_ms": raw["arrival_ms"], "floors_ms": floors, "arrival_ratios_to_floor": ratios,
+           "departure_ms": raw["departure_ms"], "streamed_gb": round(sizes["transformer"] / GB, 3)}
+    for k in ("arrival_ms_all", "device_gb_after_arrival", "setup_s", "pinned_host_gb"):
+        if k in raw:
+            out[k] = raw[k]
+    return out
+
+
+def table(result: dict) -> str:
+    rows = [f"module-swap on {result['gpu']} ({result['commit'][:12]}), H2D {result['h2d_gbps']:.1f} GB/s",
+            f"{'mode':<16}{'component':<14}{'GB':>7}{'floor ms':>10}{'arrival ms':>12}{'x floor':>9}{'depart ms':>11}"]
+    sizes = result["component_gb"]
+    for mode, f in result["modes"].items():
+        for comp in ("text_encoder", "transformer"):
+            rows.append(f"{mode:<16}{comp:<14}{sizes[comp]:>7.2f}{f['floors_ms'][comp]:>10.1f}"
+                        f"{f['arrival_ms'][comp]:>12.1f}{f['arrival_ratios_to_floor'][comp]:>9.3f}"
+                        f"{f['departure_ms'].get(comp, float('nan')):>11.2f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python perf/bench_module.py", description=__doc__.split("\n\n")[0],
+                                epilog="Sizes in decimal GB. Writes perf/results/module-swap-<gpu>-<commit>.json.")
+    p.add_argument("--encoder-gb", type=float, default=9.5, help="encoder size (T5-XXL: %(default)s)")
+    p.add_argument("--dit-gb", type=float, default=23.8, help="DiT size (Flux.1-dev: %(default)s)")
+    p.add_argument("--width", type=int, default=4096, help="Linear width (%(default)s: 32 MiB per layer)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per mode after one warm-up round")
+    p.add_argument("--peer-rounds", type=int, default=2, help="timed rounds of diffusers-model (slow)")
+    p.add_argument("--no-peer", action="store_true", help="skip diffusers-model (accelerate)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=str(REPO / "perf" / "results"))
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench_module: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    gpu = torch.cuda.get_device_name(device)
+    commit, dirty = git_commit()
+    log(f"{gpu}, torch {torch.__version__}, commit {commit[:12]}{' (dirty)' if dirty else ''}")
+
+    h2d = measure_h2d_gbps(device)
+    log(f"pinned H2D: {h2d:.1f} GB/s (1 GiB copies, median)")
+    x = torch.randn(1, args.width, device=device, dtype=torch.bfloat16)
+    enc = build_stack(args.encoder_gb, args.width, device, seed=1)
+    log(f"built encoder: {len(enc.layers)} layers, {nbytes(enc) / GB:.2f} GB")
+    dit = build_stack(args.dit_gb, args.width, device, seed=2)
+    log(f"built DiT: {len(dit.layers)} layers, {nbytes(dit) / GB:.2f} GB")
+    torch.cuda.empty_cache()
+    sizes = {"text_encoder": nbytes(enc), "transformer": nbytes(dit)}
+
+    modes, raws, failed = {}, {}, {}
+    if not args.no_peer:
+        try:
+            log("diffusers-model (accelerate cpu_offload_with_hook chain) ...")
+            raws["diffusers-model"] = run_diffusers_model(enc, dit, x, device, args.peer_rounds)
+        except Exception as e:  # accelerate missing or broken: keep our own figures
+            failed["diffusers-model"] = f"{type(e).__name__}: {e}"
+            log(f"diffusers-model failed: {failed['diffusers-model']}")
+        for m in (enc, dit):  # back to plain host tensors for the next mode
+            m.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+    log("module (weightstream offload_pipeline) ...")
+    raws["module"] = run_module(enc, dit, x, device, args.rounds)
+    for name in ("module", "diffusers-model"):
+        if name in raws:
+            modes[name] = figures(raws[name], sizes, h2d)
+    outs = [r.get("output") for r in raws.values() if r.get("output") is not None]
+    same = len(outs) == 2 and torch.equal(outs[0].cpu(), outs[1].cpu())
+
+    result = {
+        "scenario": SCENARIO, "gpu": gpu, "gpus": 1, "commit": commit, "dirty": dirty,
+        "torch": torch.__version__.split("+")[0],
+        "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "h2d_gbps": round(h2d, 2), "model_gb": round(sum(sizes.values()) / GB, 2),
+        "component_gb": {k: round(v / GB, 3) for k, v in sizes.items()},
+        "width": args.width, "outputs_equal_across_modes": same if len(outs) == 2 else None,
+        "modes": modes,
+    }
+    if failed:
+        result["failed"] = failed
+    try:
+        from perf.results import validate_result
+
+        validate_result(result)
+    except ImportError:
+        pass
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{SCENARIO}-{gpu_slug(gpu)}-{commit[:12]}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    m = modes["module"]
+    ok = all(r <= 1.1 for r in m["arrival_ratios_to_floor"].values()) and \
+        all(d < 1.0 for d in m["departure_ms"].values())
+    print(f"module arrivals within 1.1x of the floor and departures < 1 ms: {'YES' if ok else 'NO'}; "
+          f"outputs equal across modes: {result['outputs_equal_across_modes']}")
+    print(f"result: {path}")
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
