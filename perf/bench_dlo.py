@@ -1,0 +1,418 @@
+"""Distributed layerwise offload (DLO) on 2 GPUs: a Flux.1-sized DiT at 1024x1024, DP=2.
+
+    python perf/bench_dlo.py [--modes resident,dlo-allgather,dlo-rank-local[,layerwise]] [--steps 5]
+    torchrun --nproc-per-node 2 perf/bench_dlo.py ...      (same; without torchrun it starts 2 ranks itself)
+
+One request per rank (DP=2, NCCL, one process per GPU). The random-weight
+FluxTransformer2DModel (diffusers defaults, guidance_embeds=True, bf16,
+11.9 B parameters) is built on the meta device and filled on the GPU with the
+same seed on every rank; DLO packs its host store from those GPU weights and
+``disable()`` gives them back for the next mode. Reported per mode: median
+step time over ``--steps`` steps after ``--warmup`` (CUDA events; the slowest
+rank counts, since a DP wave moves at its pace), pinned host GB per rank,
+bit-exactness against the resident step, and the floor:
+
+    dlo-allgather:          max(resident, bytes / (N x H2D) + bytes / all-gather GB/s)
+    dlo-rank-local, layerwise: max(resident, bytes / H2D)
+
+H2D GB/s: a 1 GiB pinned copy, both ranks at once. All-gather GB/s: output
+bytes / time of an all_gather_into_tensor with a 700 MB output. Targets:
+AllGather step <= 1.1 x floor; per-rank pinned bytes <= 0.51 x model bytes.
+Writes perf/results/flux-12b-1024-<gpu-slug>-x2-<commit>.json (rank 0);
+``WEIGHTSTREAM_COMMIT`` names the commit where the tree has no .git.
+``--tiny`` runs a tiny Flux on CPU ranks over gloo (a smoke test; writes a
+result file only with --out).
+"""
+from __future__ import annotations
+
+import os
+
+for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
+    sys.path.insert(0, str(REPO))
+
+SCENARIO = "flux-12b-1024"
+MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise")
+TARGET_RATIO = 1.1
+TARGET_PINNED_FRACTION = 0.51
+FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
+FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+                 axes_dims_rope=(4, 6, 6))
+GiB = 1 << 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python perf/bench_dlo.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--modes", default="resident,dlo-allgather,dlo-rank-local",
+                   help=f"comma list from {', '.join(MODES)} (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (>= 5 for a result)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--tiny", action="store_true", help="tiny Flux on CPU ranks (gloo): a smoke test")
+    p.add_argument("--out", default=None, help="result folder (default: perf/results; none with --tiny)")
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"--modes {','.join(bad)} is not allowed; choose from: {', '.join(MODES)}")
+    if "resident" not in modes:
+        modes.insert(0, "resident")  # every floor needs the resident step
+    args.modes = modes
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+class Clock:
+    def __init__(self, rank: int):
+        self.rank, self.t0 = rank, time.perf_counter()
+
+    def log(self, msg: str, all_ranks: bool = False) -> None:
+        if self.rank == 0 or all_ranks:
+            print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.1f}s rank {self.rank}] {msg}",
+                  flush=True)
+
+
+# --------------------------------------------------------------------------- model
+def build_model(cfg: dict, device, seed: int = 0):
+    """FluxTransformer2DModel on ``device`` with N(0, 0.02) weights, zero biases and unit
+    norm scales, generated on ``device`` (meta construction: no CPU init)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**cfg)
+    model = model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            is_norm = "norm" in type(mod).__name__.lower()
+            for name, p in mod.named_parameters(recurse=False):
+                if name == "bias":
+                    p.zero_()
+                elif is_norm and name == "weight":
+                    p.fill_(1)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    if list(model.buffers()):
+        raise RuntimeError("this Flux version has buffers, which meta construction leaves uninitialised")
+    return model
+
+
+def model_inputs(model, device, rank: int, tiny: bool):
+    from weightstream.models import flux_inputs
+
+    tokens, text = (16, 8) if tiny else (4096, 512)
+    return flux_inputs(model, image_tokens=tokens, text_tokens=text, device=device, seed=1 + rank)
+
+
+# --------------------------------------------------------------------------- timing
+class Timer:
+    """Per-step times: CUDA events on the compute stream, perf_counter on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def steps(self, fn, n: int) -> list[float]:
+        import torch
+
+        if not self.cuda:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for a, b in evs:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in evs]
+
+
+def measure_h2d(device, cuda: bool, dist) -> float:
+    """GB/s of a 1 GiB pinned host -> device copy, every rank at once (median of 5)."""
+    import torch
+
+    if not cuda:
+        return 0.0
+    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(GiB, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = Timer(True).steps(lambda: dst.copy_(src, non_blocking=True), 5)
+    del src, dst
+    return GiB / (statistics.median(times) / 1e3) / 1e9
+
+
+def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int = 700_000_000) -> float:
+    """Output GB/s of all_gather_into_tensor with a ``out_bytes`` output (median of 5)."""
+    import torch
+
+    if not cuda:
+        return 0.0
+    from weightstream.offload.distributed import _all_gather_tensor_fn
+
+    gather = _all_gather_tensor_fn()
+    shard = out_bytes // world
+    inp = torch.ones(shard, dtype=torch.uint8, device=device)
+    out = torch.empty(shard * world, dtype=torch.uint8, device=device)
+    gather(out, inp)
+    torch.cuda.synchronize()
+    times = Timer(True).steps(lambda: gather(out, inp), 5)
+    del inp, out
+    return shard * world / (statistics.median(times) / 1e3) / 1e9
+
+
+# --------------------------------------------------------------------------- modes
+def run_mode(mode, model, inputs, ref, args, ctx):
+    """Time one offloaded mode; return (figures, model with its weights back on the device)."""
+    import torch
+    import torch.distributed as dist
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.offload.distributed import ParallelConfig
+
+    clock, device, cuda = ctx["clock"], ctx["device"], ctx["cuda"]
+    transfer = {"dlo-allgather": "allgather", "dlo-rank-local": "rank-local"}.get(mode)
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, progress=ctx["rank"] == 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if transfer is None:
+        om = OffloadedTransformer(model, cfg, device=device)
+    else:
+        om = OffloadedTransformer(model, cfg, device=device, parallel=ParallelConfig.data_parallel())
+    setup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    clock.log(f"{mode}: set up in {setup_s:.1f} s; warm-up {args.warmup} + {args.steps} steps")
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            out = om(**inputs)[0]
+        dist.barrier()
+        last = {}
+        times = ctx["timer"].steps(lambda: last.__setitem__("out", om(**inputs)[0]), args.steps)
+    exact = bool(torch.equal(last["out"], ref))
+    s = om.stats()
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
+    t0 = time.perf_counter()
+    model = om.disable()  # a collective with AllGather; the full weights are back on the device
+    restore_s = time.perf_counter() - t0
+    del om, out
+    if cuda:
+        torch.cuda.empty_cache()
+    fig = dict(
+        step_ms=statistics.median(times), step_ms_all=[round(t, 3) for t in times], bit_exact=exact,
+        pinned_host_gb_per_rank=s["pinned_bytes"] / 1e9, host_gb_per_rank=s["host_bytes"] / 1e9,
+        model_gb=s.get("model_bytes", s["streamed_bytes_per_step"] + s["resident_bytes"]) / 1e9,
+        streamed_gb=s["streamed_bytes_per_step"] / 1e9,
+        h2d_gb_per_rank=s.get("h2d_bytes_per_step", s["streamed_bytes_per_step"]) / 1e9,
+        shard_group_size=s.get("shard_group_size", 1), setup_s=setup_s, restore_s=restore_s,
+        peak_device_gb=peak, pin_failure=s["pin_failure"],
+    )
+    clock.log(f"{mode}: median {fig['step_ms']:.1f} ms/step (rank {ctx['rank']}), bit-exact {exact}, pinned "
+              f"{fig['pinned_host_gb_per_rank']:.2f} GB of {fig['model_gb']:.2f} GB", all_ranks=True)
+    return fig, model
+
+
+def rank_main(args, rank: int, world: int, local: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    clock = Clock(rank)
+    cuda = not args.tiny
+    if cuda:
+        if torch.cuda.device_count() <= local:
+            print(f"rank {rank}: needs GPU {local}, found {torch.cuda.device_count()} (use --tiny on CPU)",
+                  file=sys.stderr)
+            return 2
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    try:
+        clock.log(f"{world} ranks, {'NCCL on ' + torch.cuda.get_device_name(device) if cuda else 'gloo on CPU'}, "
+                  f"torch {torch.__version__}")
+        ctx = dict(clock=clock, device=device, cuda=cuda, rank=rank, timer=Timer(cuda))
+        h2d = measure_h2d(device, cuda, dist)
+        ag = measure_allgather(device, cuda, dist, world)
+        clock.log(f"H2D {h2d:.1f} GB/s per rank (1 GiB pinned, all ranks at once); all-gather {ag:.1f} GB/s "
+                  f"(700 MB output)", all_ranks=True)
+        t0 = time.perf_counter()
+        model = build_model(FLUX_TINY if args.tiny else FLUX_12B, device)
+        inputs = model_inputs(model, device, rank, args.tiny)
+        if cuda:
+            torch.cuda.synchronize()
+        clock.log(f"built the random-weight Flux on {device} in {time.perf_counter() - t0:.1f} s")
+        with torch.no_grad():
+            for _ in range(max(args.warmup, 1)):
+                ref = model(**inputs)[0]
+            dist.barrier()
+            res_times = ctx["timer"].steps(lambda: model(**inputs)[0], args.steps)
+        per_rank = {"resident": dict(step_ms=statistics.median(res_times),
+                                     step_ms_all=[round(t, 3) for t in res_times])}
+        clock.log(f"resident: median {per_rank['resident']['step_ms']:.1f} ms/step", all_ranks=True)
+        failed = {}
+        for mode in args.modes:
+            if mode == "resident":
+                continue
+            try:
+                per_rank[mode], model = run_mode(mode, model, inputs, ref, args, ctx)
+            except Exception as e:  # a failed mode is reported; the others still run
+                failed[mode] = f"{type(e).__name__}: {e}"
+                clock.log(f"{mode} failed: {failed[mode]}", all_ranks=True)
+                break  # the weights may be gone with it
+        everyone = [None] * world
+        dist.all_gather_object(everyone, dict(modes=per_rank, failed=failed, h2d=h2d, ag=ag))
+        if rank == 0:
+            result = assemble(args, everyone, world, torch.cuda.get_device_name(device) if cuda else "cpu")
+            write(result, args, clock)
+            return 0 if result["targets"]["met"] is not False and not result.get("failed") else 1
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- result
+def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
+    import torch
+
+    from perf.harness import git_commit
+
+    h2d = min(e["h2d"] for e in everyone)
+    ag = min(e["ag"] for e in everyone)
+    resident = max(e["modes"]["resident"]["step_ms"] for e in everyone)
+    modes = {"resident": {"step_ms": round(resident, 3),
+                          "step_ms_per_rank": [round(e["modes"]["resident"]["step_ms"], 3) for e in everyone]}}
+    for mode in args.modes:
+        figs = [e["modes"].get(mode) for e in everyone]
+        if mode == "resident" or any(f is None for f in figs):
+            continue
+        f0 = figs[0]
+        streamed = f0["streamed_gb"] * 1e9
+        if h2d > 0:
+            if mode == "dlo-allgather":
+                n = f0["shard_group_size"]
+                floor = streamed / (n * h2d * 1e9) * 1e3 + streamed / (ag * 1e9) * 1e3
+            else:
+                floor = streamed / (h2d * 1e9) * 1e3
+            floor = max(resident, floor)
+        else:  # CPU smoke test: no link to measure
+            floor = resident
+        step = max(f["step_ms"] for f in figs)
+        modes[mode] = dict(
+            step_ms=round(step, 3), floor_ms=round(floor, 3), ratio_to_floor=round(step / floor, 4),
+            ratio_to_resident=round(step / resident, 4),
+            pinned_host_gb_per_rank=round(max(f["pinned_host_gb_per_rank"] for f in figs), 4),
+            host_gb_per_rank=round(max(f["host_gb_per_rank"] for f in figs), 4),
+            model_gb=round(f0["model_gb"], 4), streamed_gb=round(f0["streamed_gb"], 4),
+            h2d_gb_per_rank=round(f0["h2d_gb_per_rank"], 4),
+            bit_exact=all(f["bit_exact"] for f in figs),
+            step_ms_per_rank=[round(f["step_ms"], 3) for f in figs],
+            peak_device_gb=None if f0["peak_device_gb"] is None else round(max(f["peak_device_gb"] for f in figs), 3),
+            setup_s=round(max(f["setup_s"] for f in figs), 2), restore_s=round(max(f["restore_s"] for f in figs), 2),
+        )
+        if f0["pin_failure"]:
+            modes[mode]["pin_failure"] = f0["pin_failure"]
+    ag_fig = modes.get("dlo-allgather")
+    met = None
+    if ag_fig and h2d > 0:
+        met = (ag_fig["ratio_to_floor"] <= TARGET_RATIO
+               and ag_fig["pinned_host_gb_per_rank"] <= TARGET_PINNED_FRACTION * ag_fig["model_gb"]
+               and ag_fig["bit_exact"])
+    commit, dirty = git_commit()
+    result = {
+        "scenario": SCENARIO + ("-tiny" if args.tiny else ""), "gpu": gpu, "gpus": world, "commit": commit,
+        "dirty": dirty, "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "h2d_gbps": round(h2d, 2) if h2d > 0 else None, "allgather_gbps": round(ag, 2) if ag > 0 else None,
+        "steps": args.steps, "warmup": args.warmup, "modes": modes,
+        "targets": {"ratio_to_floor_max": TARGET_RATIO, "pinned_fraction_max": TARGET_PINNED_FRACTION, "met": met},
+    }
+    failed = {m: e["failed"][m] for e in everyone for m in e["failed"]}
+    if failed:
+        result["failed"] = failed
+    return result
+
+
+def write(result: dict, args, clock: Clock) -> None:
+    from perf.results import gpu_slug, validate_result
+
+    for mode, f in result["modes"].items():
+        extra = "" if mode == "resident" else (
+            f", floor {f['floor_ms']:.1f} ms, x{f['ratio_to_floor']:.3f} floor, pinned {f['pinned_host_gb_per_rank']:.2f}"
+            f" of {f['model_gb']:.2f} GB per rank, bit-exact {f['bit_exact']}")
+        clock.log(f"{mode:15s} {f['step_ms']:8.1f} ms/step{extra}")
+    t = result["targets"]
+    clock.log(f"targets (AllGather <= {t['ratio_to_floor_max']} x floor, pinned <= {t['pinned_fraction_max']} x "
+              f"model): {'met' if t['met'] else 'NOT met' if t['met'] is False else 'n/a'}")
+    try:
+        validate_result(result)
+    except ValueError as e:
+        clock.log(f"result does not validate: {e}")
+    out = args.out or (None if args.tiny else str(REPO / "perf" / "results"))
+    if out is None:
+        print(json.dumps(result, indent=1), flush=True)
+        return
+    name = f"{result['scenario']}-{gpu_slug(result['gpu'])}-x{result['gpus']}-{result['commit'][:12]}.json"
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    clock.log(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- launch
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.exit(rank_main(args, rank, world, rank))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return rank_main(args, rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, args.nproc, port, args)) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max((p.exitcode if p.exitcode is not None else 1) for p in procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""DLO over NCCL on 2 GPUs (one process per GPU): tiny Flux in bf16 and fp32,
+AllGather and rank-local, bit-exact against the resident model on each GPU.
+
+Run on the 2-GPU machine: ``python3 -m pytest -q -m multigpu tests/test_distributed_gpu.py``.
+The ranks come from the launcher of tests/test_distributed.py.
+"""
+from __future__ import annotations
+
+import os
+
+for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from test_distributed import Checks, check_equal, check_waves, get, run_ranks  # noqa: E402
+from weightstream.offload.distributed import ParallelConfig  # noqa: E402
+
+pytestmark = pytest.mark.multigpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CASES = [(model, transfer, dt) for model in ("flux",) for transfer in ("allgather", "rank-local") for dt in DTYPES]
+CASES += [("toy", "allgather", "fp32")]
+
+
+def _name(model, transfer, dt):
+    return f"{model}_{transfer}_{dt}"
+
+
+def scenario_gpu(rank, world):
+    """Every 2-GPU check, in one launch (runs inside each rank)."""
+    device = f"cuda:{rank}"
+    dp = ParallelConfig(dp=world)
+    c = Checks()
+    for model, transfer, dt in CASES:
+        c.run(_name(model, transfer, dt), check_equal, model, dp, transfer=transfer, rank=rank, device=device,
+              dtype=DTYPES[dt], forwards=3)
+    c.run("flux_allgather_bf16_events", _events, dp, rank, device)
+    c.run("waves", check_waves, dp, rank, world)
+    c.run("weights", _weights_gpu, dp, rank, device)
+    return c.report
+
+
+def _events(parallel, rank, device):
+    """The AllGather event log has a copy and a gather interval per streamed block and step."""
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import flux_inputs, tiny_flux
+
+    model = tiny_flux(dtype=torch.bfloat16)
+    inputs = flux_inputs(model, device=device, seed=1 + rank)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True, progress=False), device=device,
+                              parallel=parallel)
+    with torch.no_grad():
+        for _ in range(2):
+            om(**inputs)
+    ev = om.events()
+    lanes = {lane: sum(1 for e in ev if e["lane"] == lane) for lane in ("copy", "gather", "compute")}
+    ordered = all(e["end_ms"] >= e["start_ms"] for e in ev)
+    stats = om.stats()
+    om.disable()
+    return dict(lanes=lanes, ordered=ordered, pinned=stats["pinned"], pinned_gb=stats["pinned_host_gb_per_rank"],
+                host_bytes=stats["host_bytes"], blocks=stats["blocks_streamed"])
+
+
+def _weights_gpu(parallel, rank, device):
+    """update_weights re-gathers the primed slots; gather_state_dict returns the new weights."""
+    import copy
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import ToyDiT, toy_inputs
+
+    model, inputs = ToyDiT(), toy_inputs(seed=1 + rank, device=device)
+    ref_model = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=device, parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)
+    g = torch.Generator().manual_seed(7)
+    new = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in ref_model.state_dict().items()}
+    om.update_weights(new)
+    ref_model.load_state_dict(new)
+    with torch.no_grad():
+        equal = [torch.equal(om(**inputs), ref_model(**inputs)) for _ in range(2)]
+    full = om._streamed.gather_state_dict()
+    om.disable()
+    return dict(equal=equal, gathered_ok=all(torch.equal(full[k], new[k]) for k in new))
+
+
+@pytest.fixture(scope="module")
+def gpu2(tmp_path_factory):
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_gpu"), "test_distributed_gpu:scenario_gpu", backend="nccl",
+                     timeout=420)
+
+
+@pytest.mark.parametrize("model,transfer,dt", CASES)
+def test_nccl_bit_exact(gpu2, model, transfer, dt):
+    name = _name(model, transfer, dt)
+    for r, rep in enumerate(get(gpu2, name)):
+        assert all(rep["equal"]), f"rank {r} {name}: outputs differ from the resident model: {rep['equal']}"
+        assert rep["restored"] and rep["weights_back"], f"rank {r} {name}: disable() did not restore"
+        st = rep["stats"]
+        assert st["transfer"] == transfer
+        if transfer == "allgather":
+            assert st["shard_group_size"] == 2 and st["shard_rank"] == r
+            assert st["shard_bytes"] <= st["streamed_bytes_per_step"] / 2 + len(rep["layouts"]) * 512
+
+
+def test_nccl_event_log_and_pinned_shards(gpu2):
+    for rep in get(gpu2, "flux_allgather_bf16_events"):
+        n = rep["blocks"]
+        assert rep["lanes"]["compute"] == 2 * n
+        # every step's blocks were copied and gathered (plus the prefetch of the next step's first two)
+        assert rep["lanes"]["copy"] == rep["lanes"]["gather"] >= 2 * n
+        assert rep["ordered"]
+        assert rep["pinned"] and rep["pinned_gb"] * 1e9 <= rep["host_bytes"]
+
+
+def test_nccl_request_waves(gpu2):
+    reps = get(gpu2, "waves")
+    assert all(rep == reps[0] for rep in reps)
+    assert reps[0]["agree"] == ("ok", 4)
+    assert reps[0]["steps_differ"][0] == "ValueError"
+
+
+def test_nccl_update_weights(gpu2):
+    for rep in get(gpu2, "weights"):
+        assert all(rep["equal"]) and rep["gathered_ok"]
+
