@@ -127,9 +127,10 @@ def prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.
     raise ValueError(f"unknown mode kind {spec.kind!r}")
 
 
-def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device,
-                          record_events: bool) -> Prepared:
-    from weightstream import OffloadConfig, OffloadedTransformer
+def weightstream_config(spec: ModeSpec, record_events: bool = False):
+    """The OffloadConfig of a weightstream mode; a clear RuntimeError when the
+    API rejects it (checked before the model is built: no time wasted)."""
+    from weightstream import OffloadConfig
 
     kw = dict(spec.config_kw)
     if record_events:
@@ -141,6 +142,14 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
             f"mode {spec.name!r}: the weightstream API rejected OffloadConfig.layerwise(**{kw!r}): {e}"
             + (" (the mmap source is not implemented by the controller yet)" if "source" in kw else "")
         ) from e
+    return cfg
+
+
+def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device,
+                          record_events: bool) -> Prepared:
+    from weightstream import OffloadedTransformer
+
+    cfg = weightstream_config(spec, record_events)
     m = OffloadedTransformer(model, cfg, device=device)
     stats = m.stats()
     pinned = stats.get("pinned_bytes")

@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from perf.modes import parse_mode, prepare
+from perf.modes import parse_mode, prepare, weightstream_config
 from perf.results import GB
 from perf.scenarios import build_inputs, build_model, first_output, get_scenario, scenario_label, tensor_bytes, block_bytes
 
@@ -160,6 +160,8 @@ def run_mode(args, prefix: str) -> dict:
     env = environment(device)
     events_dir = os.environ.get("WEIGHTSTREAM_EVENTS_DIR")
     record_events = bool(args.trace_dir or events_dir) and spec.kind == "weightstream"
+    if spec.kind == "weightstream":
+        weightstream_config(spec, record_events)  # refuse before spending time on the build
 
     t = time.perf_counter()
     model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",

@@ -94,6 +94,7 @@ def test_overlap_stats_arithmetic():
     assert step0["hidden_copy_ms"] == 45.0   # copies of blocks 1..3 run under compute
     assert step0["exposed_copy_ms"] == 15.0  # block 0's copy has nothing to hide behind
     assert step0["compute_idle_ms"] == 15.0
+    assert step0["copy_busy_fraction"] == pytest.approx(60 / 95)
     assert st["total"]["hidden_fraction"] == pytest.approx(0.75)
     assert st["total"]["steps"] == 2
     assert overlap_stats([])["total"]["hidden_fraction"] is None

@@ -61,7 +61,9 @@ def _intersection(xs, ys) -> float:
 
 def overlap_stats(events: list[dict]) -> dict:
     """Per step and in total: copy busy ms, compute busy ms, copy ms hidden
-    behind compute, exposed copy ms, compute idle ms inside the step's span."""
+    behind compute, exposed copy ms, compute idle ms inside the step's span,
+    and the copy lane's busy fraction of the span (near 1 when a step is
+    transfer-bound and the link never idles)."""
     steps: dict[int, dict[str, list]] = {}
     for e in events:
         lanes = steps.setdefault(int(e["step"]), {"copy": [], "compute": []})
@@ -78,10 +80,12 @@ def overlap_stats(events: list[dict]) -> dict:
             "hidden_copy_ms": hidden, "exposed_copy_ms": copy_ms - hidden,
             "compute_idle_ms": max(span - comp_ms, 0.0),
             "hidden_fraction": (hidden / copy_ms) if copy_ms > 0 else None,
+            "copy_busy_fraction": (copy_ms / span) if span > 0 else None,
         })
     tot = {k: sum(r[k] for r in rows) for k in ("span_ms", "copy_ms", "compute_ms", "hidden_copy_ms",
                                                 "exposed_copy_ms", "compute_idle_ms")}
     tot["hidden_fraction"] = (tot["hidden_copy_ms"] / tot["copy_ms"]) if tot["copy_ms"] > 0 else None
+    tot["copy_busy_fraction"] = (tot["copy_ms"] / tot["span_ms"]) if tot["span_ms"] > 0 else None
     tot["steps"] = len(rows)
     return {"steps": rows, "total": tot}
 
@@ -138,13 +142,16 @@ def _plot_gpu(ax, trace, index, nvml):
     if nvml is not None:
         d, g = nvml
         t = trace["t"][: len(g["used_bytes"])]
-        ax.plot(t, [None if x is None else x / 1e9 for x in g["used_bytes"]], label="NVML used", color="tab:blue")
-        ax.axhline(d["total_bytes"] / 1e9, color="tab:blue", ls=":", lw=0.8, label="total")
+        used = [None if x is None else x / 1e9 for x in g["used_bytes"]]
+        ax.plot(t, used, label="NVML used", color="tab:blue")
+        peak = max((u for u in used if u is not None), default=0.0)
+        if peak > 0.5 * d["total_bytes"] / 1e9:   # else the total line would flatten the curves
+            ax.axhline(d["total_bytes"] / 1e9, color="tab:blue", ls=":", lw=0.8, label="total")
         ax2 = ax.twinx()
         ax2.plot(t, g["util_pct"], color="tab:gray", lw=0.6, alpha=0.6)
         ax2.set_ylim(0, 105)
         ax2.set_ylabel("util %", color="tab:gray")
-        title = f"GPU{index} {d['name']}"
+        title = f"GPU{index} {d['name']} ({d['total_bytes'] / 1e9:.0f} GB)"
     else:
         title = f"GPU{index} (no NVML: {trace['nvml'].get('message') or 'unavailable'})"[:110]
     if index in tor["devices"]:
@@ -170,10 +177,13 @@ def _plot_events(ax, name, events):
     ax.set_yticks([0, 1], ["compute", "copy"])
     ax.set_xlabel("ms")
     st = overlap_stats(events)["total"]
-    frac = st["hidden_fraction"]
-    ax.set_title(f"overlap timeline '{name}': copy hidden behind compute "
-                 f"{'n/a' if frac is None else f'{100 * frac:.0f}%'}, exposed copy {st['exposed_copy_ms']:.1f} ms, "
-                 f"compute idle {st['compute_idle_ms']:.1f} ms over {st['steps']} step(s)")
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.0f}%"
+
+    ax.set_title(f"overlap '{name}', {st['steps']} step(s): copy lane busy {pct(st['copy_busy_fraction'])}, "
+                 f"copy hidden behind compute {pct(st['hidden_fraction'])}, exposed copy "
+                 f"{st['exposed_copy_ms']:.1f} ms, compute idle {st['compute_idle_ms']:.1f} ms", fontsize=9)
 
 
 # ------------------------------------------------------------------ html
@@ -226,8 +236,9 @@ def render_html(trace: dict, html_path: str, *, png_path: str | None = None, tit
     for name, st in overlap.items():
         for r in st["steps"] + [dict(st["total"], step="all")]:
             frac = "" if r["hidden_fraction"] is None else f"{100 * r['hidden_fraction']:.0f}%"
+            busy = "" if r["copy_busy_fraction"] is None else f"{100 * r['copy_busy_fraction']:.0f}%"
             orows += (f"<tr><td>{html.escape(name)}</td><td>{r['step']}</td><td>{r['span_ms']:.2f}</td>"
-                      f"<td>{r['copy_ms']:.2f}</td><td>{r['compute_ms']:.2f}</td><td>{frac}</td>"
+                      f"<td>{r['copy_ms']:.2f}</td><td>{busy}</td><td>{r['compute_ms']:.2f}</td><td>{frac}</td>"
                       f"<td>{r['exposed_copy_ms']:.2f}</td><td>{r['compute_idle_ms']:.2f}</td></tr>")
     cmd = " ".join(meta.get("command", [])) if isinstance(meta.get("command"), list) else meta.get("command", "")
     doc = f"""<!doctype html>
@@ -246,7 +257,7 @@ driver {html.escape(str(trace['nvml'].get('driver')))}; created {html.escape(tra
 <table><tr><th>GPU</th><th>name</th><th>peak used GB</th><th>total GB</th><th>peak util %</th><th>peak H2D GB/s</th><th>peak D2H GB/s</th></tr>{rows}</table>
 {'<h2>torch allocator (this process)</h2><table><tr><th>device</th><th>peak allocated GB</th><th>peak reserved GB</th></tr>' + trows + '</table>' if trows else ''}
 <p>host RSS peak: {_fmt(summary['host_peak_rss_bytes'], 1e9)} GB</p>
-{'<h2>overlap (from event logs)</h2><table><tr><th>log</th><th>step</th><th>span ms</th><th>copy ms</th><th>compute ms</th><th>copy hidden</th><th>exposed copy ms</th><th>compute idle ms</th></tr>' + orows + '</table>' if orows else '<p>no event log attached: no overlap timeline.</p>'}
+{'<h2>overlap (from event logs)</h2><table><tr><th>log</th><th>step</th><th>span ms</th><th>copy ms</th><th>copy busy</th><th>compute ms</th><th>copy hidden</th><th>exposed copy ms</th><th>compute idle ms</th></tr>' + orows + '</table>' if orows else '<p>no event log attached: no overlap timeline.</p>'}
 {img_tag}
 {_json_block(overlap, "weightstream-overlap")}
 {_json_block(trace, "weightstream-trace")}
