@@ -200,6 +200,11 @@ def resolve_transfer(config: OffloadConfig, parallel: ParallelConfig) -> str:
                 f"{said} with hsdp={parallel.hsdp} is not allowed: HSDP already shards the parameters, so a "
                 f"DLO AllGather would double-shard them; {fix} (HSDP keeps its own gathers)"
             )
+        if config.cuda_graphs == "on":
+            raise ValueError(
+                f"cuda_graphs='on' with {said} is not allowed: the AllGather path is not captured in CUDA "
+                f"graphs; set cuda_graphs='off' or {fix}"
+            )
         if config.resident_layers > 0:
             raise ValueError(
                 f"layer_options.dit.resident_layers={config.resident_layers} with {said} is not allowed: "
@@ -402,7 +407,7 @@ class GuardedExecutor(LayerwiseExecutor):
         self.failure: str | None = None
         super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward")
 
-    def check_usable(self, what: str = "forward") -> None:
+    def check_usable(self, what: str = "this forward") -> None:
         if self.failure is not None:
             raise RuntimeError(
                 f"weightstream DLO ({self.mode}) is unusable after an earlier failure on this rank: "
@@ -431,15 +436,6 @@ class GuardedExecutor(LayerwiseExecutor):
     def before_block(self, block: int) -> None:
         self.check_usable()
         super().before_block(block)
-
-    def reload_inflight(self) -> None:
-        """Re-issue the loads already in flight for the next step (after the
-        host weights changed). Not on the hot path."""
-        self.synchronize()
-        if not self._primed:
-            return
-        for i in range(self.schedule.slots):
-            self._issue(self.schedule.load(self.position + i), wait_free=False)
 
 
 class AllGatherExecutor(GuardedExecutor):
@@ -619,12 +615,6 @@ class RankLocalStreamedBlocks(_DLOStreamedBlocks):
         return GuardedExecutor(self.blocks, self.store, self.schedule, self.device,
                                record_events=self.config.record_events)
 
-    def update_weights(self, state_dict, *, strict: bool = False) -> list[str]:
-        self.executor.check_usable("update_weights()")
-        written = super().update_weights(state_dict, strict=strict)
-        self.executor.reload_inflight()  # slots primed for the next step hold the old weights
-        return written
-
     def restore(self) -> nn.Module:
         self._remove_root_hooks()
         return super().restore()
@@ -650,12 +640,21 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         )
         progress = Progress(f"packing this rank's 1/{dlo.group_size} share of {len(layouts)} blocks",
                             store.nbytes, cfg.progress)
-        for k, ts in enumerate(tensors):
-            objs = [t for _, _, t in ts]
-            store.pack(k, objs)
-            drop_storage(objs, device)  # only this rank's share stays in host memory
-            store.pin(k)
-            progress.update(store.shard_bytes[k])
+        k = 0
+        try:
+            for k, ts in enumerate(tensors):
+                objs = [t for _, _, t in ts]
+                store.pack(k, objs)
+                drop_storage(objs, device)  # only this rank's share stays in host memory
+                store.pin(k)
+                progress.update(store.shard_bytes[k])
+        except BaseException as e:
+            store.close()
+            if k:  # the dropped blocks live only as 1/N shards now: say so rather than pretend
+                e.add_note(f"weightstream DLO: setup failed at block {layouts[k].name!r}; the weights of the "
+                           f"{k} blocks before it were already reduced to this rank's 1/{dlo.group_size} "
+                           "share and are lost on this rank: rebuild the model")
+            raise
         return store
 
     def _host_views(self) -> ShardedHostViews:
@@ -726,7 +725,7 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
                                          f"model has {spec.dtype} {spec.shape}")
                     self.store.write(k, spec, new)
                 written.append(key)
-        ex.reload_inflight()
+        ex.reload_pending()  # a collective: slots prefetched before the update hold old weights
         return written
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:

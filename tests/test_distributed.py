@@ -274,17 +274,19 @@ def check_failure_one_rank(rank, world):
             raise ValueError("injected failure inside single_blocks.0 on rank 1")
 
     handle = model.single_blocks[0].register_forward_pre_hook(boom)
-    errors = []
+    errors, runtime = [], []
     for i in range(3):
         state["forward"] = i
         try:
             with torch.no_grad():
                 om(**inputs)
             errors.append(None)
+            runtime.append(None)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}")
+            runtime.append(isinstance(e, RuntimeError))
     handle.remove()
-    return dict(errors=errors, usable=om._streamed.usable, failure=om.stats()["failure"])
+    return dict(errors=errors, runtime=runtime, usable=om._streamed.usable, failure=om.stats()["failure"])
 
 
 def check_list_gather(parallel, rank):
@@ -470,10 +472,10 @@ def test_one_rank_failure_marks_every_rank_unusable(two):
     r0, r1 = reps
     assert r0["errors"][0] is None and r1["errors"][0] is None
     assert "injected failure inside single_blocks.0" in r1["errors"][1]
-    assert r0["errors"][1] and r0["errors"][1].startswith("RuntimeError")  # its gather timed out or broke
+    assert r0["errors"][1] and r0["runtime"][1]  # its gather timed out (or saw the peer's connection close)
     for rep in reps:
         assert rep["usable"] is False
-        assert "unusable" in rep["errors"][2]
+        assert rep["runtime"][2] and "unusable" in rep["errors"][2]
     assert "injected failure inside single_blocks.0" in r1["errors"][2]
     assert "stopped after" in r1["failure"]
 
@@ -494,13 +496,17 @@ REJECTIONS = [
     (dict(hsdp=2), "allgather", 0, "would double-shard"),
     (dict(dp=2), None, 2, "resident_layers=2 with layer_options.dit.weight_transfer unset"),
     (dict(tp=2), "allgather", 0, "with tp=2"),
+    (dict(dp=2), None, "graphs", "cuda_graphs='on' with layer_options.dit.weight_transfer unset"),
 ]
 
 
 @pytest.mark.parametrize("par,transfer,resident,match", REJECTIONS)
 def test_rejections_before_any_tensor_moves(par, transfer, resident, match):
     model, ptrs = _toy_and_ptrs()
-    cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
+    if resident == "graphs":
+        cfg = OffloadConfig.layerwise(weight_transfer=transfer, cuda_graphs="on", progress=False)
+    else:
+        cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
     with pytest.raises(ValueError) as e:
         OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(**par))
     assert match in str(e.value)
