@@ -58,6 +58,7 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.period = phase_period(executor.schedule.n, executor.schedule.slots)
         self.counts = {a.value: 0 for a in Action}
+        self._captures = 0  # capture tags handed to the executor
 
     def _phase(self) -> int:
         ex = self.executor
@@ -97,18 +98,19 @@ class GraphRunner:
         ex.wait_pending(torch.cuda.current_stream(ex.device))  # primes a deferred executor
         graph = torch.cuda.CUDAGraph()
         # the step's first loads were issued before the graph (torch.cuda.graph
-        # synchronises on entry); the capture must not wait on their events
-        ex.external_loads_until = ex.position + ex.schedule.slots
+        # synchronises on entry); inside, only this capture's events are waited on
+        self._captures += 1
+        ex.capture_tag = self._captures
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.module(*s_args, **s_kwargs)
                 # join the copy stream back into the capturing stream
                 torch.cuda.current_stream(ex.device).wait_stream(ex.copy_stream)
         except Exception as e:  # data-dependent shapes, host syncs, unsupported ops
-            ex.external_loads_until = 0
+            ex.capture_tag = None
             ex.reset()
             return self._fail(sig, args, kwargs, f"{type(e).__name__}: {e}")
-        ex.external_loads_until = 0
+        ex.capture_tag = None
         # Capture ran the hooks (position advanced by one step) but executed
         # nothing; the replay below executes that step.
         tensors = [x for x in static if isinstance(x, torch.Tensor)]

@@ -134,9 +134,12 @@ class LayerwiseExecutor:
                 [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
             )
         self.position = 0  # next position to compute
-        # Positions below this had their loads waited for outside (before a
-        # graph launch): a capture must not wait on events recorded outside it.
-        self.external_loads_until = 0
+        # Events may only be waited on in the context that recorded them: eagerly
+        # (tag None) or inside the same graph capture (its tag). A load recorded
+        # in an earlier capture ran inside that graph's replay, which the
+        # launching stream already orders after; it needs no wait.
+        self.capture_tag = None
+        self._load_tag = [None] * schedule.slots
         self._bound: int | None = None  # streamed index currently bound
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:
@@ -186,6 +189,7 @@ class LayerwiseExecutor:
                 rec.start = self.log.mark(cs)
             dst.copy_(src, non_blocking=True)
             self.loaded[load.slot].record(cs)
+            self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
                 rec.end = self.log.mark(cs)
 
@@ -220,7 +224,7 @@ class LayerwiseExecutor:
         slot = self.schedule.slot_at(p)
         if self.cuda:
             cs = torch.cuda.current_stream(self.device)
-            if p >= self.external_loads_until:
+            if self._load_tag[slot] == self.capture_tag:
                 cs.wait_event(self.loaded[slot])
             self._compute_stream = cs
         self._bind(block - self.schedule.resident, slot)
@@ -274,7 +278,8 @@ class LayerwiseExecutor:
         if not self._primed:
             self._prime()
         for _, slot in self.pending_loads():
-            stream.wait_event(self.loaded[slot])
+            if self._load_tag[slot] is None:
+                stream.wait_event(self.loaded[slot])
 
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
@@ -284,7 +289,7 @@ class LayerwiseExecutor:
         self.synchronize()
         n = self.schedule.n
         self.position = -(-self.position // n) * n
-        self.external_loads_until = 0
+        self.capture_tag = None
         if self._primed:
             for i in range(self.schedule.slots):
                 self._issue(self.schedule.load(self.position + i), wait_free=False)

@@ -40,6 +40,16 @@ def case_graph_equals_eager_flux():
     assert outs[-1].data_ptr() != outs[-2].data_ptr()  # fresh tensors, not the static output
 
 
+def case_graph_equals_eager_even_block_count():
+    torch, first, w, ref, x = _setup("flux", resident_layers=1)  # 4 streamed blocks: one phase
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(4)]
+    assert all(torch.equal(o, expected) for o in outs)
+    c = w.graphs.counts
+    assert c["capture"] == 1 and c["replay"] == 2, c
+
+
 def case_graph_equals_eager_wan():
     torch, first, w, ref, x = _setup("wan", "float32")
     with torch.no_grad():
@@ -149,6 +159,7 @@ def case_debug_addresses():
     [
         "case_graph_equals_eager_flux",
         "case_graph_equals_eager_wan",
+        "case_graph_equals_eager_even_block_count",
         "case_update_weights_without_recapture",
         "case_fallback_on_host_sync",
         "case_several_signatures_alive",
