@@ -33,6 +33,7 @@ for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICA
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -221,6 +222,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
     model = om.disable()  # a collective with AllGather; the full weights are back on the device
     restore_s = time.perf_counter() - t0
     del om, out
+    gc.collect()  # the host store (and its registration) goes with the backend's reference cycles
     if cuda:
         torch.cuda.empty_cache()
     fig = dict(
@@ -252,6 +254,7 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     try:
         clock.log(f"{world} ranks, {'NCCL on ' + torch.cuda.get_device_name(device) if cuda else 'gloo on CPU'}, "
