@@ -411,7 +411,7 @@ class GuardedExecutor(LayerwiseExecutor):
         if self.failure is not None:
             raise RuntimeError(
                 f"weightstream DLO ({self.mode}) is unusable after an earlier failure on this rank: "
-                f"{self.failure}. {what} was stopped before any transfer"
+                f"{self.failure}. {what[:1].upper() + what[1:]} was stopped before any transfer"
                 + (" or collective, so it cannot hang on ranks that are out of step; rebuild the "
                    "OffloadedTransformer on every rank of the sharding group"
                    if self.mode == "allgather" else "; rebuild the OffloadedTransformer")
