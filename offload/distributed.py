@@ -200,11 +200,6 @@ def resolve_transfer(config: OffloadConfig, parallel: ParallelConfig) -> str:
                 f"{said} with hsdp={parallel.hsdp} is not allowed: HSDP already shards the parameters, so a "
                 f"DLO AllGather would double-shard them; {fix} (HSDP keeps its own gathers)"
             )
-        if config.cuda_graphs == "on":
-            raise ValueError(
-                f"cuda_graphs='on' with {said} is not allowed: the AllGather path is not captured in CUDA "
-                f"graphs; set cuda_graphs='off' or {fix}"
-            )
         if config.resident_layers > 0:
             raise ValueError(
                 f"layer_options.dit.resident_layers={config.resident_layers} with {said} is not allowed: "
@@ -455,6 +450,7 @@ class AllGatherExecutor(GuardedExecutor):
             self.comm_stream = torch.cuda.Stream(self.device)
             self.shard_loaded = [torch.cuda.Event() for _ in self.slots]
             self.shard_read = [torch.cuda.Event() for _ in self.slots]
+            self._read_tag = [None] * len(self.slots)  # capture context of shard_read (see executor)
 
     def _slot_size(self) -> int:
         # a gathered image is world * shard bytes: the block image plus the last share's padding
@@ -491,7 +487,8 @@ class AllGatherExecutor(GuardedExecutor):
             return
         slot = load.slot
         cs, comm = self.copy_stream, self.comm_stream
-        cs.wait_event(self.shard_read[slot])  # the gather that last read this shard slot is done
+        if self._read_tag[slot] == self.capture_tag:
+            cs.wait_event(self.shard_read[slot])  # the gather that last read this shard slot is done
         with torch.cuda.stream(cs):
             if rec_copy is not None:
                 rec_copy.start = self.log.mark(cs)
@@ -509,6 +506,7 @@ class AllGatherExecutor(GuardedExecutor):
             work.wait()  # the comm stream waits for the collective's stream (no host block)
             self.loaded[slot].record(comm)
             self.shard_read[slot].record(comm)
+            self._load_tag[slot] = self._read_tag[slot] = self.capture_tag
             if rec_gather is not None:
                 rec_gather.end = self.log.mark(comm)
 

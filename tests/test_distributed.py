@@ -496,17 +496,13 @@ REJECTIONS = [
     (dict(hsdp=2), "allgather", 0, "would double-shard"),
     (dict(dp=2), None, 2, "resident_layers=2 with layer_options.dit.weight_transfer unset"),
     (dict(tp=2), "allgather", 0, "with tp=2"),
-    (dict(dp=2), None, "graphs", "cuda_graphs='on' with layer_options.dit.weight_transfer unset"),
 ]
 
 
 @pytest.mark.parametrize("par,transfer,resident,match", REJECTIONS)
 def test_rejections_before_any_tensor_moves(par, transfer, resident, match):
     model, ptrs = _toy_and_ptrs()
-    if resident == "graphs":
-        cfg = OffloadConfig.layerwise(weight_transfer=transfer, cuda_graphs="on", progress=False)
-    else:
-        cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
     with pytest.raises(ValueError) as e:
         OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(**par))
     assert match in str(e.value)

@@ -40,7 +40,29 @@ def scenario_gpu(rank, world):
     c.run("flux_allgather_bf16_events", _events, dp, rank, device)
     c.run("waves", check_waves, dp, rank, world)
     c.run("weights", _weights_gpu, dp, rank, device)
+    c.run("graphs", _graphs_gpu, dp, rank, device)
     return c.report
+
+
+def _graphs_gpu(parallel, rank, device):
+    """AllGather captured in CUDA graphs (H2D, NCCL gather, compute) equals eager and resident."""
+    import copy
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import flux_inputs, tiny_flux
+
+    model = tiny_flux(dtype=torch.bfloat16)
+    inputs = flux_inputs(model, device=device, seed=1 + rank)
+    ref_model = copy.deepcopy(model).to(device)
+    with torch.no_grad():
+        ref = ref_model(**inputs)[0]
+    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", progress=False)
+    om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
+    with torch.no_grad():
+        equal = [torch.equal(om(**inputs)[0], ref) for _ in range(6)]
+    counts = dict(om.graphs.counts)
+    om.disable()
+    return dict(equal=equal, counts=counts)
 
 
 def _events(parallel, rank, device):
@@ -121,6 +143,12 @@ def test_nccl_request_waves(gpu2):
     assert all(rep == reps[0] for rep in reps)
     assert reps[0]["agree"] == ("ok", 4)
     assert reps[0]["steps_differ"][0] == "ValueError"
+
+
+def test_nccl_allgather_in_cuda_graphs(gpu2):
+    for rep in get(gpu2, "graphs"):
+        assert all(rep["equal"]), rep
+        assert rep["counts"]["capture"] >= 1 and rep["counts"]["replay"] >= 2, rep["counts"]
 
 
 def test_nccl_update_weights(gpu2):
