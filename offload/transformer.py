@@ -290,6 +290,13 @@ class OffloadedTransformer(nn.Module):
                 sd[k] = v.detach()
         return sd
 
+    def gather_state_dict(self) -> dict:
+        """Full weights on the CPU. Under DLO AllGather each rank holds a 1/N share,
+        so this is a collective (every rank calls it); otherwise it equals state_dict()."""
+        self._check_live()
+        gather = getattr(self._streamed, "gather_state_dict", None)
+        return gather() if gather is not None else self.state_dict()
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
             raise ValueError("load_state_dict(assign=True) is not allowed on an OffloadedTransformer; use assign=False")
