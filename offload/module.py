@@ -16,8 +16,8 @@ Mechanism (DESIGN.md section 3):
   one host master; nothing is ever copied back (weights are immutable).
 - Arrival: allocate the unit's device buffer, ONE H2D copy of its image on a
   copy stream (issued as one copy per registered 1 GiB range of the image:
-  a copy spanning several ``cudaHostRegister`` ranges may not take the pinned
-  path), the compute stream waits on the copy's event
+  CUDA rejects a copy whose source spans two ``cudaHostRegister`` ranges with
+  "invalid argument"), the compute stream waits on the copy's event
   (``current_stream().wait_event``, no synchronize), and every parameter /
   buffer is rebound (``.data``) to its aligned view of the buffer while the
   copy is in flight. Parameter objects keep their identity.
@@ -55,8 +55,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import time
+import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
@@ -290,6 +292,27 @@ def _typed_views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
     return out
 
 
+def _copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int) -> None:
+    """``dst[:] = image[offset : offset + dst.numel()]`` (uint8), non-blocking.
+
+    Split at the image's ``REGISTER_CHUNK`` boundaries: the host store
+    registers each image in chunks of that size from its start, and a copy
+    whose source spans two registrations fails (CUDA "invalid argument").
+    """
+    n = dst.numel()
+    pos = 0
+    while pos < n:
+        src = offset + pos
+        step = min(n - pos, REGISTER_CHUNK - src % REGISTER_CHUNK)
+        dst[pos : pos + step].copy_(image[src : src + step], non_blocking=True)
+        pos += step
+
+
+def _single(spec):
+    """A one-tensor layout whose tensor starts at byte 0 (for ``_typed_views``)."""
+    return types.SimpleNamespace(tensors=(dataclasses.replace(spec, offset=0),))
+
+
 def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
     return [t for _, _, t in block_tensors(module)]
 
@@ -486,10 +509,19 @@ class ModuleOffload:
         except BaseException:
             with torch.no_grad():  # nothing lost: give dropped tensors their weights back
                 for u in done:
-                    for t, hv in zip(u.tensors, self.store.views(u.index)):
-                        t.data = hv.to(self.device, copy=True)
+                    self._give_back(u)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             self.store.close()
             raise
+
+    def _give_back(self, u: _Unit) -> None:
+        """Every tensor of ``u`` gets its own device allocation, filled from the host image."""
+        image = self.store.image(u.index)
+        for t, spec in zip(u.tensors, u.layout.tensors):
+            raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=self.device)
+            _copy_from_image(raw, image, spec.offset)
+            t.data = _typed_views(raw, _single(spec))[0]
 
     def _ordered_layouts(self):
         return [u.layout for u in self.units.values() if u.layout is not None]
@@ -533,9 +565,7 @@ class ModuleOffload:
             # the new buffer may reuse memory that kernels of a unit that just left still read
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
-                for lo in range(0, u.nbytes, REGISTER_CHUNK):
-                    hi = min(lo + REGISTER_CHUNK, u.nbytes)
-                    buf[lo:hi].copy_(image[lo:hi], non_blocking=True)
+                _copy_from_image(buf, image, 0)
                 u.loaded.record(self.copy_stream)
             compute.wait_event(u.loaded)
         else:
@@ -688,8 +718,7 @@ class ModuleOffload:
             for u in self.units.values():
                 if u.on_device:
                     self._depart(u, cause="disable")
-                for t, hv in zip(u.tensors, self.store.views(u.index)):
-                    t.data = hv.to(self.device, copy=True)
+                self._give_back(u)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the store goes away next
         self._undo_split()

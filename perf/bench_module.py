@@ -157,16 +157,16 @@ def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.de
     device_gb = {"text_encoder": [], "transformer": []}
     out = None
     for r in range(rounds + 1):  # round 0 warms the allocator (first cudaMalloc of each size)
+        ms = {}
         for name, mod in (("text_encoder", enc), ("transformer", dit)):
-            ms, y = timed_call(mod, x)
+            ms[name], y = timed_call(mod, x)
             if r:
-                arrivals[name].append(ms)
+                arrivals[name].append(ms[name])
                 device_gb[name].append(torch.cuda.memory_allocated(device) / GB)
             if name == "transformer":
                 out = y
-        log(f"module: round {r}{' (warm-up)' if r == 0 else ''}: encoder "
-            f"{arrivals['text_encoder'][-1] if r else float('nan'):.1f} ms, DiT "
-            f"{arrivals['transformer'][-1] if r else float('nan'):.1f} ms")
+        log(f"module: round {r}{' (warm-up)' if r == 0 else ''}: encoder {ms['text_encoder']:.1f} ms, "
+            f"DiT {ms['transformer']:.1f} ms (device now {torch.cuda.memory_allocated(device) / GB:.1f} GB)")
     ms, _ = timed_call(enc, x)  # the DiT leaves once more (for the departure figure)
     departures = {"text_encoder": [], "transformer": []}
     for e in list(handle.events):

@@ -643,3 +643,18 @@ def test_failed_packing_gives_weights_back(monkeypatch, toy):
             assert t.numel() > 0 and not t._backward_hooks
         assert not getattr(pipe, name)._forward_pre_hooks
     assert torch.equal(pipe(**inputs), expected)
+
+
+def test_copies_split_at_registration_chunks(monkeypatch, toy):
+    """Copies from the host image are split at REGISTER_CHUNK boundaries (CUDA
+    rejects a copy spanning two registrations); with a tiny chunk every
+    arrival and disable() goes through the split path."""
+    import weightstream.offload.module as module_mod
+
+    monkeypatch.setattr(module_mod, "REGISTER_CHUNK", 1000)  # not a multiple of 512 on purpose
+    pipe, inputs, expected = toy
+    handle = offload_pipeline(pipe, cfg(), device="cpu")
+    for _ in range(2):
+        assert torch.equal(pipe(**inputs), expected)
+    handle.disable()
+    assert torch.equal(pipe(**inputs), expected)

@@ -200,3 +200,47 @@ def test_diffusers_flux_transformer_on_cuda():
             assert torch.equal(pipe.text_encoder(ids), want[0])
             assert torch.equal(pipe.transformer(**kw)[0], want[1])
     assert handle.stats()["components"]["transformer"]["pinned"]
+
+
+def test_component_larger_than_a_registration_chunk():
+    """A 1.2 GB component: its image is registered in several 1 GiB ranges, and
+    tensors straddle range boundaries; arrival and disable() copy around them."""
+    width = 8192
+
+    class Wide(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            with torch.device("meta"):
+                self.layers = nn.ModuleList([nn.Linear(width, width, dtype=torch.bfloat16) for _ in range(n)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class P:
+        def __init__(self):
+            self.transformer = Wide(9)  # 9 x 128 MiB: boundaries fall inside tensors
+            self.text_encoder = Wide(1)
+
+    pipe = P()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for m in (pipe.transformer, pipe.text_encoder):
+        for layer in m.layers:
+            for name in ("weight", "bias"):
+                meta = getattr(layer, name)
+                dev = torch.empty(meta.shape, dtype=meta.dtype, device=DEV).normal_(0, 0.01, generator=gen)
+                setattr(layer, name, nn.Parameter(dev.cpu(), requires_grad=False))
+    x = torch.randn(4, width, device=DEV, dtype=torch.bfloat16)
+    ref = copy.deepcopy(pipe.transformer).to(DEV)
+    want = ref(x)
+    del ref
+    handle = offload_pipeline(pipe, cfg(["dit", "text_encoder"]), device=DEV)
+    assert handle.stats()["components"]["transformer"]["bytes"] > 1 << 30
+    assert handle.stats()["components"]["transformer"]["pinned"]
+    with torch.no_grad():
+        pipe.text_encoder(x)
+        assert torch.equal(pipe.transformer(x), want)
+    handle.disable()
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(x), want)
