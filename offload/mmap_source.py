@@ -73,6 +73,7 @@ from .transformer import OffloadedTransformer, StreamedBlocks, resolve_device
 __all__ = [
     "WeightsSource",
     "Checkpoint",
+    "as_sources",
     "offload_from_safetensors",
     "on_meta",
     "meta_from_pretrained",
@@ -176,10 +177,14 @@ class SafetensorsFile:
         return self.u8.data_ptr()
 
     def close(self) -> None:
-        """Drop this file's references; the mapping goes once no tensor views it."""
+        """Drop this file's references; the mapping is unmapped once no tensor views it.
+
+        Never ``self.map.close()``: torch.frombuffer keeps a reference to the
+        mmap object but no buffer export, so closing it would unmap memory
+        that live views (state_dict values, a transform's output) still read.
+        """
         self.u8 = None
-        with contextlib.suppress(BufferError):  # views still exported: unmapped when they go
-            self.map.close()
+        self.map = None
 
 
 @dataclass(frozen=True)
@@ -236,13 +241,16 @@ def _index_files(index: Path) -> list[Path]:
     return files
 
 
-def _as_sources(source, model: nn.Module) -> list[WeightsSource]:
+def as_sources(source, model: nn.Module | None = None) -> list[WeightsSource]:
+    """Normalise a source argument (path, dict, WeightsSource or a list of them;
+    None: ``model.weights_sources``) to a list of WeightsSource."""
     if source is None:
         source = getattr(model, "weights_sources", None)
         if source is None:
+            owner = f"set {type(model).__name__}.weights_sources" if model is not None else "none was given"
             raise ValueError(
                 f"no checkpoint given: pass source= (a folder, .safetensors file, index.json or WeightsSource "
-                f"list) or set {type(model).__name__}.weights_sources"
+                f"list) or {owner}"
             )
     items = [source] if isinstance(source, (str, os.PathLike, WeightsSource, dict)) else list(source)
     if not items:
@@ -264,17 +272,18 @@ def _as_sources(source, model: nn.Module) -> list[WeightsSource]:
 
 
 class Checkpoint:
-    """Read-only mappings of the safetensors files of one or more sources.
+    """Read-only mappings of the safetensors files of one or more sources
+    (anything :func:`as_sources` accepts).
 
     ``entries``: prefixed key -> :class:`CkptTensor`. ``tensor(t)`` is a typed
     view of the mapping (read-only memory: never write to it).
     """
 
-    def __init__(self, sources: Iterable[WeightsSource]):
+    def __init__(self, source):
         t0 = time.perf_counter()
         self.files: list[SafetensorsFile] = []
         self.entries: dict[str, CkptTensor] = {}
-        self.sources = list(sources)
+        self.sources = as_sources(source)
         try:
             for src in self.sources:
                 for path in src.files():
@@ -893,6 +902,8 @@ class MmapExecutor(LayerwiseExecutor):
                 slot[:n].copy_(self.stager.buffers[b].tensor[:n], non_blocking=True)
                 self.stager.h2d_done[b].record(cs)
             self.loaded[load.slot].record(cs)
+            if hasattr(self, "_load_tag"):  # the base executor's capture bookkeeping (see its _issue)
+                self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
                 rec.end = self.log.mark(cs)
         if b is not None:
@@ -1070,11 +1081,11 @@ class _HostViews(dict):
 def _give_data(t: torch.Tensor, data: torch.Tensor) -> None:
     """Make tensor object ``t`` hold ``data``, keeping its identity and attributes.
 
-    ``t.data = data`` cannot move a tensor off ``meta`` (incompatible tensor
-    types), so that case swaps in a new tensor of ``t``'s class carrying ``t``'s
-    attributes (``mmap_weight_transform``, ...).
+    ``t.data = data`` cannot move a tensor onto or off ``meta`` (incompatible
+    tensor types), so that case swaps in a new tensor of ``t``'s class carrying
+    ``t``'s attributes (``mmap_weight_transform``, ...).
     """
-    if t.device.type != "meta" or data.device.type == "meta":
+    if (t.device.type == "meta") == (data.device.type == "meta"):
         t.data = data
         return
     new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
@@ -1154,7 +1165,7 @@ def offload_from_safetensors(
         )
     dev = resolve_device(device)
     check_opt_in(model_on_meta)
-    ckpt = Checkpoint(_as_sources(source, model_on_meta))
+    ckpt = Checkpoint(as_sources(source, model_on_meta))
     try:
         streamed = MmapStreamedBlocks(model_on_meta, cfg, dev, plan, ckpt, copy_path)
     except BaseException:

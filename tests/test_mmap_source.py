@@ -1,0 +1,651 @@
+"""The mmap checkpoint source on the CPU: binding, errors, both copy paths, staging bounds."""
+import copy
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from weightstream import OffloadConfig
+from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
+from weightstream.offload.host_store import PAGE
+from weightstream.offload.mmap_source import (
+    Checkpoint,
+    WeightsSource,
+    merge_runs,
+    Run,
+    meta_from_pretrained,
+    offload_from_safetensors,
+    on_meta,
+    plan_registration,
+)
+
+DEV = "cpu"
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def _save_diffusers(model, path, **kw):
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
+    return path
+
+
+def _ordinary_load(model, folder):
+    """Ordinary loading: every shard read into private memory, then load_state_dict(strict=True)."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+DIFFUSERS = {
+    "flux": (tiny_flux, flux_inputs, "FluxTransformer2DModel"),
+    "wan": (tiny_wan, wan_inputs, "WanTransformer3DModel"),
+}
+
+
+def _diffusers_case(name, tmp_path, dtype=torch.float32, **save_kw):
+    import diffusers
+
+    make, inputs, cls = DIFFUSERS[name]
+    model = make(dtype=dtype)
+    folder = _save_diffusers(model, tmp_path / name, **save_kw)
+    return model, inputs(model), getattr(diffusers, cls), folder
+
+
+# ----------------------------------------------------------------- equality
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_mmap_loading_equals_ordinary_loading(name, sharded, tmp_path):
+    model, _, cls, folder = _diffusers_case(name, tmp_path, **({"max_shard_size": "20KB"} if sharded else {}))
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    assert index.exists() == sharded
+    if sharded:
+        assert len(set(json.loads(index.read_text())["weight_map"].values())) > 3
+    ordinary = _ordinary_load(DIFFUSERS[name][0](seed=123), folder)  # other random init, then loaded
+    wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV)
+    got, want = wrapped.state_dict(), ordinary.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    s = wrapped.stats()
+    assert s["source"] == "mmap" and s["checkpoint_files"] == (1 if not sharded else s["checkpoint_files"])
+    if sharded:
+        assert s["checkpoint_files"] > 3
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+@pytest.mark.parametrize("copy_path", ["auto", "direct", "staging"])
+def test_streamed_outputs_bit_exact(name, copy_path, tmp_path):
+    model, x, cls, folder = _diffusers_case(name, tmp_path)
+    with torch.no_grad():
+        want = first(model(**x))
+        wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV, copy_path=copy_path)
+        outs = [first(wrapped(**x)) for _ in range(3)]
+    for i, out in enumerate(outs):
+        assert torch.equal(out, want), f"step {i}: max diff {(out - want).abs().max()}"
+    s = wrapped.stats()
+    if copy_path == "direct":
+        assert s["direct_blocks"] == s["blocks_streamed"] and s["staging_buffers"] == 0
+    else:  # CPU device: staging unless forced direct
+        assert s["staged_blocks"] == s["blocks_streamed"] and s["staging_buffers"] == 2
+
+
+def test_sharded_bf16_with_resident_layers(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path, dtype=torch.bfloat16, max_shard_size="30KB")
+    with torch.no_grad():
+        want = first(model(**x))
+        cfg = OffloadConfig.layerwise(resident_layers=2)
+        wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, cfg, device=DEV)
+        assert all(torch.equal(first(wrapped(**x)), want) for _ in range(2))
+    s = wrapped.stats()
+    assert s["blocks_resident"] == 2 and s["blocks_streamed"] == 3
+    # resident blocks hold private, writable weights on the device (not mapping views)
+    w = wrapped.transformer_blocks[0].attn.to_q.weight
+    assert w.dtype == torch.bfloat16 and w.numel() > 0
+    w.data.add_(0)  # would crash on a read-only mapping
+
+
+def test_checkpoint_dtype_wins_over_the_meta_dtype(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path, dtype=torch.bfloat16)
+    meta = meta_from_pretrained(cls, folder)  # built in float32 on meta
+    assert next(meta.parameters()).dtype == torch.float32
+    wrapped = offload_from_safetensors(meta, folder, device=DEV)
+    assert {v.dtype for v in wrapped.state_dict().values()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(model(**x)))
+
+
+def test_layouts_follow_file_order_and_merge_copies(tmp_path):
+    _, _, cls, folder = _diffusers_case("flux", tmp_path)
+    wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV, copy_path="direct")
+    store = wrapped.executor.store
+    for lay, plan, ts in zip(store.layouts, store.plans, store.tensors):
+        assert all(spec.offset % 512 == 0 for spec in lay.tensors)
+        srcs = [store.bindings[id(t)].src.offset for t in ts]
+        by_file = sorted(range(len(ts)), key=lambda i: srcs[i])
+        assert [lay.tensors[i].offset for i in by_file] == sorted(spec.offset for spec in lay.tensors)
+        assert len(plan.runs) < len(ts)  # adjacent tensors with 512-multiple sizes merged
+        assert sum(r.nbytes for r in plan.runs) == sum(spec.nbytes for spec in lay.tensors)
+    assert wrapped.stats()["copies_per_step"] == sum(len(p.runs) for p in store.plans)
+
+
+def test_merge_runs_keeps_relative_placement():
+    runs = [Run(0, 0, 0, 512), Run(0, 512, 512, 100), Run(0, 612, 1024, 50), Run(1, 662, 1536, 8), Run(0, 662, 1074, 8)]
+    assert merge_runs(runs) == [Run(0, 0, 0, 612), Run(0, 612, 1024, 58), Run(1, 662, 1536, 8)]
+
+
+# ----------------------------------------------------------------- toy models
+
+
+class _Blocks(nn.Module):
+    """Three residual MLP blocks (non-diffusers); keys equal runtime names."""
+
+    _supports_mmap_loading = True
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self, width=16, n=3):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                    for _ in range(n))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _toy(cls=_Blocks, **kw):
+    torch.manual_seed(0)
+    return cls(**kw).eval()
+
+
+def _meta(cls=_Blocks, **kw):
+    with on_meta():
+        return cls(**kw).eval()
+
+
+def _x():
+    return torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _save(sd, path):
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return path
+
+
+def test_toy_model_with_opt_in(tmp_path):
+    model = _toy()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        wrapped = offload_from_safetensors(_meta(), path, device=DEV)
+        assert torch.equal(wrapped(_x()), model(_x()))
+
+
+def test_missing_opt_in_is_a_clear_error(tmp_path):
+    class Plain(_Blocks):
+        _supports_mmap_loading = None
+
+    path = _save(_toy().state_dict(), tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"Plain does not declare mmap loading support.*_supports_mmap_loading = True"):
+        offload_from_safetensors(_meta(Plain), path, device=DEV)
+
+    class OptedOut(_Blocks):
+        _supports_mmap_loading = False
+
+    with pytest.raises(ValueError, match="opted out"):
+        offload_from_safetensors(_meta(OptedOut), path, device=DEV)
+
+
+def test_meta_left_behind_lists_the_tensors(tmp_path):
+    sd = _toy().state_dict()
+    del sd["blocks.1.0.weight"], sd["head.bias"]
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"2 expected tensor\(s\) of _Blocks are still on the meta device") as e:
+        offload_from_safetensors(_meta(), path, device=DEV)
+    assert "'blocks.1.0.weight'" in str(e.value) and "'head.bias'" in str(e.value)
+
+
+def test_missing_keys_of_a_real_model(tmp_path):
+    sd = _toy().state_dict()
+    del sd["embed.weight"]
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"parameters of _Blocks missing from the checkpoint: 'embed.weight'"):
+        offload_from_safetensors(_toy(), path, device=DEV)  # built for real, not on meta
+
+
+def test_unknown_keys_without_remap(tmp_path):
+    sd = _toy().state_dict()
+    sd["extra.scale"] = torch.ones(3)
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint keys that _Blocks has no tensor for: 'extra.scale'.*_remap_ckpt_key"):
+        offload_from_safetensors(_meta(), path, device=DEV)
+
+
+class _Remapped(_Blocks):
+    """Checkpoint keys are 'model.<runtime name>'; 'model.ema.*' is ignored."""
+
+    _supports_mmap_loading = None  # the remap alone is the opt-in
+
+    def _remap_ckpt_key(self, name):
+        if name.startswith("model.ema."):
+            return None
+        return name[len("model."):]
+
+
+def test_remap_and_ignored_keys(tmp_path):
+    model = _toy()
+    sd = {"model." + k: v for k, v in model.state_dict().items()}
+    sd["model.ema.decay"] = torch.tensor([0.999])
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        wrapped = offload_from_safetensors(_meta(_Remapped), path, device=DEV)
+        assert torch.equal(wrapped(_x()), model(_x()))
+
+
+def test_remap_to_unknown_names(tmp_path):
+    class Bad(_Remapped):
+        def _remap_ckpt_key(self, name):
+            return "nonexistent." + name if "head" in name else name[len("model."):]
+
+    sd = {"model." + k: v for k, v in _toy().state_dict().items()}
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"'model.head.weight -> nonexistent.model.head.weight'.*return None"):
+        offload_from_safetensors(_meta(Bad), path, device=DEV)
+
+
+def test_two_keys_onto_one_name(tmp_path):
+    class Dup(_Remapped):
+        def _remap_ckpt_key(self, name):
+            return name.split(".", 1)[1]
+
+    sd = {"model." + k: v for k, v in _toy().state_dict().items()}
+    sd["other.head.bias"] = sd["model.head.bias"].clone()
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match="both map to 'head.bias'"):
+        offload_from_safetensors(_meta(Dup), path, device=DEV)
+
+
+def test_weights_sources_attribute_with_prefix(tmp_path):
+    model = _toy()
+    sd = model.state_dict()
+    _save({k[len("blocks."):]: v for k, v in sd.items() if k.startswith("blocks.")}, tmp_path / "blocks.safetensors")
+    _save({k: v for k, v in sd.items() if not k.startswith("blocks.")}, tmp_path / "rest.safetensors")
+
+    class Sourced(_Blocks):
+        weights_sources = [WeightsSource(tmp_path / "blocks.safetensors", prefix="blocks."),
+                           {"path": str(tmp_path / "rest.safetensors")}]
+
+    with torch.no_grad():
+        wrapped = offload_from_safetensors(_meta(Sourced), None, device=DEV)
+        assert torch.equal(wrapped(_x()), model(_x()))
+    assert wrapped.stats()["checkpoint_files"] == 2
+
+
+def test_shape_mismatch_names_both_shapes(tmp_path):
+    sd = _toy().state_dict()
+    sd["head.weight"] = sd["head.weight"].t().contiguous()
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=r"'head.weight': the model has shape \(4, 16\), checkpoint 'head.weight' has \(16, 4\)"):
+        offload_from_safetensors(_meta(), path, device=DEV)
+
+
+# ----------------------------------------------------------------- transforms
+
+
+class _Transposed(_Blocks):
+    """The checkpoint stores blocks.*.0.weight transposed; a Python transform undoes it."""
+
+    def __init__(self, transform=lambda t: t.t(), **kw):
+        super().__init__(**kw)
+        for b in self.blocks:
+            b[0].weight.mmap_weight_transform = transform
+
+
+def _transposed_ckpt(model, path):
+    sd = model.state_dict()
+    for k in list(sd):
+        if k.startswith("blocks.") and k.endswith(".0.weight"):
+            sd[k] = sd[k].t().contiguous()
+    return _save(sd, path)
+
+
+@pytest.mark.parametrize("copy_path", ["auto", "direct"])
+def test_python_transform_runs_while_staging(copy_path, tmp_path):
+    model = _toy()
+    path = _transposed_ckpt(model, tmp_path / "t.safetensors")
+    with torch.no_grad():
+        wrapped = offload_from_safetensors(_meta(_Transposed), path, device=DEV, copy_path=copy_path)
+        assert all(torch.equal(wrapped(_x()), model(_x())) for _ in range(3))
+    s = wrapped.stats()
+    # a callable cannot run on the device: its blocks stage even when direct copies are asked for
+    assert s["staged_blocks"] == 3 and s["direct_blocks"] == 0
+    assert any("mmap_weight_transform" in r for r in s["staged_because"])
+    sd = wrapped.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "transform, what",
+    [(lambda t: t.t().double(), "dtype changed"), (lambda t: t.t()[:-1], "element count changed")],
+)
+def test_bad_transform_is_rejected(transform, what, tmp_path):
+    path = _transposed_ckpt(_toy(), tmp_path / "t.safetensors")
+    with pytest.raises(ValueError) as e:
+        offload_from_safetensors(_meta(_Transposed, transform=transform), path, device=DEV)
+    msg = str(e.value)
+    assert "parameter 'blocks.0.0.weight'" in msg and what in msg
+    assert "torch.float32 with 512 elements (16, 32)" in msg  # before
+    assert ("torch.float64 with 512" in msg) if what == "dtype changed" else ("with 496 elements" in msg)  # after
+
+
+def test_transform_that_only_fails_on_meta_is_checked_on_the_data(tmp_path):
+    def numpy_transpose(t):  # not meta-traceable
+        return torch.from_numpy(t.numpy().T.astype("float64"))
+
+    path = _transposed_ckpt(_toy(), tmp_path / "t.safetensors")
+    with pytest.raises(ValueError, match="dtype changed"):
+        offload_from_safetensors(_meta(_Transposed, transform=numpy_transpose), path, device=DEV)
+
+
+H, G, D, W = 4, 2, 8, 16  # query heads, kv heads, head dim, width
+
+
+def _interleave_rows(t):
+    """Fused [q_0..q_{H-1}; k_0..k_{G-1}; v_0..v_{G-1}] rows -> per kv group: its q heads, k, v."""
+    heads = t.reshape(H + 2 * G, D, *t.shape[1:])
+    per = H // G
+    order = []
+    for g in range(G):
+        order += [g * per + j for j in range(per)] + [H + g, H + G + g]
+    return heads[order].reshape(t.shape).contiguous()
+
+
+class _QKVBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.qkv = nn.Linear(W, (H + 2 * G) * D)
+        self.out = nn.Linear(H * D, W)
+        for p in (self.qkv.weight, self.qkv.bias):
+            p.mmap_kernel_transform = ("qkv_reorder", H, G)
+        self.register_buffer("rope", torch.arange(D, dtype=torch.float32) / D, persistent=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split([H * D, G * D, G * D], dim=-1)
+        q = q.view(b, n, H, D).transpose(1, 2) * (1 + self.rope)
+        k = k.view(b, n, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+        v = v.view(b, n, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / D**0.5, dim=-1) @ v
+        return x + self.out(a.transpose(1, 2).reshape(b, n, H * D))
+
+
+class _GQA(nn.Module):
+    """A toy DiT with a fused QKV projection; its checkpoint stores the rows head-interleaved."""
+
+    _supports_mmap_loading = True
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, W)
+        self.blocks = nn.ModuleList(_QKVBlock() for _ in range(3))
+        self.head = nn.Linear(W, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _gqa_ckpt(model, path):
+    sd = model.state_dict()
+    return _save({k: (_interleave_rows(v) if ".qkv." in k else v) for k, v in sd.items()}, path)
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_kernel_transform_grouped_qkv(copy_path, tmp_path):
+    model = _toy(_GQA)
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    with torch.no_grad():
+        want = model(_x())
+        wrapped = offload_from_safetensors(_meta(_GQA), path, OffloadConfig.layerwise(resident_layers=1),
+                                           device=DEV, copy_path=copy_path)
+        outs = [wrapped(_x()) for _ in range(3)]
+    assert all(torch.equal(o, want) for o in outs)
+    store = wrapped.executor.store
+    s = wrapped.stats()
+    if copy_path == "direct":
+        # wire bytes land in a per-slot wire buffer, one materialise launch per block writes the runtime rows
+        assert s["direct_blocks"] == 2 and s["materialise_launches_per_step"] == 2
+        assert all(p.table is not None and p.table.num_segments == 2 for p in store.plans)
+        assert s["wire_bytes"] == 2 * store.plans[0].wire_nbytes > 0
+    else:
+        assert s["staged_blocks"] == 2 and s["wire_bytes"] == 0
+    sd = wrapped.state_dict()  # runtime (fused) layout, resident block included
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    # non-persistent buffers of streamed blocks stream from a small private copy
+    assert all(len(p.local) == 1 for p in store.plans)
+
+
+def test_kernel_transform_spec_is_validated(tmp_path):
+    class BadSpec(_GQA):
+        def __init__(self):
+            super().__init__()
+            self.blocks[1].qkv.weight.mmap_kernel_transform = ("qkv_reorder", 3, 2)
+
+    path = _gqa_ckpt(_toy(_GQA), tmp_path / "gqa.safetensors")
+    with pytest.raises(ValueError, match=r"mmap_kernel_transform \('qkv_reorder', 3, 2\) of 'blocks.1.qkv.weight'"):
+        offload_from_safetensors(_meta(BadSpec), path, device=DEV)
+
+    class Unknown(_GQA):
+        def __init__(self):
+            super().__init__()
+            self.blocks[0].qkv.bias.mmap_kernel_transform = ("rotate", 4, 2)
+
+    with pytest.raises(ValueError, match="expected \\(kind, num_heads, num_kv_heads\\)"):
+        offload_from_safetensors(_meta(Unknown), path, device=DEV)
+
+
+# ----------------------------------------------------------------- staging
+
+
+class _ToyMmap(ToyDiT):
+    _supports_mmap_loading = True
+
+
+def test_staging_never_exceeds_two_buffers(tmp_path):
+    model = ToyDiT()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        want = model(**toy_inputs())
+        meta = _meta(_ToyMmap)
+        wrapped = offload_from_safetensors(meta, path, OffloadConfig.layerwise(num_slots=3), device=DEV)
+        steps = 4
+        for _ in range(steps):
+            assert torch.equal(wrapped(**toy_inputs()), want)
+    ex = wrapped.executor
+    st = ex.stager
+    s = wrapped.stats()
+    n = s["blocks_streamed"]
+    assert n == 7 and s["staged_blocks"] == n
+    assert len(st.buffers) == 2 and s["staging_buffers"] == 2
+    largest = max(lay.nbytes for lay in ex.store.layouts)
+    assert s["staging_bytes"] == 2 * largest
+    assert 1 <= s["staging_max_ready"] <= 2  # packed-but-unconsumed buffers at any time
+    # every load of every step came through the stager, plus at most two packed ahead
+    assert steps * n <= s["staging_packs"] <= steps * n + 3 + 2
+    # packing (mapping reads, transforms) ran on the packer thread only, never on the forward thread
+    assert ex.store.pack_threads == {"weightstream-stager"}
+    assert threading.current_thread().name not in ex.store.pack_threads
+
+
+def test_staging_recovers_after_an_exception_mid_forward(tmp_path):
+    class Flaky(_ToyMmap):
+        boom = False
+
+        def forward(self, x):
+            h = self.embed(x)
+            for i, b in enumerate(list(self.double_blocks) + list(self.single_blocks)):
+                if self.boom and i == 3:
+                    raise RuntimeError("boom")
+                h = b(h)
+            return self.head(h)
+
+    model = ToyDiT()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        want = model(**toy_inputs())
+        wrapped = offload_from_safetensors(_meta(Flaky), path, device=DEV)
+        assert torch.equal(wrapped(**toy_inputs()), want)
+        wrapped.module.boom = True
+        with pytest.raises(RuntimeError, match="boom"):
+            wrapped(**toy_inputs())
+        wrapped.module.boom = False
+        with pytest.warns(UserWarning, match="re-priming"):
+            assert torch.equal(wrapped(**toy_inputs()), want)
+        assert torch.equal(wrapped(**toy_inputs()), want)
+    assert wrapped.stats()["staging_restarts"] >= 1
+
+
+def test_packer_errors_reach_the_forward_thread(tmp_path):
+    state = {"fail": False}
+
+    def flaky(t):
+        if state["fail"]:
+            raise RuntimeError("transform failed")
+        return t.t()
+
+    model = _toy()
+    path = _transposed_ckpt(model, tmp_path / "t.safetensors")
+    with torch.no_grad():
+        wrapped = offload_from_safetensors(_meta(_Transposed, transform=flaky), path, device=DEV)
+        assert torch.equal(wrapped(_x()), model(_x()))
+        state["fail"] = True
+        with pytest.raises(RuntimeError, match="packing a staged block failed.*transform failed"):
+            for _ in range(3):
+                wrapped(_x())
+
+
+# ----------------------------------------------------------------- wrapper behaviour
+
+
+def test_update_weights_is_refused_for_streamed_tensors(tmp_path):
+    model = _toy()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    wrapped = offload_from_safetensors(_meta(), path, device=DEV)
+    with pytest.raises(ValueError, match="'blocks.0.0.weight' stream from the read-only checkpoint mapping"):
+        wrapped.update_weights({"blocks.0.0.weight": torch.zeros(32, 16)})
+    new = torch.full((4,), 0.5)
+    assert wrapped.update_weights({"head.bias": new}) == ["head.bias"]
+    assert torch.equal(wrapped.state_dict()["head.bias"], new)
+
+
+def test_disable_returns_an_ordinary_module(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path)
+    with torch.no_grad():
+        want = first(model(**x))
+        wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV)
+        assert torch.equal(first(wrapped(**x)), want)
+        plain = wrapped.disable()
+        assert torch.equal(first(plain(**x)), want)
+    assert not any(t.device.type == "meta" or t.numel() == 0 for t in plain.parameters())
+    for p in plain.parameters():
+        p.data.mul_(1)  # private, writable copies
+
+
+def test_event_log_and_repr(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path)
+    wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder,
+                                       OffloadConfig.layerwise(record_events=True), device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+    lanes = {e["lane"] for e in wrapped.events()}
+    assert lanes == {"copy", "compute"}
+    assert "MmapStore(" in repr(wrapped.executor.store) and "Stager(" in repr(wrapped.executor.stager)
+
+
+# ----------------------------------------------------------------- sources and options
+
+
+def test_source_forms(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path, max_shard_size="20KB")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    n = len(set(json.loads(index.read_text())["weight_map"].values()))
+    for src in (folder, str(index), WeightsSource(folder), [{"path": str(folder)}],
+                WeightsSource(tmp_path, subfolder="flux")):
+        ck = Checkpoint(src)
+        assert len(ck.files) == n and len(ck.entries) == len(model.state_dict())
+        ck.close()
+
+
+def test_source_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no diffusion_pytorch_model.safetensors"):
+        offload_from_safetensors(_meta(), tmp_path / "empty", device=DEV)
+    with pytest.raises(ValueError, match="no checkpoint given"):
+        offload_from_safetensors(_meta(), None, device=DEV)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        offload_from_safetensors(_meta(), bad, device=DEV)
+    idx = tmp_path / "x.safetensors.index.json"
+    idx.write_text(json.dumps({"weight_map": {"a": "missing.safetensors"}}))
+    with pytest.raises(ValueError, match="names shard 'missing.safetensors', which does not exist"):
+        offload_from_safetensors(_meta(), idx, device=DEV)
+    sd = _toy().state_dict()
+    a, b = _save(sd, tmp_path / "a.safetensors"), _save(sd, tmp_path / "b.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint key '[a-z0-9.]+' appears twice: in .*a.safetensors and in .*b.safetensors"):
+        offload_from_safetensors(_meta(), [a, b], device=DEV)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(copy_path="fast"), "copy_path='fast' is not allowed; choose from: auto, direct, staging"),
+        (dict(config={"mode": "module", "components": ["dit"]}), "mode='module' is not allowed"),
+        (dict(config=OffloadConfig.layerwise(weight_transfer="allgather")), "weight_transfer='allgather' is not allowed"),
+        (dict(config=OffloadConfig.layerwise(resident_layers=3)), "resident_layers=3 leaves no block to stream"),
+    ],
+)
+def test_option_rejections(kw, match, tmp_path):
+    path = _save(_toy().state_dict(), tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match=match):
+        offload_from_safetensors(_meta(), path, device=DEV, **kw)
+
+
+# ----------------------------------------------------------------- registration planning (pure)
+
+
+def test_plan_registration_budget_and_chunks():
+    GiB = 1 << 30
+    blocks = [[(0, 0, 3 * GiB)], [(0, 3 * GiB, 3 * GiB + 4 * PAGE)], [(1, 0, 2 * PAGE)], [(0, 8 * GiB, 9 * GiB)]]
+    accepted, chunks = plan_registration(blocks, None)
+    assert accepted == [0, 1, 2, 3]
+    assert all(n <= GiB and s % PAGE == 0 and n % PAGE == 0 for _, s, n in chunks)
+    assert sum(n for _, _, n in chunks) == 3 * GiB + 4 * PAGE + 2 * PAGE + GiB
+    assert [c for c in chunks if c[0] == 1] == [(1, 0, 2 * PAGE)]
+    # a budget takes blocks in order while the union fits; later small blocks may still fit
+    accepted, chunks = plan_registration(blocks, int(3.5 * GiB))
+    assert accepted == [0, 1, 2]
+    assert sum(n for _, _, n in chunks) <= 3.5 * GiB
+
+
+def test_plan_registration_never_registers_a_page_twice():
+    # two blocks sharing their boundary page (tensors end and start mid-page)
+    blocks = [[(0, 0, 3 * PAGE)], [(0, 2 * PAGE, 5 * PAGE)]]
+    accepted, chunks = plan_registration(blocks, None)
+    assert accepted == [0, 1] and chunks == [(0, 0, 5 * PAGE)]
