@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from perf.modes import parse_mode
-from perf.results import GB, markdown_table, result_filename, summarise, validate_result
+from perf.results import markdown_table, result_filename, summarise, validate_result
 from perf.scenarios import get_scenario, scenario_label
 
 REPO = Path(__file__).resolve().parent.parent

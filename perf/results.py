@@ -132,21 +132,28 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
     Each offloaded mode's raw figures carry `streamed_bytes` or `streamed_gb`
     (what it moves host-to-device per step). `resident_ms` defaults to the resident mode's
     step time. Peers are compared as a group: ratio_to_best_peer is a
-    weightstream mode's step time over the fastest peer's."""
+    weightstream mode's step time over the fastest peer's. Without a resident
+    step the floor is the transfer term alone and ratio_to_resident is left out."""
     out = {m: dict(f) for m, f in modes.items()}
     if resident_ms is None and "resident" in out:
         resident_ms = out["resident"]["step_ms"]
     peers = [f["step_ms"] for m, f in out.items() if is_peer(m)]
     best_peer = min(peers) if peers else None
     for mode, f in out.items():
-        if not is_offloaded(mode) or resident_ms is None:
+        if not is_offloaded(mode):
             continue
         streamed = f.get("streamed_bytes")
         if streamed is None and f.get("streamed_gb") is not None:
             streamed = f["streamed_gb"] * GB
-        f["floor_ms"] = round(floor_ms(resident_ms, streamed, h2d_gbps), 3)
+        if resident_ms is None:
+            # no resident step (it failed, e.g. out of memory): the transfer term alone
+            if streamed is None or not h2d_gbps:
+                continue
+            f["floor_ms"] = round(floor_ms(0.0, streamed, h2d_gbps), 3)
+        else:
+            f["floor_ms"] = round(floor_ms(resident_ms, streamed, h2d_gbps), 3)
+            f["ratio_to_resident"] = round(f["step_ms"] / resident_ms, 4)
         f["ratio_to_floor"] = round(f["step_ms"] / f["floor_ms"], 4)
-        f["ratio_to_resident"] = round(f["step_ms"] / resident_ms, 4)
         if best_peer is not None and is_weightstream(mode):
             f["ratio_to_best_peer"] = round(f["step_ms"] / best_peer, 4)
     return out

@@ -105,6 +105,13 @@ def test_summarise_ratios_and_best_peer():
     assert raw["layerwise"].get("floor_ms") is None                              # input left alone
 
 
+def test_summarise_without_resident_uses_the_transfer_floor():
+    out = summarise({"layerwise": {"step_ms": 441.0, "streamed_bytes": 23.8e9}}, h2d_gbps=55.0)
+    assert out["layerwise"]["floor_ms"] == pytest.approx(432.727, abs=1e-3)
+    assert "ratio_to_resident" not in out["layerwise"]
+    assert "floor_ms" not in summarise({"layerwise": {"step_ms": 441.0}}, h2d_gbps=None)["layerwise"]
+
+
 def test_gpu_slug_and_file_name():
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
@@ -130,6 +137,22 @@ def test_assemble_records_failures_and_median_bandwidth():
     assert "streamed_bytes" not in r["modes"]["layerwise"]
     table = markdown_table(r)
     assert "| layerwise | 441.0 |" in table and "failed: OutOfMemoryError" in table
+
+
+def test_assemble_merge_keeps_prior_modes_and_recomputes_ratios():
+    prior = copy.deepcopy(DESIGN_EXAMPLE)
+    prior["modes"]["diffusers-block"]["streamed_gb"] = 23.8
+    workers = {
+        "resident": dict(ok=True, gpu="NVIDIA H200", gpus=1, torch="2.11.0", step_ms=170.0, h2d_gbps=50.0),
+        "layerwise": dict(ok=True, gpu="NVIDIA H200", gpus=1, torch="2.11.0", step_ms=480.0, h2d_gbps=50.0,
+                          streamed_bytes=int(23.8e9), streamed_gb=23.8),
+    }
+    r = assemble("flux-12b-1024", workers, {}, commit="f" * 40, dirty=False, prior=prior)
+    validate_result(r)
+    assert r["merged_from"] == DESIGN_EXAMPLE["date"]
+    blk = r["modes"]["diffusers-block"]
+    assert blk["floor_ms"] == pytest.approx(476.0) and blk["ratio_to_resident"] == pytest.approx(575 / 170, abs=1e-4)
+    assert r["modes"]["layerwise"]["ratio_to_best_peer"] == pytest.approx(480 / 575, abs=1e-4)
 
 
 # ------------------------------------------------------------------ check / baseline
