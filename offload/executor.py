@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .discovery import Block
-from .host_store import HostStore
+from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .schedule import Load, Schedule
 
@@ -187,7 +187,7 @@ class LayerwiseExecutor:
         with torch.cuda.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
-            dst.copy_(src, non_blocking=True)
+            copy_from_image(dst, src)
             self.loaded[load.slot].record(cs)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:

@@ -45,6 +45,23 @@ def _cuda_unregister(ptr: int) -> None:
         pass
 
 
+def copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int = 0) -> None:
+    """``dst[:] = image[offset : offset + dst.numel()]`` (uint8), non-blocking.
+
+    Split at the image's ``REGISTER_CHUNK`` boundaries: an image is registered
+    in chunks of that size from its start, and a copy whose source spans two
+    registrations fails (CUDA "invalid argument", seen on the H200). Images of
+    at most one chunk are one copy.
+    """
+    n = dst.numel()
+    pos = 0
+    while pos < n:
+        src = offset + pos
+        step = min(n - pos, REGISTER_CHUNK - src % REGISTER_CHUNK)
+        dst[pos : pos + step].copy_(image[src : src + step], non_blocking=True)
+        pos += step
+
+
 class _Registration:
     """Owns registered ranges; unregisters them when the store goes away."""
 

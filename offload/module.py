@@ -71,7 +71,8 @@ from torch import nn
 from .components import Component, Components, SupportsComponentDiscovery, discover_components
 from .config import OffloadConfig
 from .discovery import resolve_path
-from .host_store import REGISTER_CHUNK, HostStore, Progress
+from .host_store import HostStore, Progress
+from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
 from .transformer import resolve_device
 
@@ -290,22 +291,6 @@ def _typed_views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
             base = typed[spec.dtype] = buffer[: buffer.numel() // size * size].view(spec.dtype)
         out.append(torch.as_strided(base, spec.shape, spec.stride, base.storage_offset() + spec.offset // size))
     return out
-
-
-def _copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int) -> None:
-    """``dst[:] = image[offset : offset + dst.numel()]`` (uint8), non-blocking.
-
-    Split at the image's ``REGISTER_CHUNK`` boundaries: the host store
-    registers each image in chunks of that size from its start, and a copy
-    whose source spans two registrations fails (CUDA "invalid argument").
-    """
-    n = dst.numel()
-    pos = 0
-    while pos < n:
-        src = offset + pos
-        step = min(n - pos, REGISTER_CHUNK - src % REGISTER_CHUNK)
-        dst[pos : pos + step].copy_(image[src : src + step], non_blocking=True)
-        pos += step
 
 
 def _single(spec):

@@ -12,7 +12,7 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
-from .host_store import HostStore, Progress
+from .host_store import HostStore, Progress, copy_from_image
 from .layout import block_tensors, build_layout, check_not_shared
 from .schedule import Schedule
 
@@ -186,8 +186,10 @@ class StreamedBlocks:
         self.executor.remove()
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
-                for (_, _, t), hv in zip(ts, self.store.views(k)):
-                    t.data = hv.to(self.device, copy=True)
+                image = torch.empty(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
+                copy_from_image(image, self.store.image(k))  # chunk-safe: one registration per copy
+                for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
+                    t.data = spec.view_of(image).clone()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.store.close()

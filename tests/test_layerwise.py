@@ -278,3 +278,15 @@ def test_failed_setup_loses_nothing(monkeypatch):
     assert all(p.numel() > 0 for p in model.parameters())
     with torch.no_grad():
         assert torch.equal(model(**x), ref(**x))
+
+
+def test_copies_split_at_registration_chunks(monkeypatch):
+    """Block copies and disable() split at REGISTER_CHUNK boundaries (CUDA rejects a
+    copy whose source spans two registrations); a tiny chunk forces the split path."""
+    from weightstream.offload import host_store
+
+    monkeypatch.setattr(host_store, "REGISTER_CHUNK", 1000)
+    wrapped, ref, x = check_equal_outputs("toy", DEV)
+    plain = wrapped.disable()
+    with torch.no_grad():
+        assert torch.equal(plain(**x), ref(**x))
