@@ -574,10 +574,6 @@ class BlockPlan:
     direct: bool = False
     staged_because: str | None = None
 
-    @property
-    def num_copies(self) -> int:
-        return len(self.runs) + len(self.wire_runs) + len(self.local)
-
     def ranges(self) -> list[tuple[int, int, int]]:
         """(file, start, end) byte ranges of the checkpoint this block reads on the direct path."""
         return [(r.file, r.src, r.src + r.nbytes) for r in self.runs + self.wire_runs]
@@ -687,6 +683,7 @@ class MmapStore:
         self._finalizer = weakref.finalize(self, self._reg.release)
         self.register_chunks = 0
         self.register_flags: int | None = None
+        self.chunk_bounds: dict[int, set[int]] = {}  # file -> offsets where registrations start or end
         self.pack_threads: set[str] = set()  # names of the threads that ran pack() (staging)
         cuda = device.type == "cuda"
         for p in self.plans:
@@ -737,6 +734,9 @@ class MmapStore:
             done.append((f, start, size))
             progress.update(size)
         self.register_chunks = len(done)
+        for f, start, size in done:
+            base = self.ckpt.files[f].base
+            self.chunk_bounds.setdefault(f, set()).update((start - base, start + size - base))
         ok = set(accepted)
         staged = 0
         for i, (p, pg) in enumerate(zip(plans, pages)):
@@ -749,6 +749,16 @@ class MmapStore:
                 f": {staged} block(s) stage through two pinned buffers instead (slower H2D, same results)"
             )
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=5)
+
+    def split(self, r: Run) -> list[Run]:
+        """``r`` cut where registrations meet: a copy whose source spans two
+        registered ranges fails (CUDA invalid argument, seen on the H200)."""
+        cuts = sorted(b for b in self.chunk_bounds.get(r.file, ()) if r.src < b < r.src + r.nbytes)
+        out, at = [], r.src
+        for b in cuts + [r.src + r.nbytes]:
+            out.append(Run(r.file, at, r.dst + (at - r.src), b - at))
+            at = b
+        return out
 
     # -- packing (staging thread) ----------------------------------------------
     def pack(self, k: int, buf: torch.Tensor) -> None:
@@ -798,11 +808,16 @@ class MmapStore:
     def staged_blocks(self) -> list[int]:
         return [p.k for p in self.plans if not p.direct]
 
-    def close(self) -> None:
-        """Unregister the checkpoint pages and drop the mappings. Callers make sure no copy still reads them."""
+    def unregister(self) -> None:
+        """Unregister the checkpoint pages. Callers make sure no copy still reads them."""
         self._finalizer()
+        self.chunk_bounds.clear()
         for p in self.plans:
             p.direct = False
+
+    def close(self) -> None:
+        """Unregister the checkpoint pages and drop the mappings."""
+        self.unregister()
         self.ckpt.close()
 
     def __repr__(self) -> str:
@@ -838,9 +853,11 @@ class MmapExecutor(LayerwiseExecutor):
                 self._copies.append(None)
                 continue
             per_slot = []
+            runs = [piece for r in p.runs for piece in store.split(r)]
+            wire_runs = [piece for r in p.wire_runs for piece in store.split(r)]
             for s, slot in enumerate(self.slots):
-                pairs = [(slot[r.dst : r.dst + r.nbytes], self._src(r)) for r in p.runs]
-                pairs += [(self.wire[s][r.dst : r.dst + r.nbytes], self._src(r)) for r in p.wire_runs]
+                pairs = [(slot[r.dst : r.dst + r.nbytes], self._src(r)) for r in runs]
+                pairs += [(self.wire[s][r.dst : r.dst + r.nbytes], self._src(r)) for r in wire_runs]
                 pairs += [(slot[d : d + h.numel()], self._local(h)) for h, d in p.local]
                 per_slot.append(pairs)
             self._copies.append(per_slot)
@@ -899,7 +916,10 @@ class MmapExecutor(LayerwiseExecutor):
             if b is None:
                 self._copy_direct(k, load.slot, plan)
             else:
-                slot[:n].copy_(self.stager.buffers[b].tensor[:n], non_blocking=True)
+                src = self.stager.buffers[b].tensor
+                for a in range(0, n, REGISTER_CHUNK):  # one registration per copy (see MmapStore.split)
+                    e = min(n, a + REGISTER_CHUNK)
+                    slot[a:e].copy_(src[a:e], non_blocking=True)
                 self.stager.h2d_done[b].record(cs)
             self.loaded[load.slot].record(cs)
             if hasattr(self, "_load_tag"):  # the base executor's capture bookkeeping (see its _issue)
@@ -926,7 +946,7 @@ class MmapExecutor(LayerwiseExecutor):
         self.wire = []
 
     def stats(self) -> dict:
-        out = {"copies_per_step": sum(p.num_copies for p in self.store.plans if p.direct),
+        out = {"copies_per_step": sum(len(pairs[0]) for pairs in self._copies if pairs),
                "materialise_launches_per_step": sum(1 for p in self.store.plans if p.direct and p.table is not None),
                "wire_bytes": sum(w.numel() for w in self.wire)}
         if self.stager is not None:
@@ -1013,6 +1033,20 @@ class MmapStreamedBlocks(StreamedBlocks):
                         _give_data(t, torch.empty(0, dtype=t.dtype, device=self.device))
         return MmapExecutor(self.blocks, self.store, self.schedule, self.device,
                             record_events=self.config.record_events)
+
+    def restore(self) -> nn.Module:
+        """Give every streamed tensor a private device copy of its weights; tear down."""
+        self.executor.remove()
+        self.store.unregister()  # copies below come from pageable pages: no registration to span
+        with torch.no_grad():
+            for k, ts in enumerate(self.tensors):
+                for (_, _, t), hv in zip(ts, self.store.views(k)):
+                    t.data = hv.to(self.device, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.store.close()
+        self.host_views.clear()
+        return self.module
 
     def update_weights(self, state_dict, *, strict: bool = False) -> list[str]:
         current = self.module.state_dict(keep_vars=True)

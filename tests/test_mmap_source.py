@@ -2,6 +2,7 @@
 import copy
 import json
 import threading
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_in
 from weightstream.offload.host_store import PAGE
 from weightstream.offload.mmap_source import (
     Checkpoint,
+    MmapStore,
     WeightsSource,
     merge_runs,
     Run,
@@ -649,3 +651,51 @@ def test_plan_registration_never_registers_a_page_twice():
     blocks = [[(0, 0, 3 * PAGE)], [(0, 2 * PAGE, 5 * PAGE)]]
     accepted, chunks = plan_registration(blocks, None)
     assert accepted == [0, 1] and chunks == [(0, 0, 5 * PAGE)]
+
+
+def test_copies_are_cut_where_registrations_meet():
+    store = types.SimpleNamespace(chunk_bounds={0: {0, 4096, 8192}})
+    assert MmapStore.split(store, Run(0, 100, 1000, 9000)) == [
+        Run(0, 100, 1000, 3996), Run(0, 4096, 4996, 4096), Run(0, 8192, 9092, 908)]
+    assert MmapStore.split(store, Run(0, 4096, 0, 4096)) == [Run(0, 4096, 0, 4096)]
+    assert MmapStore.split(store, Run(1, 0, 0, 9000)) == [Run(1, 0, 0, 9000)]
+
+
+def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
+    """perf/bench_mmap.py: --help, the tiny checkpoint writer (diffusers layout, reused when
+    present), and the result it assembles validates."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from perf import bench_mmap
+    from perf.results import validate_result
+
+    with pytest.raises(SystemExit) as e:
+        bench_mmap.main(["--help"])
+    assert e.value.code == 0 and "--ckpt-dir" in capsys.readouterr().out
+    ckpt = tmp_path / "ckpt"
+    bench_mmap.write_checkpoint(ckpt, tiny=True, shard_gb=2e-5)
+    files = sorted(ckpt.glob("*.safetensors"))
+    assert len(files) > 1 and (ckpt / "diffusion_pytorch_model.safetensors.index.json").exists()
+    bench_mmap.write_checkpoint(ckpt, tiny=True, shard_gb=2e-5)  # reused, not rewritten
+    assert [f.stat().st_mtime_ns for f in files] == [f.stat().st_mtime_ns for f in sorted(ckpt.glob("*.safetensors"))]
+    from diffusers import FluxTransformer2DModel
+
+    wrapped = offload_from_safetensors(meta_from_pretrained(FluxTransformer2DModel, ckpt), ckpt, device=DEV)
+    assert wrapped.stats()["checkpoint_files"] == len(files)
+    workers = {
+        "resident": {"ok": True, "step_ms": 100.0, "step_ms_all": [100.0], "h2d_gbps": 50.0, "gpu": "NVIDIA H200",
+                     "torch": "2.11.0"},
+        "layerwise": {"ok": True, "step_ms": 440.0, "step_ms_all": [440.0], "streamed_bytes": int(22e9),
+                      "setup_s": 9.0, "h2d_gbps": 50.0},
+        "layerwise-mmap": {"ok": True, "step_ms": 450.0, "step_ms_all": [450.0], "streamed_bytes": int(22e9),
+                           "setup_s": 2.0, "setup_s_per_gb": 0.084},
+        "layerwise-mmap-staging": {"ok": False, "error": "boom"},
+    }
+    result = bench_mmap.assemble(workers, "abc123", False, "ext4", 23.8)
+    validate_result(result)
+    m = result["modes"]["layerwise-mmap"]
+    assert m["floor_ms"] == 440.0 and m["ratio_to_pinned"] == round(450 / 440, 4) and m["setup_s_per_gb"] == 0.084
+    assert result["failed"] == {"layerwise-mmap-staging": "boom"}
+    assert any("PASS" in line for line in bench_mmap.verdicts(result))

@@ -1,0 +1,435 @@
+"""Benchmark of the mmap checkpoint source on a Flux.1-sized model (1024x1024).
+
+    python perf/bench_mmap.py [--ckpt-dir /tmp/flux-ckpt] [--steps 5 --warmup 2] [--modes ...]
+
+1. Writes a Flux.1-sized random bf16 checkpoint in diffusers layout
+   (FluxTransformer2DModel defaults + guidance_embeds=True, 23.8 GB, sharded
+   with an index.json; values generated on the GPU in chunks and written with
+   safetensors) to ``--ckpt-dir``, or reuses the one already there.
+2. Reads it once to warm the page cache.
+3. Runs each mode in a fresh process: ``resident`` (weights on the device, for
+   the compute floor), ``layerwise-mmap`` (registered mapping, direct DMA),
+   ``layerwise-mmap-staging`` (forced two-buffer staging) and ``layerwise``
+   (ordinary loading into private memory, then the pinned HostStore): median
+   step ms over ``--steps`` steps after ``--warmup`` (CUDA events around each
+   step), setup s (open, map, bind, register; for layerwise: pack and pin)
+   and s/GB, and the ratio to the pinned-store step.
+4. Writes ``perf/results/flux-12b-1024-mmap-<gpu-slug>-<commit>.json``.
+
+Targets: mmap step <= 1.05x pinned, staging <= 1.1x pinned, mmap setup
+< 0.2 s/GB. ``--tiny`` runs the same flow on a toy-sized Flux (CPU works).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python perf/bench_mmap.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIO = "flux-12b-1024"
+MODES = ("resident", "layerwise-mmap", "layerwise-mmap-staging", "layerwise")
+TARGETS = {"layerwise-mmap": 1.05, "layerwise-mmap-staging": 1.10}
+SETUP_TARGET_S_PER_GB = 0.2
+MARK = '"_bench_mmap"'
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _config(tiny: bool) -> dict:
+    from perf.scenarios import SCENARIOS
+
+    sc = SCENARIOS[SCENARIO]
+    return dict(sc.tiny_config if tiny else sc.config)
+
+
+# ------------------------------------------------------------------ checkpoint
+
+
+def _fill(name: str) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return "zeros"
+    if "norm" in name and leaf == "weight" and ".linear." not in name:
+        return "ones"
+    return "normal"
+
+
+def write_checkpoint(ckpt_dir: Path, tiny: bool, shard_gb: float, seed: int = 0) -> None:
+    """Random bf16 weights for the scenario's Flux config, diffusers layout, sharded."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    from weightstream.offload.mmap_source import on_meta
+
+    cfg = _config(tiny)
+    stamp = ckpt_dir / ".complete"
+    want = hashlib.sha1(json.dumps([cfg, shard_gb, seed], sort_keys=True).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text().strip() == want:
+        log(f"checkpoint: reusing {ckpt_dir}")
+        return
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    for old in ckpt_dir.glob("*.safetensors"):
+        old.unlink()
+    with on_meta():
+        model = FluxTransformer2DModel(**cfg)
+    model.save_config(str(ckpt_dir))
+    specs = [(k, tuple(v.shape)) for k, v in model.state_dict(keep_vars=True).items()]
+    total = sum(torch.Size(s).numel() * 2 for _, s in specs)
+    gen_dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator(device=gen_dev).manual_seed(seed)
+    limit = int(shard_gb * 1e9)
+    shards, cur, size = [], [], 0
+    for k, s in specs:
+        nb = torch.Size(s).numel() * 2
+        if cur and size + nb > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((k, s))
+        size += nb
+    shards.append(cur)
+    log(f"checkpoint: writing {total / 1e9:.2f} GB in {len(shards)} shards to {ckpt_dir} "
+        f"(random on {gen_dev.type})")
+    weight_map, done, chunk = {}, 0, 1 << 27
+    t0 = time.perf_counter()
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for k, s in shard:
+            out = torch.empty(s, dtype=torch.bfloat16)
+            kind = _fill(k)
+            if kind == "zeros":
+                out.zero_()
+            elif kind == "ones":
+                out.fill_(1)
+            else:
+                flat = out.view(-1)
+                for a in range(0, flat.numel(), chunk):
+                    b = min(a + chunk, flat.numel())
+                    flat[a:b].copy_(torch.empty(b - a, dtype=torch.bfloat16, device=gen_dev)
+                                    .normal_(0.0, 0.02, generator=gen))
+            tensors[k] = out
+            weight_map[k] = name
+            done += out.numel() * 2
+        save_file(tensors, str(ckpt_dir / name), metadata={"format": "pt"})
+        del tensors
+        rate = done / 1e9 / (time.perf_counter() - t0)
+        log(f"checkpoint: {done / 1e9:.2f}/{total / 1e9:.2f} GB ({rate:.2f} GB/s)")
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (ckpt_dir / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    stamp.write_text(want)
+
+
+def warm_page_cache(ckpt_dir: Path) -> float:
+    """Read every shard once (page cache warm for the modes); returns GB read."""
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    total, t0 = 0, time.perf_counter()
+    for f in sorted(ckpt_dir.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            while True:
+                n = fh.readinto(view)
+                if not n:
+                    break
+                total += n
+    dt = time.perf_counter() - t0
+    log(f"page cache: read {total / 1e9:.2f} GB in {dt:.1f} s ({total / 1e9 / max(dt, 1e-9):.1f} GB/s)")
+    return total / 1e9
+
+
+def fs_type(path: Path) -> str:
+    best, kind = "", "unknown"
+    try:
+        p = str(path.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and p.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+# ------------------------------------------------------------------ worker
+
+
+def _timed_steps(module, inputs, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
+    import torch
+
+    from perf.scenarios import first_output
+
+    t_first = time.perf_counter()
+    with torch.no_grad():
+        for i in range(warmup):
+            first_output(module(**inputs))
+            if i == 0 and cuda:
+                torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - t_first) * 1e3
+        times = []
+        if cuda:
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+            for a, b in evs:
+                a.record()
+                out = first_output(module(**inputs))
+                b.record()
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) for a, b in evs]
+        else:
+            for _ in range(steps):
+                t = time.perf_counter()
+                out = first_output(module(**inputs))
+                times.append((time.perf_counter() - t) * 1e3)
+    if not torch.isfinite(out.float()).all():
+        raise RuntimeError("non-finite output")
+    return times, first_ms
+
+
+def run_worker(mode: str, ckpt_dir: Path, steps: int, warmup: int, device: str, tiny: bool) -> dict:
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from perf.scenarios import SCENARIOS, build_inputs
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.offload.mmap_source import Checkpoint, meta_from_pretrained, offload_from_safetensors
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    out: dict = {"mode": mode}
+    t0 = time.perf_counter()
+    meta = meta_from_pretrained(FluxTransformer2DModel, ckpt_dir)
+    out["build_s"] = round(time.perf_counter() - t0, 3)
+    inputs = build_inputs(SCENARIOS[SCENARIO], dev, tiny=tiny)
+    ckpt_gb = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors")) / 1e9
+    log(f"{mode}: model built on meta in {out['build_s']:.2f} s; checkpoint {ckpt_gb:.2f} GB")
+    t0 = time.perf_counter()
+    if mode == "resident":
+        ck = Checkpoint(ckpt_dir)
+        sd = {k: ck.tensor(t).to(dev) for k, t in ck.entries.items()}
+        meta.load_state_dict(sd, strict=True, assign=True)
+        module, stats = meta, {}
+        out["load_s"] = round(time.perf_counter() - t0, 3)
+    elif mode == "layerwise":
+        from safetensors.torch import load_file
+
+        sd = {}
+        for f in sorted(ckpt_dir.glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        meta.load_state_dict(sd, strict=True, assign=True)
+        del sd
+        out["load_s"] = round(time.perf_counter() - t0, 3)
+        log(f"{mode}: ordinary loading into private memory took {out['load_s']:.1f} s")
+        t0 = time.perf_counter()
+        module = OffloadedTransformer(meta, OffloadConfig.layerwise(progress=False), device=dev)
+        out["setup_s"] = round(time.perf_counter() - t0, 3)
+        stats = module.stats()
+    else:
+        copy_path = "staging" if mode.endswith("-staging") else "auto"
+        module = offload_from_safetensors(meta, ckpt_dir, OffloadConfig.layerwise(progress=False), device=dev,
+                                          copy_path=copy_path)
+        if cuda:
+            torch.cuda.synchronize()
+        out["setup_s"] = round(time.perf_counter() - t0, 3)
+        out["setup_s_per_gb"] = round(out["setup_s"] / ckpt_gb, 4)
+        stats = module.stats()
+    if "setup_s" in out:
+        log(f"{mode}: setup {out['setup_s']:.2f} s")
+    times, first_ms = _timed_steps(module, inputs, steps, warmup, cuda)
+    out["step_ms"] = round(statistics.median(times), 3)
+    out["step_ms_all"] = [round(t, 3) for t in times]
+    out["first_steps_ms"] = round(first_ms, 1)
+    if stats:
+        out["streamed_bytes"] = int(stats["streamed_bytes_per_step"])
+        keep = ("direct_blocks", "staged_blocks", "registered_bytes", "registration_chunks", "register_flags",
+                "open_s", "bind_s", "resident_load_s", "store_s", "copies_per_step", "staging_bytes",
+                "staging_kind", "staging_packs", "staging_wait_s", "staging_pack_s", "pinned_bytes", "host_bytes")
+        out["stats"] = {k: stats[k] for k in keep if k in stats}
+    log(f"{mode}: median step {out['step_ms']:.1f} ms over {steps} steps ({warmup} warm-up, "
+        f"first {first_ms:.0f} ms)")
+    if cuda:
+        from perf.worker import measure_h2d_gbps
+
+        out["peak_device_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 3)
+        del module
+        torch.cuda.empty_cache()
+        out["h2d_gbps"] = round(measure_h2d_gbps(dev)[0], 2)
+        out["gpu"] = torch.cuda.get_device_name(dev)
+    out["torch"] = torch.__version__
+    out["ok"] = True
+    return out
+
+
+# ------------------------------------------------------------------ parent
+
+
+def spawn(mode: str, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", mode, "--ckpt-dir", str(args.ckpt_dir),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    if args.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log(f"{mode}: starting a fresh process")
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, timeout=args.mode_timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "ok": False, "error": f"timed out after {args.mode_timeout} s"}
+    result = None
+    for line in proc.stdout.splitlines():
+        if MARK in line:
+            result = json.loads(line)
+        elif line.strip():
+            print(line, file=sys.stderr, flush=True)
+    if result is None:
+        result = {"mode": mode, "ok": False, "error": f"exit status {proc.returncode}, no result line"}
+    log(f"{mode}: {'done' if result.get('ok') else 'FAILED: ' + result.get('error', '')} "
+        f"in {time.perf_counter() - t:.1f} s")
+    return result
+
+
+def assemble(workers: dict, commit: str, dirty: bool, fs: str, ckpt_gb: float) -> dict:
+    from perf.results import floor_ms
+
+    ok = {m: w for m, w in workers.items() if w.get("ok")}
+    rates = [w["h2d_gbps"] for w in ok.values() if w.get("h2d_gbps")]
+    h2d = round(statistics.median(rates), 2) if rates else None
+    resident_ms = ok.get("resident", {}).get("step_ms")
+    pinned_ms = ok.get("layerwise", {}).get("step_ms")
+    modes = {}
+    for m, w in ok.items():
+        f = {"step_ms": w["step_ms"], "step_ms_all": w["step_ms_all"]}
+        for k in ("setup_s", "setup_s_per_gb", "load_s", "build_s", "peak_device_gb", "first_steps_ms", "stats"):
+            if k in w:
+                f[k] = w[k]
+        if m != "resident":
+            streamed = w.get("streamed_bytes")
+            base = resident_ms if resident_ms is not None else 0.0
+            fl = floor_ms(base, streamed, h2d) if (streamed and h2d) or resident_ms else None
+            if fl:
+                f["floor_ms"] = round(fl, 3)
+                f["ratio_to_floor"] = round(w["step_ms"] / fl, 4)
+            if streamed:
+                f["streamed_gb"] = round(streamed / 1e9, 3)
+            if resident_ms:
+                f["ratio_to_resident"] = round(w["step_ms"] / resident_ms, 4)
+            if pinned_ms and m != "layerwise":
+                f["ratio_to_pinned"] = round(w["step_ms"] / pinned_ms, 4)
+        modes[m] = f
+    first = next(iter(ok.values()), {})
+    result = {
+        "scenario": SCENARIO, "gpu": first.get("gpu", "cpu"), "gpus": 1 if first.get("gpu") else 0,
+        "commit": commit, "dirty": dirty, "torch": first.get("torch", "unknown"),
+        "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "h2d_gbps": h2d, "model_gb": round(ckpt_gb, 6), "source": "mmap", "checkpoint_fs": fs,
+        "modes": modes,
+    }
+    failed = {m: w.get("error", "failed") for m, w in workers.items() if not w.get("ok")}
+    if failed:
+        result["failed"] = failed
+    return result
+
+
+def verdicts(result: dict) -> list[str]:
+    lines = []
+    modes = result["modes"]
+    for m, target in TARGETS.items():
+        r = modes.get(m, {}).get("ratio_to_pinned")
+        if r is not None:
+            lines.append(f"{m}: step {r:.3f}x pinned (target <= {target}) {'PASS' if r <= target else 'MISS'}")
+    s = modes.get("layerwise-mmap", {}).get("setup_s_per_gb")
+    if s is not None:
+        lines.append(f"layerwise-mmap: setup {s:.3f} s/GB (target < {SETUP_TARGET_S_PER_GB}) "
+                     f"{'PASS' if s < SETUP_TARGET_S_PER_GB else 'MISS'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python perf/bench_mmap.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/flux-ckpt"), help="default: %(default)s")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES), help="default: %(default)s")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="checkpoint shard size (default: %(default)s)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--tiny", action="store_true", help="toy-sized Flux (the whole flow on a CPU in seconds)")
+    p.add_argument("--out", type=Path, default=REPO / "perf" / "results")
+    p.add_argument("--mode-timeout", type=float, default=300.0)
+    p.add_argument("--touch-gb", type=float, default=None,
+                   help="touch this much host memory first (default: 2 x model size, 0 with --tiny)")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args._worker:
+        try:
+            res = run_worker(args._worker, args.ckpt_dir, args.steps, args.warmup, args.device, args.tiny)
+        except Exception as e:  # reported to the parent; the traceback goes to stderr
+            import traceback
+
+            traceback.print_exc()
+            res = {"mode": args._worker, "ok": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({"_bench_mmap": 1, **res}), flush=True)
+        return 0 if res.get("ok") else 1
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; allowed: {', '.join(MODES)}")
+
+    from perf.harness import Clock, git_commit, touch_host_memory
+    from perf.results import gpu_slug, validate_result
+
+    commit, dirty = git_commit()
+    log(f"bench_mmap: modes {','.join(modes)}; {args.warmup} warm-up + {args.steps} timed steps; "
+        f"commit {commit[:12]}{' (dirty)' if dirty else ''}; device {args.device}")
+    touch = args.touch_gb if args.touch_gb is not None else (0.0 if args.tiny else 48.0)
+    touch_host_memory(touch, Clock())
+    write_checkpoint(args.ckpt_dir, args.tiny, args.shard_gb)
+    fs = fs_type(args.ckpt_dir)
+    log(f"checkpoint filesystem: {fs}")
+    ckpt_gb = warm_page_cache(args.ckpt_dir)
+    workers = {m: spawn(m, args) for m in modes}
+    result = assemble(workers, commit, dirty, fs, ckpt_gb)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{SCENARIO}-mmap-{gpu_slug(result['gpu'])}-{commit[:12]}.json"
+    try:
+        validate_result(result)
+    except ValueError as e:
+        log(f"result does not validate: {e}")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    for m, f in result["modes"].items():
+        extra = "".join(f", {k} {f[k]}" for k in ("floor_ms", "ratio_to_floor", "ratio_to_pinned", "setup_s",
+                                                  "setup_s_per_gb") if k in f)
+        log(f"{m}: step {f['step_ms']:.1f} ms{extra}")
+    for line in verdicts(result):
+        log(line)
+    for m, err in (result.get("failed") or {}).items():
+        log(f"{m}: FAILED {err}")
+    print(f"result: {path}", flush=True)
+    return 0 if not result.get("failed") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

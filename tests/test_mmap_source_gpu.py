@@ -1,0 +1,121 @@
+"""The mmap checkpoint source on CUDA (run on the device machine: pytest -m gpu)."""
+import warnings
+
+import pytest
+import torch
+
+from weightstream import OffloadConfig
+from weightstream.offload.mmap_source import HOST_REGISTER_READ_ONLY, meta_from_pretrained, offload_from_safetensors
+
+from test_mmap_source import _GQA, _diffusers_case, _gqa_ckpt, _meta, _toy, _transposed_ckpt, _Transposed, _x, first
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _run(name, tmp_path, *, dtype=torch.bfloat16, steps=3, **kw):
+    """(wrapped, warnings) after checking `steps` streamed outputs against the resident model."""
+    model, x, cls, folder = _diffusers_case(name, tmp_path, dtype=dtype, **kw.pop("save", {}))
+    x = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    ref = model.to(DEV)
+    with torch.no_grad():
+        want = first(ref(**x))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV, **kw)
+            outs = [first(wrapped(**x)) for _ in range(steps)]
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert out.device.type == "cuda"
+        assert torch.equal(out, want), f"step {i}: max diff {(out.float() - want.float()).abs().max()}"
+    ours = [w for w in caught if "weightstream" in str(w.message)]
+    return wrapped, ours
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_direct_dma_from_registered_pages(name, tmp_path):
+    wrapped, warned = _run(name, tmp_path)
+    s = wrapped.stats()
+    assert not warned
+    assert s["direct_blocks"] == s["blocks_streamed"] and s["staged_blocks"] == 0
+    assert s["pinned"] is True and s["registered_bytes"] > 0 and s["registration_chunks"] >= 1
+    assert s["register_flags"] in (HOST_REGISTER_READ_ONLY, 0)
+    assert s["staging_buffers"] == 0 and wrapped.executor.stager is None
+    assert s["copies_per_step"] < sum(len(lay.tensors) for lay in wrapped.executor.store.layouts)
+
+
+def test_direct_dma_sharded_checkpoint_fp32(tmp_path):
+    wrapped, warned = _run("flux", tmp_path, dtype=torch.float32, save={"max_shard_size": "20KB"})
+    assert not warned and wrapped.stats()["checkpoint_files"] > 3 and wrapped.stats()["pinned"]
+
+
+def test_staging_fallback_under_a_tiny_budget_warns_once(tmp_path):
+    cfg = OffloadConfig.layerwise(pinned_memory_budget_gb=1e-9)
+    wrapped, warned = _run("flux", tmp_path, config=cfg, steps=4)
+    s = wrapped.stats()
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert "pinned_memory_budget_gb=1e-09" in str(warned[0].message)
+    assert s["staged_blocks"] == s["blocks_streamed"] and s["registered_bytes"] == 0
+    assert s["staging_buffers"] == 2 and s["staging_kind"] in ("registered", "pin_memory")
+    assert s["staging_max_ready"] <= 2 and s["pinned"] is False
+    assert wrapped.executor.store.pack_threads == {"weightstream-stager"}
+
+
+def test_partial_budget_mixes_direct_and_staged_blocks(tmp_path):
+    model, _, cls, folder = _diffusers_case("flux", tmp_path, dtype=torch.bfloat16)
+    probe = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV)
+    full = probe.stats()["registered_bytes"]
+    probe.disable()
+    cfg = OffloadConfig.layerwise(pinned_memory_budget_gb=full / 2 / 1e9)
+    wrapped, warned = _run("flux", tmp_path / "again", config=cfg)
+    s = wrapped.stats()
+    assert len(warned) == 1
+    assert s["direct_blocks"] >= 1 and s["staged_blocks"] >= 1
+    assert s["registered_bytes"] <= full / 2
+
+
+def test_forced_staging_does_not_warn(tmp_path):
+    wrapped, warned = _run("wan", tmp_path, copy_path="staging")
+    s = wrapped.stats()
+    assert not warned and s["staged_blocks"] == s["blocks_streamed"] and s["registered_bytes"] == 0
+
+
+def test_kernel_transform_on_the_copy_stream(tmp_path):
+    model = _toy(_GQA)
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    ref = model.to(DEV)
+    x = _x().to(DEV)
+    with torch.no_grad():
+        want = ref(x)
+        wrapped = offload_from_safetensors(_meta(_GQA), path, device=DEV)
+        outs = [wrapped(x) for _ in range(3)]
+    assert all(torch.equal(o, want) for o in outs)
+    s = wrapped.stats()
+    assert s["direct_blocks"] == 3 and s["materialise_launches_per_step"] == 3 and s["wire_bytes"] > 0
+
+
+def test_python_transform_stages_on_cuda(tmp_path):
+    model = _toy()
+    path = _transposed_ckpt(model, tmp_path / "t.safetensors")
+    ref = model.to(DEV)
+    x = _x().to(DEV)
+    with torch.no_grad():
+        want = ref(x)
+        wrapped = offload_from_safetensors(_meta(_Transposed), path, device=DEV)
+        assert all(torch.equal(wrapped(x), want) for _ in range(3))
+    assert wrapped.stats()["staged_blocks"] == 3
+
+
+def test_device_weight_memory_is_resident_plus_slots(tmp_path):
+    model, x, cls, folder = _diffusers_case("flux", tmp_path, dtype=torch.bfloat16)
+    x = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV)
+    torch.cuda.synchronize()
+    s = wrapped.stats()
+    held = torch.cuda.memory_allocated() - base
+    assert held <= s["resident_bytes"] + s["slot_bytes"] + s["wire_bytes"] + (1 << 20)
+    plain = wrapped.disable()
+    with torch.no_grad():
+        assert torch.equal(first(plain(**x)), first(model.to(DEV)(**x)))
