@@ -1,4 +1,4 @@
-"""`python -m perf run|check|baseline|list` (and the internal `_worker`, `_touch`)."""
+"""`python -m perf run|check|baseline|list` (and the internal `_worker`, `_touch`, `_ckpt`)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)  # skip interpreter teardown (seconds with a 24 GB host model); the result line is out
+    if argv and argv[0] == "_ckpt":
+        from perf.worker import ckpt_main
+        return ckpt_main(argv[1:])
     if argv and argv[0] == "_touch":
         from perf.worker import touch_main
         return touch_main(argv[1:])
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="host GB to touch first (default 2x the model; 0 = skip; tiny: 0)")
     r.add_argument("--trace-dir", default=None, help="also save an NVML trace + HTML report per mode here")
     r.add_argument("--mode-timeout", type=float, default=None, help="kill a mode's worker after this many s")
+    r.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint folder for -mmap modes (default /tmp/weightstream-perf-ckpt/<scenario>-seed0)")
     r.add_argument("--merge", action="store_true",
                    help="keep modes of an existing result file (same scenario, GPU, commit) that this run skips")
 
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             _, path, ok = run(args.scenario, _split(args.modes), steps=args.steps, warmup=args.warmup,
                               out_dir=args.out or DEFAULT_OUT, tiny=args.tiny, device=args.device,
                               touch_gb=args.touch_gb, trace_dir=args.trace_dir,
-                              mode_timeout=args.mode_timeout, merge=args.merge)
+                              mode_timeout=args.mode_timeout, merge=args.merge, ckpt_dir=args.ckpt_dir)
         except ValueError as e:
             print(f"perf run: {e}", file=sys.stderr)
             return 2

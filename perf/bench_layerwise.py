@@ -3,9 +3,12 @@ big scenarios, optionally against diffusers' block-level group offload.
 
     python -m perf.bench_layerwise [--source memory|mmap|both] [--peers] [--steps 5 --warmup 2] [--tiny]
 
-`--source mmap` runs mode `layerwise-mmap` (config key source="mmap"); the
-mode fails with a clear message while the controller does not accept it.
-Each scenario writes its own result file (see `python -m perf run`).
+`--source mmap` runs mode `layerwise-mmap` instead of `layerwise`: blocks
+streamed straight from a safetensors checkpoint of the same random weights
+(`offload_from_safetensors`); the checkpoint is written once per scenario,
+untimed, to /tmp/weightstream-perf-ckpt (or `--ckpt-dir`; one per scenario:
+Flux 24 GB, Wan 29 GB of disk). `--source both` runs both modes. Each
+scenario writes its own result file (see `python -m perf run`).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--ckpt-root", default=None, help="folder for the -mmap checkpoints (one subfolder per scenario)")
     args = p.parse_args(argv)
     clock = Clock()
     ok_all, paths = True, []
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _, path, ok = run(sc, modes_for(args.source, args.peers), steps=args.steps, warmup=args.warmup,
                               out_dir=args.out, tiny=args.tiny, device=args.device, trace_dir=args.trace_dir,
-                              clock=clock)
+                              ckpt_dir=str(Path(args.ckpt_root) / sc) if args.ckpt_root else None, clock=clock)
         except ValueError as e:
             print(f"bench_layerwise: {e}", file=sys.stderr)
             return 2

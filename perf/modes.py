@@ -2,9 +2,10 @@
 
 - `resident`: the whole model on the device (built there directly).
 - weightstream: `layerwise`, `layerwise-r<R>` (R resident blocks),
-  `layerwise-mmap` (config key source="mmap", refused until the API has it),
-  `graphs` (CUDA graphs on); `-graphs`, `-r<R>`, `-mmap` combine after
-  `layerwise` (e.g. `layerwise-r4-graphs`).
+  `layerwise-mmap` (blocks streamed straight from a safetensors checkpoint of
+  the same random weights, mapped read-only: `offload_from_safetensors`; the
+  harness writes the checkpoint first, untimed), `graphs` (CUDA graphs on);
+  `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
 - peers: `diffusers-block` (group offload, block level, 1 block per group,
   stream + record_stream), `diffusers-leaf` (leaf level, stream),
   `diffusers-model` (model-level offload as `enable_model_cpu_offload` does it,
@@ -37,6 +38,7 @@ class ModeSpec:
     kind: str                      # resident | weightstream | diffusers-group | diffusers-model | accelerate-cpu
     config_kw: dict = field(default_factory=dict)   # OffloadConfig.layerwise(**config_kw)
     peer_kw: dict = field(default_factory=dict)     # apply_group_offloading(**peer_kw)
+    source: str = "memory"                          # weightstream: "memory" (host model) | "mmap" (checkpoint)
 
     @property
     def builds_on_device(self) -> bool:
@@ -51,6 +53,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
     if name.startswith(("layerwise", "graphs")):
         head, *variants = name.split("-")
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
+        source = "memory"
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
@@ -58,10 +61,10 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "mmap":
-                kw["source"] = "mmap"
+                source = "mmap"
             else:
                 kw["cuda_graphs"] = "on"
-        return ModeSpec(name, "weightstream", config_kw=kw)
+        return ModeSpec(name, "weightstream", config_kw=kw, source=source)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -139,10 +142,24 @@ def weightstream_config(spec: ModeSpec, record_events: bool = False):
         cfg = OffloadConfig.layerwise(**kw)
     except (TypeError, ValueError) as e:
         raise RuntimeError(
-            f"mode {spec.name!r}: the weightstream API rejected OffloadConfig.layerwise(**{kw!r}): {e}"
-            + (" (the mmap source is not implemented by the controller yet)" if "source" in kw else "")
-        ) from e
+            f"mode {spec.name!r}: the weightstream API rejected OffloadConfig.layerwise(**{kw!r}): {e}") from e
     return cfg
+
+
+def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: torch.device,
+                 *, record_events: bool = False) -> Prepared:
+    """A weightstream mode whose streamed blocks come from a mapped checkpoint."""
+    try:
+        from weightstream.offload.mmap_source import offload_from_safetensors
+    except ImportError as e:
+        raise RuntimeError(f"mode {spec.name!r}: the weightstream mmap source is not available ({e})") from e
+    cfg = weightstream_config(spec, record_events)
+    m = offload_from_safetensors(model_on_meta, str(ckpt_dir), cfg, device=device)
+    stats = m.stats()
+    pinned = stats.get("pinned_bytes", stats.get("registered_bytes"))
+    return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+                    events=m.events if record_events else None, pinned_bytes=pinned,
+                    notes={"config": cfg.to_dict(), "checkpoint": str(ckpt_dir)})
 
 
 def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device,

@@ -117,6 +117,11 @@ def validate_result(result: dict) -> None:
 
 # ---------------------------------------------------------------- arithmetic
 
+def _sig(x: float, digits: int = 5) -> float:
+    """Round to significant digits (ratios can be tiny on a noisy CPU)."""
+    return float(f"{x:.{digits}g}")
+
+
 def floor_ms(resident_ms: float, streamed_bytes: float | None, h2d_gbps: float | None) -> float:
     """The streaming floor: a step can be no faster than its compute (the
     resident step) nor than moving its streamed bytes over the H2D link."""
@@ -152,10 +157,10 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["floor_ms"] = round(floor_ms(0.0, streamed, h2d_gbps), 3)
         else:
             f["floor_ms"] = round(floor_ms(resident_ms, streamed, h2d_gbps), 3)
-            f["ratio_to_resident"] = round(f["step_ms"] / resident_ms, 4)
-        f["ratio_to_floor"] = round(f["step_ms"] / f["floor_ms"], 4)
+            f["ratio_to_resident"] = _sig(f["step_ms"] / resident_ms)
+        f["ratio_to_floor"] = _sig(f["step_ms"] / f["floor_ms"])
         if best_peer is not None and is_weightstream(mode):
-            f["ratio_to_best_peer"] = round(f["step_ms"] / best_peer, 4)
+            f["ratio_to_best_peer"] = _sig(f["step_ms"] / best_peer)
     return out
 
 

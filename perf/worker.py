@@ -9,6 +9,7 @@ the mode's own pinning from torch's host cache), and prints one JSON line
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -19,9 +20,12 @@ import traceback
 
 import torch
 
-from perf.modes import parse_mode, prepare, weightstream_config
+from perf.modes import parse_mode, prepare, prepare_mmap, weightstream_config
 from perf.results import GB
-from perf.scenarios import build_inputs, build_model, first_output, get_scenario, scenario_label, tensor_bytes, block_bytes
+from perf.scenarios import (
+    block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output,
+    get_scenario, scenario_label, tensor_bytes, warm_page_cache, write_checkpoint,
+)
 
 
 def log(prefix: str, msg: str) -> None:
@@ -163,18 +167,29 @@ def run_mode(args, prefix: str) -> dict:
     if spec.kind == "weightstream":
         weightstream_config(spec, record_events)  # refuse before spending time on the build
 
+    ckpt = None
     t = time.perf_counter()
-    model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",
-                        seed=args.seed, progress=lambda m: log(prefix, m))
+    if spec.source == "mmap":
+        ckpt = args.ckpt_dir or str(checkpoint_dir(label, args.seed))
+        info = checkpoint_info(ckpt)
+        model = build_meta_model(scenario, tiny=tiny)
+        model_bytes, blk_bytes = info["model_bytes"], info["block_bytes"]
+        log(prefix, f"model on meta; weights from the checkpoint {ckpt} ({info['checkpoint_bytes'] / 1e9:.2f} GB)")
+    else:
+        model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",
+                            seed=args.seed, progress=lambda m: log(prefix, m))
+        model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
     build_s = time.perf_counter() - t
-    model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
     inputs = build_inputs(scenario, device, tiny=tiny)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
     t = time.perf_counter()
-    prepared = prepare(spec, model, scenario, device, record_events=record_events)
+    if ckpt is not None:
+        prepared = prepare_mmap(spec, model, ckpt, device, record_events=record_events)
+    else:
+        prepared = prepare(spec, model, scenario, device, record_events=record_events)
     _sync(device)
     setup_s = time.perf_counter() - t
     del model
@@ -201,6 +216,7 @@ def run_mode(args, prefix: str) -> dict:
             mon.stop()
     y = first_output(out)
     finite = bool(torch.isfinite(y).all().item())
+    digest = hashlib.sha1(y.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
     step_ms = statistics.median(ms)
     log(prefix, f"median step {step_ms:.1f} ms (min {min(ms):.1f}, max {max(ms):.1f}); output finite: {finite}")
 
@@ -213,7 +229,7 @@ def run_mode(args, prefix: str) -> dict:
         host_rss_gb=None if rss_after_setup is None else round(rss_after_setup / GB, 3),
         host_rss_peak_gb=round(host_rss_peak_bytes() / GB, 3),
         pinned_host_gb=None if pinned is None else round(pinned / GB, 3),
-        output_finite=finite, record_events=record_events,
+        output_finite=finite, output_sha1=digest, record_events=record_events,
     )
     if prepared.streamed_bytes is not None:
         figs["streamed_bytes"] = int(prepared.streamed_bytes)
@@ -265,6 +281,7 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--monitor-hz", type=float, default=50.0)
     p.add_argument("--no-monitor", action="store_true")
     p.add_argument("--no-h2d", action="store_true")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint folder of an -mmap mode (default: per scenario in /tmp)")
     args = p.parse_args(argv)
     prefix = f"{args.scenario}{'-tiny' if args.tiny and not args.scenario.endswith('-tiny') else ''} {args.mode}"
     result = {"_perf_worker": 1, "scenario": args.scenario, "mode": args.mode, "ok": False}
@@ -295,4 +312,23 @@ def touch_main(argv: list[str]) -> int:
         chunks.append(torch.empty(n, dtype=torch.uint8).fill_(1))
         left -= n
     log("touch", f"wrote {args.gb:.1f} GB of host memory in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def ckpt_main(argv: list[str]) -> int:
+    """Write (or reuse) the scenario's safetensors checkpoint for -mmap modes,
+    then read it once so the page cache holds it."""
+    p = argparse.ArgumentParser(prog="python -m perf _ckpt")
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    scenario, tiny = get_scenario(args.scenario)
+    label = scenario_label(scenario, tiny)
+    ckpt = args.ckpt_dir or str(checkpoint_dir(label, args.seed))
+    t = time.perf_counter()
+    info = write_checkpoint(scenario, ckpt, tiny=tiny, seed=args.seed, progress=lambda m: log(label, m))
+    n = warm_page_cache(ckpt)
+    log(label, f"checkpoint ready in {time.perf_counter() - t:.1f} s ({info['checkpoint_bytes'] / 1e9:.2f} GB, "
+               f"{n / 1e9:.2f} GB read to warm the page cache)")
     return 0

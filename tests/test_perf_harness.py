@@ -239,7 +239,9 @@ def test_parse_mode_variants_and_refusals():
     assert parse_mode("layerwise-r4", flux).config_kw == {"resident_layers": 4}
     assert parse_mode("graphs", flux).config_kw == {"cuda_graphs": "on"}
     assert parse_mode("layerwise-r2-graphs", flux).config_kw == {"resident_layers": 2, "cuda_graphs": "on"}
-    assert parse_mode("layerwise-mmap", flux).config_kw == {"source": "mmap"}
+    mm = parse_mode("layerwise-mmap-r2", flux)
+    assert (mm.source, mm.config_kw) == ("mmap", {"resident_layers": 2})
+    assert parse_mode("layerwise", flux).source == "memory"
     assert parse_mode("diffusers-block", flux).peer_kw == dict(
         offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True)
     assert parse_mode("accelerate-cpu", flux512).kind == "accelerate-cpu"
@@ -290,38 +292,56 @@ def _weightstream_importable():
         return f"weightstream API not importable: {e}"
 
 
-def test_layerwise_mmap_fails_with_clear_message():
-    reason = _weightstream_importable()
-    if reason:
-        pytest.skip(reason)
-    from perf.modes import prepare
+def test_checkpoint_written_once_and_reused(tmp_path):
+    from perf.scenarios import checkpoint_info, write_checkpoint
 
-    sc, _ = get_scenario("flux-12b-512")
+    sc, _ = get_scenario("wan-14b-480p")
+    with pytest.raises(FileNotFoundError, match="no perf checkpoint"):
+        checkpoint_info(tmp_path)
+    info = write_checkpoint(sc, tmp_path, tiny=True)
     model = build_model(sc, tiny=True, device="cpu", gen_device="cpu")
-    with pytest.raises(RuntimeError, match="rejected OffloadConfig.layerwise.*source.*mmap"):
-        prepare(parse_mode("layerwise-mmap", sc), model, sc, torch.device("cpu"))
+    assert info["model_bytes"] == tensor_bytes(model) and info["block_bytes"] == block_bytes(model, sc)
+    index = json.loads((tmp_path / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    shard = tmp_path / "diffusion_pytorch_model-00001-of-00001.safetensors"
+    stamp = shard.stat().st_mtime_ns
+    msgs = []
+    assert write_checkpoint(sc, tmp_path, tiny=True, progress=msgs.append) == info
+    assert shard.stat().st_mtime_ns == stamp and "reusing" in msgs[0]
+    from safetensors.torch import load_file
+    on_disk = load_file(str(shard))
+    assert on_disk["scale_shift_table"].dtype == torch.float32       # fp32-kept modules stay fp32
+    assert torch.equal(on_disk["blocks.0.ffn.net.0.proj.weight"], model.blocks[0].ffn.net[0].proj.weight)
 
 
 def test_harness_end_to_end_tiny_cpu(tmp_path, capsys):
-    """Two modes, each in a fresh worker process; the result file validates."""
+    """resident, layerwise and layerwise-mmap, each in a fresh worker process
+    (the checkpoint is written first); the result file validates and every
+    mode computes the resident output bit for bit."""
     reason = _weightstream_importable()
-    modes = ["resident", "layerwise"] if reason is None else ["resident"]
+    modes = ["resident", "layerwise", "layerwise-mmap"] if reason is None else ["resident"]
     if reason:
-        print(f"skipping the layerwise mode: {reason}")
-    result, path, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path, tiny=True, device="cpu",
-                           touch_gb=0)
+        print(f"skipping the weightstream modes: {reason}")
+    from perf.scenarios import write_checkpoint
+
+    write_checkpoint(get_scenario("flux-12b-1024")[0], tmp_path / "ckpt", tiny=True)  # in-process: one start less
+    result, path, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path / "res", tiny=True,
+                           device="cpu", touch_gb=0, ckpt_dir=str(tmp_path / "ckpt"))
     assert ok, result.get("failed")
-    assert path == tmp_path / result_filename("flux-12b-1024-tiny", "cpu", result["commit"])
+    assert path == tmp_path / "res" / result_filename("flux-12b-1024-tiny", "cpu", result["commit"])
     on_disk = json.loads(path.read_text())
     validate_result(on_disk)
     assert on_disk["scenario"] == "flux-12b-1024-tiny" and on_disk["gpu"] == "cpu" and on_disk["gpus"] == 0
     assert on_disk["model_gb"] > 0 and on_disk["h2d_gbps"] is None
     res = on_disk["modes"]["resident"]
     assert len(res["step_ms_all"]) == 2 and res["output_finite"]
-    if "layerwise" in modes:
-        lw = on_disk["modes"]["layerwise"]
+    for mode in modes[1:]:
+        f = on_disk["modes"][mode]
         # no H2D figure on a CPU: the floor is the resident step
-        assert lw["floor_ms"] == res["step_ms"]
-        assert lw["ratio_to_floor"] == pytest.approx(lw["step_ms"] / res["step_ms"], rel=1e-3)
-        assert lw["stats"]["streamed_bytes_per_step"] > 0 and lw["output_finite"]
+        assert f["floor_ms"] == res["step_ms"]
+        assert f["ratio_to_floor"] == pytest.approx(f["step_ms"] / res["step_ms"], rel=1e-3)
+        assert f["stats"]["streamed_bytes_per_step"] > 0
+        assert f["output_equals_resident"] is True, mode
+    if "layerwise-mmap" in modes:
+        assert on_disk["modes"]["layerwise-mmap"]["stats"]["source"] == "mmap"
     assert "| resident |" in capsys.readouterr().out
