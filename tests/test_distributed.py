@@ -40,8 +40,13 @@ PRELOAD = [
 def run_ranks(world: int, tmpdir, target: str, *, backend: str = "gloo", timeout: float = 240.0) -> list[dict]:
     """Run ``target`` ("module:function", called as fn(rank, world)) on ``world``
     ranks of a fresh process group; return each rank's report dict."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    if backend == "nccl":
+        # CUDA cannot be initialised in a process forked from one that touched it
+        # (the forkserver imports torch and the test modules): spawn fresh ranks.
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
     tmpdir = str(tmpdir)
     procs = [ctx.Process(target=_worker, args=(r, world, tmpdir, target, backend)) for r in range(world)]
     for p in procs:
