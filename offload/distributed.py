@@ -489,6 +489,10 @@ class AllGatherExecutor(GuardedExecutor):
         cs, comm = self.copy_stream, self.comm_stream
         if self._read_tag[slot] == self.capture_tag:
             cs.wait_event(self.shard_read[slot])  # the gather that last read this shard slot is done
+        elif wait_free and load.after_position is not None:
+            # inside a capture whose shard_read was recorded elsewhere: join the copy
+            # stream to the capture through this capture's slot-free event
+            cs.wait_event(self.freed[slot])
         with torch.cuda.stream(cs):
             if rec_copy is not None:
                 rec_copy.start = self.log.mark(cs)
