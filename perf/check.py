@@ -35,8 +35,11 @@ def load_result(path: str | Path) -> dict:
     return result
 
 
-def baseline_path(gpu: str, explicit: str | Path | None = None) -> Path:
-    return Path(explicit) if explicit else BASELINES / f"{gpu_slug(gpu)}.json"
+def baseline_path(gpu: str, explicit: str | Path | None = None, gpus: int = 1) -> Path:
+    """perf/baselines/<gpu-slug>.json, or <gpu-slug>-x<N>.json for N-GPU results."""
+    if explicit:
+        return Path(explicit)
+    return BASELINES / (f"{gpu_slug(gpu)}.json" if gpus <= 1 else f"{gpu_slug(gpu)}-x{gpus}.json")
 
 
 def compare(result: dict, baseline: dict, tolerance: float) -> tuple[list[dict], list[str]]:
@@ -81,7 +84,7 @@ def check_main(results: list[str], baseline: str | None, tolerance: float) -> in
         except ValueError as e:
             print(f"check: {e}")
             return 2
-        bpath = baseline_path(result["gpu"], baseline)
+        bpath = baseline_path(result["gpu"], baseline, result.get("gpus", 1))
         if not bpath.exists():
             print(f"check: no baseline for GPU {result['gpu']!r} at {bpath}; create one with "
                   f"`python -m perf baseline {path}` (after checking the result is a good reference)")
@@ -120,7 +123,7 @@ def baseline_main(results: list[str], out: str | None) -> int:
         print(f"baseline: --out names one file but the results are from several GPUs: {sorted(slugs)}")
         return 2
     for path, r in loaded:
-        bpath = baseline_path(r["gpu"], out)
+        bpath = baseline_path(r["gpu"], out, r.get("gpus", 1))
         base = json.loads(bpath.read_text()) if bpath.exists() else {"gpu": r["gpu"], "scenarios": {}, "sources": {}}
         if gpu_slug(base.get("gpu", "")) != gpu_slug(r["gpu"]):
             print(f"baseline: {bpath} is for GPU {base.get('gpu')!r}, {path} for {r['gpu']!r}")
