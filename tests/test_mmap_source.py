@@ -1,5 +1,4 @@
 """The mmap checkpoint source on the CPU: binding, errors, both copy paths, staging bounds."""
-import copy
 import json
 import threading
 import types
