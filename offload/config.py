@@ -143,10 +143,10 @@ class OffloadConfig:
     num_slots: int >= 2. Device block buffers used by layer mode; more slots
         let copies run further ahead of compute at the cost of device memory.
     pinned_memory_budget_gb: number > 0 or None (no cap). Cap on pinned /
-        registered host memory in GiB; host weights beyond it stay pageable
+        registered host memory in GB (1e9 bytes); host weights beyond it stay pageable
         (warning about that is the caller's job).
     device_memory_budget_gb: number > 0 or None (no cap). Cap on device memory
-        for weights (resident modules + slots) in GiB; the executor checks it.
+        for weights (resident modules + slots) in GB (1e9 bytes); checked at setup.
     record_events: the executor records a per-block copy/compute event log
         (for telemetry and the overlap dashboard).
     progress: print progress while pinning large host stores.
