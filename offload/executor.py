@@ -167,9 +167,7 @@ class LayerwiseExecutor:
 
     # -- copies ----------------------------------------------------------------
     def _issue(self, load: Load, *, wait_free: bool = True) -> None:
-        k = load.block - self.schedule.resident
-        src = self.store.image(k)
-        dst = self.slots[load.slot][: src.numel()]
+        """Order and record one load; the bytes themselves move in :meth:`_copy`."""
         rec = None
         if self.log is not None:
             rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
@@ -177,7 +175,7 @@ class LayerwiseExecutor:
         if not self.cuda:
             if rec is not None:
                 rec.start = self.log.mark()
-            dst.copy_(src)
+            self._copy(load)
             if rec is not None:
                 rec.end = self.log.mark()
             return
@@ -187,11 +185,19 @@ class LayerwiseExecutor:
         with torch.cuda.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
-            copy_from_image(dst, src)
+            self._copy(load)
             self.loaded[load.slot].record(cs)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
                 rec.end = self.log.mark(cs)
+
+    def _copy(self, load: Load) -> None:
+        """Move the block image of ``load`` into its slot (on the current stream,
+        which is the copy stream on CUDA). Sources other than the host store
+        override this."""
+        k = load.block - self.schedule.resident
+        src = self.store.image(k)
+        copy_from_image(self.slots[load.slot][: src.numel()], src)
 
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:

@@ -63,8 +63,8 @@ from weightstream.kernels.materialise import Segment, SegmentTable, materialise,
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan, discover_blocks
-from .executor import LayerwiseExecutor, _Record
-from .host_store import PAGE, REGISTER_CHUNK, Progress, _cuda_register, _Registration
+from .executor import LayerwiseExecutor
+from .host_store import PAGE, REGISTER_CHUNK, Progress, _cuda_register, _Registration, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, align_up, block_tensors
 from .schedule import Load, Schedule
 from .staging import Stager
@@ -884,50 +884,23 @@ class MmapExecutor(LayerwiseExecutor):
     def _local(self, host: torch.Tensor) -> torch.Tensor:
         return host.pin_memory() if self.cuda else host
 
-    def _issue(self, load: Load, *, wait_free: bool = True) -> None:
+    def _copy(self, load: Load) -> None:
+        """Direct blocks: copies straight from the mapping (plus one materialise
+        launch for kernel transforms). Staged blocks: wait for the packer thread's
+        buffer (this thread copies nothing on the host), H2D it, hand it back."""
         k = load.block - self.schedule.resident
         plan = self.store.plans[k]
-        slot = self.slots[load.slot]
-        rec = None
-        if self.log is not None:
-            rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
-            self.log.records.append(rec)
-        b = None
-        if not plan.direct:
-            b = self.stager.acquire(load.position)  # waits for the packer; copies nothing itself
-        n = self.store.layouts[k].nbytes
-        if not self.cuda:
-            if rec is not None:
-                rec.start = self.log.mark()
-            if b is None:
-                self._copy_direct(k, load.slot, plan)
-            else:
-                slot[:n].copy_(self.stager.buffers[b].tensor[:n])
-                self.stager.release(b, load.position)
-            if rec is not None:
-                rec.end = self.log.mark()
+        if plan.direct:
+            self._copy_direct(k, load.slot, plan)
             return
-        cs = self.copy_stream
-        if wait_free and load.after_position is not None:
-            cs.wait_event(self.freed[load.slot])
-        with torch.cuda.stream(cs):
-            if rec is not None:
-                rec.start = self.log.mark(cs)
-            if b is None:
-                self._copy_direct(k, load.slot, plan)
-            else:
-                src = self.stager.buffers[b].tensor
-                for a in range(0, n, REGISTER_CHUNK):  # one registration per copy (see MmapStore.split)
-                    e = min(n, a + REGISTER_CHUNK)
-                    slot[a:e].copy_(src[a:e], non_blocking=True)
-                self.stager.h2d_done[b].record(cs)
-            self.loaded[load.slot].record(cs)
-            if hasattr(self, "_load_tag"):  # the base executor's capture bookkeeping (see its _issue)
-                self._load_tag[load.slot] = self.capture_tag
-            if rec is not None:
-                rec.end = self.log.mark(cs)
-        if b is not None:
-            self.stager.release(b, load.position)
+        b = self.stager.acquire(load.position)
+        n = self.store.layouts[k].nbytes
+        src = self.stager.buffers[b].tensor
+        slot = self.slots[load.slot]
+        copy_from_image(slot[:n], src)  # one registration per copy
+        if self.cuda:
+            self.stager.h2d_done[b].record(torch.cuda.current_stream(self.device))
+        self.stager.release(b, load.position)
 
     def _copy_direct(self, k: int, s: int, plan: BlockPlan) -> None:
         for dst, src in self._copies[k][s]:
@@ -1137,31 +1110,6 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, t
 
 
-class MmapOffloadedTransformer(OffloadedTransformer):
-    """OffloadedTransformer over an already built :class:`MmapStreamedBlocks`.
-
-    Only ``__init__`` differs (it takes the streamed machinery instead of
-    building the in-memory one); see :func:`offload_from_safetensors`.
-    """
-
-    def __init__(self, module: nn.Module, streamed: MmapStreamedBlocks, config: OffloadConfig, device: torch.device):
-        nn.Module.__init__(self)
-        self.module = module
-        self.config = config
-        self._device = device
-        self._streamed = streamed
-        self._graphs = None
-        if config.cuda_graphs == "on":
-            from weightstream.graphs.runner import GraphRunner
-
-            try:
-                self._graphs = GraphRunner(module, streamed.executor, config)
-            except BaseException:
-                streamed.close()
-                raise
-        self._disabled = False
-
-
 def offload_from_safetensors(
     model_on_meta: nn.Module,
     source=None,
@@ -1205,7 +1153,7 @@ def offload_from_safetensors(
     except BaseException:
         ckpt.close()
         raise
-    return MmapOffloadedTransformer(model_on_meta, streamed, cfg, dev)
+    return OffloadedTransformer(model_on_meta, cfg, device=dev, streamed=streamed)
 
 
 # ----------------------------------------------------------------------------

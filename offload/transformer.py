@@ -220,10 +220,20 @@ class OffloadedTransformer(nn.Module):
     (layer mode over the DiT). ``device``: where compute runs (default: CUDA
     if available, else CPU; the CPU path runs the same mechanism without
     streams). ``plan``: an :class:`OffloadPlan` naming the block containers.
+    ``parallel``: a ``ParallelConfig`` for distributed layerwise offload (DLO).
+    ``streamed``: streaming machinery already built over ``module`` (other
+    weight sources, see :func:`weightstream.offload.mmap_source.offload_from_safetensors`).
     """
 
     def __init__(
-        self, module: nn.Module, config=None, *, device=None, plan: OffloadPlan | None = None, parallel=None
+        self,
+        module: nn.Module,
+        config=None,
+        *,
+        device=None,
+        plan: OffloadPlan | None = None,
+        parallel=None,
+        streamed: StreamedBlocks | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -239,7 +249,12 @@ class OffloadedTransformer(nn.Module):
         self.module = module
         self.config = cfg
         self._device = resolve_device(device)
-        if parallel is not None:
+        if streamed is not None:
+            # machinery built elsewhere over this module (e.g. the safetensors mmap source)
+            if parallel is not None or streamed.module is not module:
+                raise ValueError("streamed= must be built over this module, and excludes parallel=")
+            self._streamed = streamed
+        elif parallel is not None:
             # distributed layerwise offload (DLO) over an existing torch.distributed topology
             from .distributed import build_streamed
 

@@ -8,11 +8,12 @@ Public surface::
 from weightstream.offload.config import LayerOptions, OffloadConfig
 from weightstream.offload.discovery import OffloadPlan
 from weightstream.offload.distributed import ParallelConfig, validate_wave
+from weightstream.offload.mmap_source import offload_from_safetensors
 from weightstream.offload.module import offload_pipeline
 from weightstream.offload.transformer import OffloadedTransformer
 
 __all__ = [
     "OffloadConfig", "LayerOptions", "OffloadPlan", "OffloadedTransformer", "offload_pipeline",
-    "ParallelConfig", "validate_wave",
+    "ParallelConfig", "validate_wave", "offload_from_safetensors",
 ]
 __version__ = "0.1.0"
