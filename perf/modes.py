@@ -1,6 +1,8 @@
 """Benchmark modes: how one scenario's model is placed and run.
 
 - `resident`: the whole model on the device (built there directly).
+- `resident-graph`: the same, each step captured once as a CUDA graph and
+  replayed (the yardstick for `graphs`: what graphs alone give a resident model).
 - weightstream: `layerwise`, `layerwise-r<R>` (R resident blocks),
   `layerwise-mmap` (blocks streamed straight from a safetensors checkpoint of
   the same random weights, mapped read-only: `offload_from_safetensors`; the
@@ -42,7 +44,7 @@ class ModeSpec:
 
     @property
     def builds_on_device(self) -> bool:
-        return self.kind == "resident"
+        return self.kind in ("resident", "resident-graph")
 
 
 def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
@@ -50,6 +52,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
     validate_mode_name(name)
     if name == "resident":
         return ModeSpec(name, "resident")
+    if name == "resident-graph":
+        return ModeSpec(name, "resident-graph")
     if name.startswith(("layerwise", "graphs")):
         head, *variants = name.split("-")
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
@@ -79,7 +83,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "from pageable memory each step and would not finish inside the time budget; "
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
-    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, "
+    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
                      f"layerwise[-r<N>|-mmap|-graphs], graphs, {', '.join(PEER_MODES)}")
 
 
@@ -94,6 +98,33 @@ class Prepared:
     notes: dict = field(default_factory=dict)
 
 
+class GraphedResident:
+    """A resident model whose step is captured once as a CUDA graph: the first
+    call runs eager (warm-up), the second captures, later calls copy the inputs
+    into the static ones and replay. Outputs are returned as fresh tensors."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.graph, self.calls = model, None, 0
+
+    def __call__(self, **kwargs):
+        from torch.utils import _pytree as pytree
+
+        self.calls += 1
+        if self.calls == 1:
+            return self.model(**kwargs)
+        if self.graph is None:
+            self.static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.model(**self.static)
+        else:
+            for k, v in kwargs.items():
+                if isinstance(v, torch.Tensor):
+                    self.static[k].copy_(v)
+        self.graph.replay()
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.out)
+
+
 def _need_accelerate(what: str):
     try:
         import accelerate  # noqa: F401
@@ -106,6 +137,10 @@ def prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.
             *, record_events: bool = False) -> Prepared:
     if spec.kind == "resident":
         return Prepared(model.to(device), streamed_bytes=None)
+    if spec.kind == "resident-graph":
+        if device.type != "cuda":
+            raise RuntimeError("mode 'resident-graph' needs a CUDA device")
+        return Prepared(GraphedResident(model.to(device)), streamed_bytes=None)
     if spec.kind == "weightstream":
         return _prepare_weightstream(spec, model, device, record_events)
     blocks = block_bytes(model, scenario)

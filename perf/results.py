@@ -14,17 +14,17 @@ GB = 1e9
 
 # Figures the regression check compares. All are "lower is better" ratios, so
 # they survive a change of clock, driver or machine load better than times.
-RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")
+RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph")
 
 # Peers are other libraries' offloading, named by library prefix.
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|module|naive-block|dlo-allgather|dlo-rank-local"
+    r"^(resident|resident-graph|module|naive-block|dlo-allgather|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, module, naive-block, dlo-allgather, dlo-rank-local, "
+_MODE_FORMS = ("resident, resident-graph, module, naive-block, dlo-allgather, dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], diffusers-<x>, accelerate-<x>")
 
 _REQUIRED_TOP = {
@@ -34,7 +34,7 @@ _REQUIRED_TOP = {
 _OPTIONAL_TOP_NUM = ("h2d_gbps", "model_gb")
 # per-mode figures that, when present, must be finite non-negative numbers
 _MODE_NUMBERS = (
-    "step_ms", "floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer",
+    "step_ms", "floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
     "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
 )
@@ -50,7 +50,7 @@ def is_weightstream(mode: str) -> bool:
 
 
 def is_offloaded(mode: str) -> bool:
-    return mode != "resident"
+    return mode not in ("resident", "resident-graph")
 
 
 def _is_number(x: Any) -> bool:
@@ -161,6 +161,8 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
         f["ratio_to_floor"] = _sig(f["step_ms"] / f["floor_ms"])
         if best_peer is not None and is_weightstream(mode):
             f["ratio_to_best_peer"] = _sig(f["step_ms"] / best_peer)
+        if "resident-graph" in out and "graphs" in mode.split("-"):
+            f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
     return out
 
 

@@ -345,3 +345,27 @@ def test_harness_end_to_end_tiny_cpu(tmp_path, capsys):
     if "layerwise-mmap" in modes:
         assert on_disk["modes"]["layerwise-mmap"]["stats"]["source"] == "mmap"
     assert "| resident |" in capsys.readouterr().out
+
+
+def test_resident_graph_is_a_yardstick_not_an_offloaded_mode():
+    raw = {
+        "resident": {"step_ms": 85.0},
+        "resident-graph": {"step_ms": 70.0},
+        "layerwise-r55": {"step_ms": 90.0, "streamed_bytes": 0.57e9},
+        "graphs-r55": {"step_ms": 72.1, "streamed_bytes": 0.57e9},
+    }
+    out = summarise(raw, h2d_gbps=55.0)
+    assert "floor_ms" not in out["resident-graph"]
+    assert out["graphs-r55"]["ratio_to_resident_graph"] == pytest.approx(72.1 / 70.0, rel=1e-4)
+    assert "ratio_to_resident_graph" not in out["layerwise-r55"]
+    assert parse_mode("resident-graph").builds_on_device
+
+
+def test_bench_graphs_plan():
+    from perf.bench_graphs import plan
+
+    assert plan(55, False) == [("flux-12b-512", ["resident", "resident-graph", "layerwise-r55", "graphs-r55"])]
+    assert [sc for sc, _ in plan(55, True)] == ["flux-12b-512", "flux-12b-1024", "wan-14b-480p"]
+    for _, modes in plan(3, True):
+        for m in modes:
+            parse_mode(m)
