@@ -699,14 +699,7 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         """
         ex = self.executor
         ex.check_usable("update_weights()")
-        current = self.module.state_dict(keep_vars=True)
-        unknown = [k for k in state_dict if k not in current]
-        if unknown:
-            raise ValueError(f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        if strict:
-            missing = [k for k in current if k not in state_dict]
-            if missing:
-                raise ValueError(f"update_weights(strict=True): missing keys {missing[:5]}")
+        current = self._current_for_update(state_dict, strict)
         where = {id(t): (k, spec) for k, ts in enumerate(self.tensors)
                  for (_, _, t), spec in zip(ts, self.layouts[k].tensors)}
         ex.synchronize()

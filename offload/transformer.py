@@ -149,12 +149,8 @@ class StreamedBlocks:
             "device": str(self.device),
         }
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
-        """Write new weights: streamed tensors into the host store, others in place.
-
-        Waits for in-flight copies first (not a hot-path call). Returns the
-        keys written. ``strict`` requires every key of the module.
-        """
+    def _current_for_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> dict:
+        """The module's tensors by key, after checking ``state_dict``'s keys against them."""
         current = self.module.state_dict(keep_vars=True)
         unknown = [k for k in state_dict if k not in current]
         if unknown:
@@ -163,6 +159,15 @@ class StreamedBlocks:
             missing = [k for k in current if k not in state_dict]
             if missing:
                 raise ValueError(f"update_weights(strict=True): missing keys {missing[:5]}")
+        return current
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """Write new weights: streamed tensors into the host store, others in place.
+
+        Waits for in-flight copies first (not a hot-path call). Returns the
+        keys written. ``strict`` requires every key of the module.
+        """
+        current = self._current_for_update(state_dict, strict)
         self.executor.synchronize()
         written = []
         with torch.no_grad():
