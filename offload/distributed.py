@@ -642,21 +642,19 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         )
         progress = Progress(f"packing this rank's 1/{dlo.group_size} share of {len(layouts)} blocks",
                             store.nbytes, cfg.progress)
-        k = 0
+        # The originals are released only once every share is packed: this rank
+        # keeps 1/N of each block, so a failure part-way could not be undone
+        # from the store (host memory peaks at model + model/N during setup).
         try:
             for k, ts in enumerate(tensors):
-                objs = [t for _, _, t in ts]
-                store.pack(k, objs)
-                drop_storage(objs, device)  # only this rank's share stays in host memory
+                store.pack(k, [t for _, _, t in ts])
                 store.pin(k)
                 progress.update(store.shard_bytes[k])
-        except BaseException as e:
+        except BaseException:
             store.close()
-            if k:  # the dropped blocks live only as 1/N shards now: say so rather than pretend
-                e.add_note(f"weightstream DLO: setup failed at block {layouts[k].name!r}; the weights of the "
-                           f"{k} blocks before it were already reduced to this rank's 1/{dlo.group_size} "
-                           "share and are lost on this rank: rebuild the model")
             raise
+        for ts in tensors:
+            drop_storage([t for _, _, t in ts], device)  # only this rank's share stays in host memory
         return store
 
     def _host_views(self) -> ShardedHostViews:

@@ -252,7 +252,9 @@ class OffloadedTransformer(nn.Module):
         if "dit" not in cfg.components:
             raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; OffloadedTransformer streams a DiT")
         self.module = module
-        self.config = cfg
+        # not `.config`: that name passes through to the wrapped model (diffusers'
+        # pipelines read transformer.config.in_channels and the like)
+        self.offload_config = cfg
         self._device = resolve_device(device)
         if streamed is not None:
             # machinery built elsewhere over this module (e.g. the safetensors mmap source)

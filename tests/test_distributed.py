@@ -315,6 +315,34 @@ def check_list_gather(parallel, rank):
             setattr(dist, n, fn)
 
 
+def check_setup_failure_loses_nothing(parallel, rank):
+    """A failure while packing the shares (injected on every rank at the 4th block)
+    leaves the model whole: the originals are released only after every share is packed."""
+    from weightstream.offload import distributed as dlo
+
+    model, inputs = _model("toy", rank)
+    ref_model = copy.deepcopy(model)
+    real_pin, calls = dlo.ShardedStore.pin, {"n": 0}
+
+    def failing_pin(self, k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise MemoryError("injected while pinning")
+        return real_pin(self, k)
+
+    dlo.ShardedStore.pin = failing_pin
+    try:
+        OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+        raised = None
+    except MemoryError as e:
+        raised = str(e)
+    finally:
+        dlo.ShardedStore.pin = real_pin
+    with torch.no_grad():
+        intact = torch.equal(model(**inputs), ref_model(**inputs))
+    return dict(raised=raised, intact=intact)
+
+
 def scenario_two(rank, world):
     """Every 2-rank check, in one launch."""
     import torch.distributed as dist
@@ -332,6 +360,7 @@ def scenario_two(rank, world):
     c.run("weights", check_weights, dp, rank)
     c.run("waves", check_waves, dp, rank, world)
     c.run("failure_everywhere", check_failure_everywhere, dp, rank)
+    c.run("setup_failure", check_setup_failure_loses_nothing, dp, rank)
     dist.barrier()
     c.run("failure_one_rank", check_failure_one_rank, rank, world)
     return c.report
@@ -470,6 +499,11 @@ def test_collective_failure_marks_unusable(two):
         assert rep["disable"] and "unusable" in rep["disable"]
         assert rep["usable"] is False and "injected" in rep["stats_failure"]
         assert rep["calls_after"] == 3, "a collective ran after the backend was marked unusable"
+
+
+def test_setup_failure_loses_nothing(two):
+    for rep in get(two, "setup_failure"):
+        assert rep["raised"] == "injected while pinning" and rep["intact"], rep
 
 
 def test_one_rank_failure_marks_every_rank_unusable(two):

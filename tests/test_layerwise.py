@@ -174,7 +174,8 @@ def test_attribute_passthrough_and_config_forms():
     model, _, x = build("flux", DEV)
     cfg = model.config
     wrapped = OffloadedTransformer(model, {"mode": "layer", "components": ["dit"]}, device=DEV)
-    assert wrapped.config.mode == "layer" and wrapped.module.config is cfg
+    assert wrapped.offload_config.mode == "layer"
+    assert wrapped.config is cfg and wrapped.config.in_channels == 16  # the model's config, as diffusers reads it
     assert wrapped.dtype == torch.float32
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute
