@@ -759,15 +759,15 @@ def offload_pipeline(pipe: Any, config: Any = None, *, device=None) -> ModuleOff
     spelling of that. ``device``: where components run (default CUDA if
     available, else CPU; CPU runs the same mechanism).
 
-    Only ``mode="module"`` is handled here; layer mode streams one
-    transformer through :class:`weightstream.OffloadedTransformer`.
+    ``mode="layer"`` replaces each selected DiT (and text encoder) on the
+    pipeline by an :class:`weightstream.OffloadedTransformer` and returns a
+    :class:`weightstream.offload.pipeline.LayerwisePipelineOffload`.
     """
     cfg = OffloadConfig.module() if config is None else OffloadConfig.coerce(config)
-    if cfg.mode != "module":
-        raise ValueError(
-            f"mode={cfg.mode!r} is not allowed for offload_pipeline yet; choose from: module. For layer "
-            "mode wrap the transformer: OffloadedTransformer(pipe.transformer, config, device=...)"
-        )
     dev = resolve_device(device)
     components = discover_components(pipe)
+    if cfg.mode == "layer":
+        from .pipeline import LayerwisePipelineOffload
+
+        return LayerwisePipelineOffload(pipe, cfg, dev, components)
     return ModuleOffload(pipe, cfg, dev, components)

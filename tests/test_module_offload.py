@@ -464,10 +464,40 @@ def test_default_config_is_module_dit_text_encoder(toy):
     assert torch.equal(pipe(**inputs), expected)
 
 
-def test_layer_mode_points_at_offloaded_transformer(toy):
-    pipe, _, _ = toy
-    with pytest.raises(ValueError, match="mode='layer'.*OffloadedTransformer"):
-        offload_pipeline(pipe, OffloadConfig.layerwise(), device="cpu")
+def test_layer_mode_streams_dits_and_encoders(toy):
+    from weightstream import OffloadedTransformer
+
+    pipe, inputs, expected = toy
+    originals = {n: getattr(pipe, n) for n in ("transformer", "transformer_2", "text_encoder", "text_encoder_2")}
+    config = {"mode": "layer", "components": ["dit", "text_encoder"],
+              "layer_options": {"dit": {"resident_layers": 1}}, "progress": False}
+    handle = offload_pipeline(pipe, config, device="cpu")
+    assert all(isinstance(getattr(pipe, n), OffloadedTransformer) for n in originals)
+    for _ in range(2):
+        assert torch.equal(pipe(**inputs), expected)
+    s = handle.stats()
+    assert s["transformer"]["blocks_resident"] == 1 and s["text_encoder"]["blocks_resident"] == 0
+    assert handle.disable() is pipe
+    assert all(getattr(pipe, n) is m for n, m in originals.items())
+    assert torch.equal(pipe(**inputs), expected)
+
+
+def test_layer_mode_dit_only_leaves_encoders_resident(toy):
+    from weightstream import OffloadedTransformer
+
+    pipe, inputs, expected = toy
+    handle = offload_pipeline(pipe, OffloadConfig.layerwise(progress=False), device="cpu")
+    assert isinstance(pipe.transformer, OffloadedTransformer)
+    assert not isinstance(pipe.text_encoder, OffloadedTransformer)
+    assert torch.equal(pipe(**inputs), expected)
+    assert "transformer" in repr(handle)
+
+
+def test_layer_mode_encoder_without_blocks_is_a_clear_error():
+    from weightstream.offload.pipeline import _encoder_plan
+
+    with pytest.raises(ValueError, match="no known block container"):
+        _encoder_plan(torch.nn.Linear(2, 2))
 
 
 def test_layer_options_rejected_in_module_mode(toy):
