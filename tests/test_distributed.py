@@ -268,7 +268,7 @@ def check_failure_one_rank(rank, world):
     gather. Every rank ends unusable, and later forwards raise at once."""
     import torch.distributed as dist
 
-    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3))
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=15))
     parallel = ParallelConfig(dp=world, dp_group=group)
     model, inputs = _model("toy", rank)
     om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)

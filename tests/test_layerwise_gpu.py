@@ -61,8 +61,9 @@ def test_events_show_copies_beside_compute():
     ev = wrapped.events()
     compute = [e for e in ev if e["lane"] == "compute"]
     assert [e["block"] for e in compute] == list(range(5)) * 2
-    for c in compute:  # the copy that loaded this block ended before its compute started
-        assert any(e["lane"] == "copy" and e["block"] == c["block"] and e["end_ms"] <= c["start_ms"] + 1e-3 for e in ev)
+    for c in compute:  # the one copy that loaded this block for this step ended before its compute started
+        loads = [e for e in ev if e["lane"] == "copy" and (e["step"], e["block"]) == (c["step"], c["block"])]
+        assert len(loads) == 1 and loads[0]["end_ms"] <= c["start_ms"] + 1e-3, (c, loads)
 
 
 def test_disable_and_state_dict_on_cuda():

@@ -79,7 +79,7 @@ def test_mmap_loading_equals_ordinary_loading(name, sharded, tmp_path):
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     s = wrapped.stats()
-    assert s["source"] == "mmap" and s["checkpoint_files"] == (1 if not sharded else s["checkpoint_files"])
+    assert s["source"] == "mmap" and s["checkpoint_files"] == len(list(folder.glob("*.safetensors")))
     if sharded:
         assert s["checkpoint_files"] > 3
 
@@ -97,6 +97,8 @@ def test_streamed_outputs_bit_exact(name, copy_path, tmp_path):
     s = wrapped.stats()
     if copy_path == "direct":
         assert s["direct_blocks"] == s["blocks_streamed"] and s["staging_buffers"] == 0
+        # wire layout equals runtime layout here: no kernel runs, no wire buffer exists
+        assert s["materialise_launches_per_step"] == 0 and s["wire_bytes"] == 0
     else:  # CPU device: staging unless forced direct
         assert s["staged_blocks"] == s["blocks_streamed"] and s["staging_buffers"] == 2
 

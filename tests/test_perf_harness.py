@@ -2,6 +2,7 @@
 parsing, tiny scenarios, and the harness end to end on a tiny scenario (CPU)."""
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -284,14 +285,6 @@ def test_full_scenario_configs_have_the_real_sizes():
     assert inputs["image_hw"][0] * inputs["image_hw"][1] == 4096
 
 
-def _weightstream_importable():
-    try:
-        from weightstream import OffloadConfig, OffloadedTransformer  # noqa: F401
-        return None
-    except Exception as e:  # pragma: no cover - only while the controller is missing
-        return f"weightstream API not importable: {e}"
-
-
 def test_checkpoint_written_once_and_reused(tmp_path):
     from perf.scenarios import checkpoint_info, write_checkpoint
 
@@ -304,10 +297,10 @@ def test_checkpoint_written_once_and_reused(tmp_path):
     index = json.loads((tmp_path / "diffusion_pytorch_model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.state_dict())
     shard = tmp_path / "diffusion_pytorch_model-00001-of-00001.safetensors"
-    stamp = shard.stat().st_mtime_ns
+    os.utime(shard, ns=(0, 0))  # a rewrite would move the time stamp
     msgs = []
     assert write_checkpoint(sc, tmp_path, tiny=True, progress=msgs.append) == info
-    assert shard.stat().st_mtime_ns == stamp and "reusing" in msgs[0]
+    assert shard.stat().st_mtime_ns == 0 and "reusing" in msgs[0]
     from safetensors.torch import load_file
     on_disk = load_file(str(shard))
     assert on_disk["scale_shift_table"].dtype == torch.float32       # fp32-kept modules stay fp32
@@ -318,15 +311,12 @@ def test_harness_end_to_end_tiny_cpu(tmp_path, capsys):
     """resident, layerwise and layerwise-mmap, each in a fresh worker process
     (the checkpoint is written first); the result file validates and every
     mode computes the resident output bit for bit."""
-    reason = _weightstream_importable()
-    modes = ["resident", "layerwise", "layerwise-mmap"] if reason is None else ["resident"]
-    if reason:
-        print(f"skipping the weightstream modes: {reason}")
+    modes = ["resident", "layerwise", "layerwise-mmap"]
     from perf.scenarios import write_checkpoint
 
     write_checkpoint(get_scenario("flux-12b-1024")[0], tmp_path / "ckpt", tiny=True)  # in-process: one start less
     result, path, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path / "res", tiny=True,
-                           device="cpu", touch_gb=0, ckpt_dir=str(tmp_path / "ckpt"))
+                           device="cpu", touch_gb=0, ckpt_dir=str(tmp_path / "ckpt"), mode_timeout=300)
     assert ok, result.get("failed")
     assert path == tmp_path / "res" / result_filename("flux-12b-1024-tiny", "cpu", result["commit"])
     on_disk = json.loads(path.read_text())
@@ -342,8 +332,7 @@ def test_harness_end_to_end_tiny_cpu(tmp_path, capsys):
         assert f["ratio_to_floor"] == pytest.approx(f["step_ms"] / res["step_ms"], rel=1e-3)
         assert f["stats"]["streamed_bytes_per_step"] > 0
         assert f["output_equals_resident"] is True, mode
-    if "layerwise-mmap" in modes:
-        assert on_disk["modes"]["layerwise-mmap"]["stats"]["source"] == "mmap"
+    assert on_disk["modes"]["layerwise-mmap"]["stats"]["source"] == "mmap"
     assert "| resident |" in capsys.readouterr().out
 
 

@@ -9,8 +9,10 @@ pair's pages of the checkpoint are shared (each process is charged half),
 only the staging buffers and slots are private.
 """
 import os
+import selectors
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -71,23 +73,37 @@ def pss_kb(pid: int) -> int:
     raise RuntimeError(f"no Pss line for pid {pid}")
 
 
-def _expect(proc, word: str, timeout: float = 60.0) -> str:
+def _expect(proc, word: str, timeout: float = 120.0) -> str:
+    """The child's next stdout line, which must start with ``word``, within ``timeout``."""
     t0 = time.monotonic()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            proc.kill()
+            raise AssertionError(f"child said nothing within {timeout:.0f} s (waiting for {word!r})")
+    finally:
+        sel.close()
     line = proc.stdout.readline()
     if not line.startswith(word):
-        err = proc.stderr.read() if proc.poll() is not None else ""
-        raise AssertionError(f"child said {line!r} instead of {word!r} after {time.monotonic() - t0:.1f} s: {err}")
+        proc.wait(timeout=30)
+        proc.err_file.seek(0)
+        raise AssertionError(
+            f"child said {line!r} instead of {word!r} after {time.monotonic() - t0:.1f} s: {proc.err_file.read()[-4000:]}"
+        )
     return line
 
 
 def growth(modes: list[str], script: Path, ckpt: Path) -> tuple[list[int], list[int], list[str]]:
     """(PSS after import, PSS when serving, outputs) in kB of concurrent processes, one per mode."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, str(script), mode, str(ckpt)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for mode in modes
-    ]
+    procs = []
+    for mode in modes:  # stderr to a file: a child writing much to an unread pipe would block
+        err = tempfile.TemporaryFile(mode="w+")
+        p = subprocess.Popen([sys.executable, str(script), mode, str(ckpt)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        p.err_file = err
+        procs.append(p)
     try:
         for p in procs:
             _expect(p, "imported")
@@ -107,6 +123,7 @@ def growth(modes: list[str], script: Path, ckpt: Path) -> tuple[list[int], list[
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            p.err_file.close()
     return before, after, outs
 
 
