@@ -65,6 +65,14 @@ class GraphRunner:
         return (ex.position // ex.schedule.n) % self.period
 
     def __call__(self, args: tuple, kwargs: dict):
+        ex = self.executor
+        check = getattr(ex, "check_usable", None)  # DLO: a failed backend raises before any collective
+        if check is not None:
+            check()
+        if ex.position % ex.schedule.n:
+            # an earlier eager step stopped part-way (an exception in the model): a
+            # replay runs no hooks that could notice, so line the ring up first
+            ex.reset()
         try:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:
@@ -101,15 +109,25 @@ class GraphRunner:
         # synchronises on entry); inside, only this capture's events are waited on
         self._captures += 1
         ex.capture_tag = self._captures
+        prev = torch.cuda.current_stream(ex.device)
+        first_error = None
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.module(*s_args, **s_kwargs)
-                # join the copy stream back into the capturing stream
-                torch.cuda.current_stream(ex.device).wait_stream(ex.copy_stream)
+                try:
+                    out = self.module(*s_args, **s_kwargs)
+                    # join every side stream the step used back into the capturing stream
+                    for side in ex.side_streams():
+                        torch.cuda.current_stream(ex.device).wait_stream(side)
+                except Exception as e:
+                    first_error = e  # the cause; capture_end then fails with a generic error
+                    raise
         except Exception as e:  # data-dependent shapes, host syncs, unsupported ops
+            # a failed capture_end leaves torch's capture stream current: restore ours
+            torch.cuda.set_stream(prev)
             ex.capture_tag = None
             ex.reset()
-            return self._fail(sig, args, kwargs, f"{type(e).__name__}: {e}")
+            cause = first_error if first_error is not None else e
+            return self._fail(sig, args, kwargs, f"{type(cause).__name__}: {cause}")
         ex.capture_tag = None
         # Capture ran the hooks (position advanced by one step) but executed
         # nothing; the replay below executes that step.

@@ -56,7 +56,7 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import OffloadPlan
 from .executor import LayerwiseExecutor, _Record
-from .host_store import HostStore, Progress
+from .host_store import HostStore, Progress, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up
 from .schedule import Load
 from .transformer import StreamedBlocks, drop_storage
@@ -448,6 +448,10 @@ class AllGatherExecutor(GuardedExecutor):
                             for _ in self.slots]
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(self.device)
+            for t in self.shard_slots:
+                t.record_stream(self.copy_stream)
+            for t in self.slots:
+                t.record_stream(self.comm_stream)
             self.shard_loaded = [torch.cuda.Event() for _ in self.slots]
             self.shard_read = [torch.cuda.Event() for _ in self.slots]
             self._read_tag = [None] * len(self.slots)  # capture context of shard_read (see executor)
@@ -478,7 +482,7 @@ class AllGatherExecutor(GuardedExecutor):
         if not self.cuda:
             if rec_copy is not None:
                 rec_copy.start = self.log.mark()
-            shard.copy_(src)
+            copy_from_image(shard, src)
             if rec_copy is not None:
                 rec_copy.end = rec_gather.start = self.log.mark()
             self.all_gather(full, shard)
@@ -496,7 +500,7 @@ class AllGatherExecutor(GuardedExecutor):
         with torch.cuda.stream(cs):
             if rec_copy is not None:
                 rec_copy.start = self.log.mark(cs)
-            shard.copy_(src, non_blocking=True)
+            copy_from_image(shard, src)  # a shard over one registration chunk is split
             self.shard_loaded[slot].record(cs)
             if rec_copy is not None:
                 rec_copy.end = self.log.mark(cs)
@@ -536,6 +540,16 @@ class AllGatherExecutor(GuardedExecutor):
                          f"block {self.blocks[self.schedule.block_at(self.position)].name!r})")
         self.check_usable()
 
+    def side_streams(self) -> list:
+        return super().side_streams() + ([self.comm_stream] if self.cuda else [])
+
+    def reset(self) -> None:
+        # Re-priming on one rank alone (e.g. after a capture failed there) would
+        # issue gathers its peers do not: stop instead of desynchronising them.
+        self.mark_failed(f"the ring had to be reset at position {self.position} (a failed graph capture "
+                         "or an interrupted step); under AllGather every rank must reset together")
+        self.check_usable()
+
     def step_interrupted(self, exc: BaseException | None) -> None:
         """Called after the model's forward; marks the backend unusable when it
         stopped between streamed blocks."""
@@ -554,7 +568,8 @@ class AllGatherExecutor(GuardedExecutor):
         """Block ``k``'s full image in a fresh device tensor (a collective; outside the hot path)."""
         sb = self.store.shard_bytes[k]
         full = torch.empty(self.world * sb, dtype=torch.uint8, device=self.device)
-        shard = self.store.image(k).to(self.device)
+        shard = torch.empty(sb, dtype=torch.uint8, device=self.device)
+        copy_from_image(shard, self.store.image(k))  # the gather below is ordered after it
         self.all_gather(full, shard)
         return full
 

@@ -117,6 +117,10 @@ class LayerwiseExecutor:
         ]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
+            for slot in self.slots:
+                # freed without disable() while a prefetch is in flight, the memory
+                # is not handed out again before the copy stream's work is done
+                slot.record_stream(self.copy_stream)
             self.loaded = [torch.cuda.Event() for _ in self.slots]
             self.freed = [torch.cuda.Event() for _ in self.slots]
         # targets[k]: tensor objects of streamed block k in layout order;
@@ -274,6 +278,11 @@ class LayerwiseExecutor:
         if self.cuda:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
+
+    def side_streams(self) -> list:
+        """Streams besides the compute stream that a step issues work on (a graph
+        capture joins each back into the capturing stream)."""
+        return [self.copy_stream] if self.cuda else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
         """(position, slot) of the loads already issued for upcoming positions."""

@@ -21,7 +21,7 @@ import torch
 
 from .layout import BlockLayout, align_up
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
 REGISTER_CHUNK = 1 << 30
 
 
@@ -70,6 +70,10 @@ class _Registration:
         self.bytes = 0
 
     def release(self):
+        if self.ptrs and torch.cuda.is_initialized():
+            # a prefetch may still read these pages (the store dropped without
+            # disable()): let in-flight copies finish before unpinning
+            torch.cuda.synchronize()
         for p in self.ptrs:
             _cuda_unregister(p)
         self.ptrs.clear()

@@ -343,6 +343,24 @@ def check_setup_failure_loses_nothing(parallel, rank):
     return dict(raised=raised, intact=intact)
 
 
+def check_reset_is_fatal(parallel, rank):
+    """Under AllGather a one-rank ring reset (what a failed graph capture does)
+    would issue gathers the peers do not: it marks the backend unusable instead."""
+    model, inputs = _model("toy", rank)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)
+    errors = []
+    for call in (om.executor.reset, lambda: om(**inputs)):
+        try:
+            with torch.no_grad():
+                call()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return dict(errors=errors)
+
+
 def scenario_two(rank, world):
     """Every 2-rank check, in one launch."""
     import torch.distributed as dist
@@ -361,6 +379,7 @@ def scenario_two(rank, world):
     c.run("waves", check_waves, dp, rank, world)
     c.run("failure_everywhere", check_failure_everywhere, dp, rank)
     c.run("setup_failure", check_setup_failure_loses_nothing, dp, rank)
+    c.run("reset_is_fatal", check_reset_is_fatal, dp, rank)
     dist.barrier()
     c.run("failure_one_rank", check_failure_one_rank, rank, world)
     return c.report
@@ -499,6 +518,11 @@ def test_collective_failure_marks_unusable(two):
         assert rep["disable"] and "unusable" in rep["disable"]
         assert rep["usable"] is False and "injected" in rep["stats_failure"]
         assert rep["calls_after"] == 3, "a collective ran after the backend was marked unusable"
+
+
+def test_allgather_reset_marks_unusable(two):
+    for rep in get(two, "reset_is_fatal"):
+        assert all(e is not None and "unusable" in e and "reset" in e for e in rep["errors"]), rep
 
 
 def test_setup_failure_loses_nothing(two):
