@@ -102,10 +102,3 @@ class GraphPolicy:
         self.warmed.clear()
         self.failed.clear()
         self.live.clear()
-
-
-def phase_period(num_streamed: int, num_slots: int) -> int:
-    """Steps after which the slot pattern repeats."""
-    from math import gcd
-
-    return num_slots // gcd(num_streamed, num_slots)

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from .policy import Action, GraphPolicy, UnsupportedInput, phase_period, signature
+from .policy import Action, GraphPolicy, UnsupportedInput, signature
 
 
 class CapturePreconditionError(RuntimeError):
@@ -56,7 +56,7 @@ class GraphRunner:
         self.policy = GraphPolicy(max_graphs=max_graphs)
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.period = phase_period(executor.schedule.n, executor.schedule.slots)
+        self.period = executor.schedule.phase_period
         self.counts = {a.value: 0 for a in Action}
         self._captures = 0  # capture tags handed to the executor
 

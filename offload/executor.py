@@ -55,6 +55,27 @@ class BlockHook:
         return f"BlockHook({self.name}, {state})"
 
 
+class StepHook:
+    """Named, removable pre-forward hook on the DiT itself: starts a step of a
+    step-local schedule (the step's first loads, behind the resident blocks)."""
+
+    def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
+        self.executor = executor
+        self.name = f"weightstream.step[{type(root).__name__}]"
+        self._handle = root.register_forward_pre_hook(self.pre_forward)
+
+    def pre_forward(self, module, args):
+        self.executor.begin_step()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __repr__(self) -> str:
+        return f"StepHook({self.name}, {'active' if self._handle is not None else 'removed'})"
+
+
 @dataclass
 class _Record:
     step: int
@@ -164,9 +185,35 @@ class LayerwiseExecutor:
 
     def _prime(self) -> None:
         """Issue the loads every slot's first user needs. Collective executors
-        prime at the first forward so that every rank issues them in the same order."""
+        prime at the first forward so that every rank issues them in the same order.
+        Step-local schedules load at every step start instead (:meth:`begin_step`)."""
         self._primed = True
+        if self.schedule.step_local:
+            return
         for load in self.schedule.priming():
+            self._issue(load, wait_free=False)
+
+    def attach_root(self, root: nn.Module) -> None:
+        """Step-local schedules: hook the DiT's forward to start each step."""
+        if self.schedule.step_local:
+            self.hooks.append(StepHook(self, root))
+
+    def begin_step(self) -> None:
+        """Step-local schedules: issue this step's first loads, after everything the
+        compute stream did before (the previous step's readers of the slots)."""
+        if not self._primed:
+            self._prime()
+        if self.position % self.schedule.n:
+            self._resync()  # the previous step stopped part-way
+            return
+        self._step_start_loads()
+
+    def _step_start_loads(self) -> None:
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            for side in self.side_streams():
+                side.wait_stream(compute)
+        for load in self.schedule.step_start(self.schedule.step_of(self.position)):
             self._issue(load, wait_free=False)
 
     # -- copies ----------------------------------------------------------------
@@ -252,7 +299,9 @@ class LayerwiseExecutor:
             self.freed[slot].record(self._compute_stream)
         self._unbind(block - self.schedule.resident)
         self.position = p + 1
-        self._issue(self.schedule.after_compute(p))
+        nxt = self.schedule.after_compute(p)
+        if nxt is not None:
+            self._issue(nxt)
 
     def _resync(self) -> None:
         """A step started while the previous one was cut short (an exception
@@ -269,6 +318,9 @@ class LayerwiseExecutor:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         n = self.schedule.n
         self.position = -(-self.position // n) * n
+        if self.schedule.step_local:
+            self._step_start_loads()
+            return
         for i in range(self.schedule.slots):
             self._issue(self.schedule.load(self.position + i), wait_free=False)
 
@@ -285,7 +337,10 @@ class LayerwiseExecutor:
         return [self.copy_stream] if self.cuda else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
-        """(position, slot) of the loads already issued for upcoming positions."""
+        """(position, slot) of the loads already issued for upcoming positions
+        (none between the steps of a step-local schedule)."""
+        if self.schedule.step_local:
+            return []
         return [(self.position + i, self.schedule.slot_at(self.position + i)) for i in range(self.schedule.slots)]
 
     def wait_pending(self, stream) -> None:
@@ -305,17 +360,13 @@ class LayerwiseExecutor:
         n = self.schedule.n
         self.position = -(-self.position // n) * n
         self.capture_tag = None
-        if self._primed:
-            for i in range(self.schedule.slots):
-                self._issue(self.schedule.load(self.position + i), wait_free=False)
+        self.reload_pending()
 
     def reload_pending(self) -> None:
         """Re-copy the slots already loaded for upcoming positions (after the host
         store changed). Callers synchronize first; not a hot-path call."""
-        if not self._primed:
-            return
-        for i in range(self.schedule.slots):
-            self._issue(self.schedule.load(self.position + i), wait_free=False)
+        for position, _ in (self.pending_loads() if self._primed else []):
+            self._issue(self.schedule.load(position), wait_free=False)
 
     def events(self) -> list[dict]:
         return [] if self.log is None else self.log.resolve()

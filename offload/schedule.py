@@ -14,6 +14,13 @@ blocks). Then:
 
 With an odd ``n`` and two slots, a block's slot alternates from step to step;
 that is why slots are a function of the position, not of the block.
+
+``step_local=True`` keeps every load inside its own step, for CUDA graphs (a
+graph must finish all its work, so a copy for the next step cannot overlap
+across the graph boundary): the step's first ``S`` positions load at the
+*start* of the step, behind the resident blocks' compute, and the last blocks
+prefetch nothing. Slots then count from the step start (``k % S``), so every
+step uses the same pattern.
 """
 from __future__ import annotations
 
@@ -35,8 +42,11 @@ class Schedule:
     num_blocks: int
     resident: int = 0
     num_slots: int = 2
+    step_local: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.step_local, bool):
+            raise TypeError(f"Schedule.step_local={self.step_local!r} must be a bool")
         for key in ("num_blocks", "resident", "num_slots"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -71,19 +81,38 @@ class Schedule:
         return self.resident + position % self.n
 
     def slot_at(self, position: int) -> int:
+        if self.step_local:
+            return position % self.n % self.slots
         return position % self.slots
 
     def load(self, position: int) -> Load:
         prev = position - self.slots
+        if self.step_local and position % self.n < self.slots:
+            prev = -1  # a step-start load: ordered after the previous step as a whole
         return Load(position, self.block_at(position), self.slot_at(position), prev if prev >= 0 else None)
 
     def priming(self) -> list[Load]:
-        """Loads issued before the first forward (every slot's first user)."""
-        return [self.load(p) for p in range(self.slots)]
+        """Loads issued before the first forward (every slot's first user).
+        Step-local schedules issue these at the start of every step instead."""
+        return self.step_start(0)
 
-    def after_compute(self, position: int) -> Load:
-        """The load that may start once ``position`` finished computing."""
+    def step_start(self, step: int) -> list[Load]:
+        """The loads of a step's first positions."""
+        return [self.load(step * self.n + i) for i in range(self.slots)]
+
+    def after_compute(self, position: int) -> Load | None:
+        """The load that may start once ``position`` finished computing (None:
+        a step-local schedule's last blocks prefetch nothing)."""
+        if self.step_local and position % self.n + self.slots >= self.n:
+            return None
         return self.load(position + self.slots)
+
+    @property
+    def phase_period(self) -> int:
+        """Steps after which the slot pattern repeats (one graph per phase)."""
+        from math import gcd
+
+        return 1 if self.step_local else self.slots // gcd(self.n, self.slots)
 
     def step_of(self, position: int) -> int:
         return position // self.n

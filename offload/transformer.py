@@ -55,7 +55,11 @@ class StreamedBlocks:
                 f"layer_options.dit.resident_layers={resident} leaves no block to stream: "
                 f"{type(module).__name__} has {len(self.blocks)} blocks; allowed: 0..{len(self.blocks) - 1}"
             )
-        self.schedule = Schedule(len(self.blocks), resident, config.num_slots)
+        # With CUDA graphs and resident blocks, loads stay inside their step: a
+        # graph cannot leave copies in flight for the next one, and the step's
+        # first loads hide behind the resident blocks instead (see Schedule).
+        step_local = config.cuda_graphs == "on" and resident > 0
+        self.schedule = Schedule(len(self.blocks), resident, config.num_slots, step_local)
         check_not_shared(self.blocks, module)
         streamed = [self.blocks[i] for i in self.schedule.streamed]
         tensors = [block_tensors(b.module) for b in streamed]
@@ -81,6 +85,7 @@ class StreamedBlocks:
         # id(tensor object) -> its host view, for state_dict() and weight updates
         self.host_views: dict[int, torch.Tensor] = self._host_views()
         self.executor = self._build_executor()
+        self.executor.attach_root(module)
         self.setup_s = time.perf_counter() - t0
 
     # -- overridable construction steps (the DLO variant shards the store) ----

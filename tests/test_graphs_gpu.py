@@ -41,13 +41,25 @@ def case_graph_equals_eager_flux():
 
 
 def case_graph_equals_eager_even_block_count():
-    torch, first, w, ref, x = _setup("flux", resident_layers=1)  # 4 streamed blocks: one phase
+    # resident blocks: the step-local schedule (one phase; the step's first loads behind them)
+    torch, first, w, ref, x = _setup("flux", resident_layers=1)
     with torch.no_grad():
         expected = first(ref(**x))
         outs = [first(w(**x)) for _ in range(4)]
     assert all(torch.equal(o, expected) for o in outs)
     c = w.graphs.counts
     assert c["capture"] == 1 and c["replay"] == 2, c
+
+
+def case_step_local_odd_streamed_count_one_graph():
+    torch, first, w, ref, x = _setup("flux", resident_layers=2)  # 3 streamed blocks, still one phase
+    assert w._streamed.schedule.step_local
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(5)]
+    assert all(torch.equal(o, expected) for o in outs)
+    c = w.graphs.counts
+    assert c["capture"] == 1 and c["replay"] == 3 and len(w.graphs.graphs) == 1, c
 
 
 def case_graph_equals_eager_wan():
@@ -160,6 +172,7 @@ def case_debug_addresses():
         "case_graph_equals_eager_flux",
         "case_graph_equals_eager_wan",
         "case_graph_equals_eager_even_block_count",
+        "case_step_local_odd_streamed_count_one_graph",
         "case_update_weights_without_recapture",
         "case_fallback_on_host_sync",
         "case_several_signatures_alive",

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
-from weightstream.graphs.policy import Action, GraphPolicy, UnsupportedInput, phase_period, signature
+from weightstream.graphs.policy import Action, GraphPolicy, UnsupportedInput, signature
 from weightstream.graphs.runner import CapturePreconditionError
 from weightstream.models import ToyDiT, toy_inputs
 
@@ -65,7 +65,10 @@ def test_failed_capture_falls_back_for_that_signature_only():
 
 @pytest.mark.parametrize("n, slots, period", [(4, 2, 1), (5, 2, 2), (57, 2, 2), (6, 3, 1), (7, 3, 3)])
 def test_phase_period(n, slots, period):
-    assert phase_period(n, slots) == period
+    from weightstream.offload.schedule import Schedule
+
+    assert Schedule(n, 0, slots).phase_period == period
+    assert Schedule(n + 1, 1, slots, step_local=True).phase_period == 1
 
 
 def test_bad_max_graphs():

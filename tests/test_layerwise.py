@@ -304,3 +304,25 @@ def test_copies_split_at_registration_chunks(monkeypatch):
     plain = wrapped.disable()
     with torch.no_grad():
         assert torch.equal(plain(**x), ref(**x))
+
+
+@pytest.mark.parametrize("name, resident", [("toy", 2), ("flux", 1), ("flux", 3)])
+def test_step_local_schedule_bit_exact(name, resident):
+    """The schedule CUDA graphs use with resident blocks (loads start with each
+    step, none cross a step boundary) on the CPU: same outputs, same mechanism."""
+    from weightstream.offload.transformer import StreamedBlocks
+
+    model, ref, x = build(name, DEV)
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", resident_layers=resident, record_events=True)
+    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    assert sb.schedule.step_local and "StepHook" in repr(sb.executor.hooks)
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(model(**x)) for _ in range(3)]
+    assert all(torch.equal(o, expected) for o in outs)
+    n = sb.schedule.n
+    copies = [e for e in sb.executor.events() if e["lane"] == "copy"]
+    # exactly the step's own n loads per step, none issued for a later step
+    assert [e["step"] for e in copies] == [s for s in range(3) for _ in range(n)]
+    assert sb.executor.pending_loads() == []
+    sb.restore()

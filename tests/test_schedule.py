@@ -82,3 +82,40 @@ def test_slots_capped_by_streamed_blocks():
 def test_rejections(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Schedule(**kwargs)
+
+
+def simulate_step_local(sched: Schedule, steps: int):
+    contents, seen = {}, []
+    for step in range(steps):
+        for load in sched.step_start(step):  # issued when the step starts
+            assert load.after_position is None and sched.step_of(load.position) == step
+            contents[load.slot] = (load.position, load.block)
+        for k in range(sched.n):
+            p = step * sched.n + k
+            slot = sched.slot_at(p)
+            assert contents[slot] == (p, sched.block_at(p)), (p, contents)
+            seen.append((step, slot, sched.block_at(p)))
+            nxt = sched.after_compute(p)
+            if nxt is not None:  # only within the step, into the slot just freed
+                assert sched.step_of(nxt.position) == step and nxt.slot == slot and nxt.after_position == p
+                contents[nxt.slot] = (nxt.position, nxt.block)
+            else:
+                assert k + sched.slots >= sched.n
+    return seen
+
+
+@pytest.mark.parametrize("num_blocks", range(3, 10))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_step_local_loads_stay_in_their_step(num_blocks, slots):
+    for resident in range(1, num_blocks):
+        sched = Schedule(num_blocks, resident, slots, step_local=True)
+        seen = simulate_step_local(sched, steps=3)
+        # every step uses the same slot pattern: one graph serves every step
+        per_step = [[(s, b) for st, s, b in seen if st == step] for step in range(3)]
+        assert per_step[0] == per_step[1] == per_step[2]
+        assert sched.phase_period == 1
+
+
+def test_step_local_must_be_a_bool():
+    with pytest.raises(TypeError, match="step_local"):
+        Schedule(4, 1, 2, step_local=1)
