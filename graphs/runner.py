@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from .policy import Action, GraphPolicy, UnsupportedInput, signature
+from .policy import Action, GraphPolicy, UnsupportedInput, signature, tensor_leaves
 
 
 class CapturePreconditionError(RuntimeError):
@@ -154,7 +154,7 @@ class GraphRunner:
             if moved:
                 raise StaticAddressError(f"static inputs {moved} moved since capture")
         with torch.no_grad():
-            for dst, src in zip(g.static_in, tensor_inputs(args, kwargs)):
+            for dst, src in zip(g.static_in, tensor_leaves(args, kwargs)):
                 dst.copy_(src)
         stream = torch.cuda.current_stream(ex.device)
         ex.wait_pending(stream)
@@ -170,11 +170,6 @@ class GraphRunner:
         self.policy.clear()
         self.pool = None
         torch.cuda.empty_cache()
-
-
-def tensor_inputs(args, kwargs) -> list[torch.Tensor]:
-    leaves, _ = pytree.tree_flatten((args, kwargs))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def _fresh(out):

@@ -312,17 +312,21 @@ class LayerwiseExecutor:
             "(an exception inside the model?); re-priming the slots",
             stacklevel=4,
         )
-        if self._bound is not None:
-            self._unbind(self._bound)
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        n = self.schedule.n
-        self.position = -(-self.position // n) * n
+        self._to_step_boundary()
         if self.schedule.step_local:
             self._step_start_loads()
             return
         for i in range(self.schedule.slots):
             self._issue(self.schedule.load(self.position + i), wait_free=False)
+
+    def _to_step_boundary(self) -> None:
+        """Unbind whatever a cut-short step left bound; move to the next step start."""
+        if self._bound is not None:
+            self._unbind(self._bound)
+        n = self.schedule.n
+        self.position = -(-self.position // n) * n
 
     # -- lifecycle -------------------------------------------------------------
     def synchronize(self) -> None:
@@ -354,11 +358,8 @@ class LayerwiseExecutor:
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
         Used after a failed capture; not on the normal path."""
-        if self._bound is not None:
-            self._unbind(self._bound)
         self.synchronize()
-        n = self.schedule.n
-        self.position = -(-self.position // n) * n
+        self._to_step_boundary()
         self.capture_tag = None
         self.reload_pending()
 
