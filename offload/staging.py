@@ -128,7 +128,7 @@ class Stager:
 
     # -- packer thread ---------------------------------------------------------
     def _run(self) -> None:
-        if self.cuda:
+        if self.cuda and self.device.index is not None:  # set_device needs an index
             torch.cuda.set_device(self.device)
         while True:
             with self._cv:

@@ -210,8 +210,9 @@ def run_worker(mode: str, ckpt_dir: Path, steps: int, warmup: int, device: str, 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     if cuda:
+        if dev.index is None:  # set_device needs an index (torch 2.11)
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        dev = torch.device("cuda", torch.cuda.current_device())
     out: dict = {"mode": mode}
     t0 = time.perf_counter()
     meta = meta_from_pretrained(FluxTransformer2DModel, ckpt_dir)

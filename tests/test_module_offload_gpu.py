@@ -5,6 +5,7 @@ Run on the device machine: ``python3 -m pytest -q -m gpu tests/test_module_offlo
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def test_cuda_outputs_equal_resident_and_masters_pinned():
 def test_device_memory_follows_residency():
     pipe = BigPipe()
     enc_b, dit_b, dit2_b = (_bytes(pipe.text_encoder), _bytes(pipe.transformer), _bytes(pipe.transformer_2))
+    gc.collect()  # an earlier test's tensors freed during this one would skew every reading
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
