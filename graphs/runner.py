@@ -3,10 +3,13 @@
 What one graph holds: every streamed block's H2D copy from the pinned host
 store into its slot (issued by the executor's hooks on the copy stream during
 capture), the compute of every block, the copies the last blocks issue for the
-next step, and the events joining the streams. The loads of a step's first
-positions were issued before the graph starts (by the previous step); the
-launching stream waits for them eagerly, because a capture may not wait on
-events recorded outside it. Host weights are read at replay time, so
+next step, and the events joining the streams. A graph ends only when all its
+copies have, so the schedule keeps no copy that waits for the step's last block
+inside it: that one starts the next graph (``Schedule.defer_last``), or, with
+resident blocks, every boundary load does (``Schedule.step_local``). Loads a
+previous graph or an eager step issued for this step's first positions are
+waited for by the launching stream, because a capture may not wait on events
+recorded outside it. Host weights are read at replay time, so
 ``update_weights`` needs no recapture.
 
 Policy (keys, when to capture, fallback) lives in :mod:`policy`.

@@ -582,6 +582,11 @@ class AllGatherExecutor(GuardedExecutor):
 class _DLOStreamedBlocks(StreamedBlocks):
     """Shared part of the two DLO backends (stats, failure hooks)."""
 
+    # Under CUDA graphs a DLO step keeps its boundary loads (gathers) inside the
+    # graph, as measured on 2x H200; the deferred variant is not yet verified
+    # with collectives there.
+    defer_last_in_graphs = False
+
     def __init__(self, module, config, device, plan, parallel: ParallelConfig, dlo: DLOPlan):
         self.parallel, self.dlo = parallel, dlo
         super().__init__(module, config, device, plan)

@@ -188,19 +188,17 @@ class LayerwiseExecutor:
         prime at the first forward so that every rank issues them in the same order.
         Step-local schedules load at every step start instead (:meth:`begin_step`)."""
         self._primed = True
-        if self.schedule.step_local:
-            return
         for load in self.schedule.priming():
             self._issue(load, wait_free=False)
 
     def attach_root(self, root: nn.Module) -> None:
-        """Step-local schedules: hook the DiT's forward to start each step."""
-        if self.schedule.step_local:
+        """Schedules with step-start loads: hook the DiT's forward to start each step."""
+        if self.schedule.has_step_start:
             self.hooks.append(StepHook(self, root))
 
     def begin_step(self) -> None:
-        """Step-local schedules: issue this step's first loads, after everything the
-        compute stream did before (the previous step's readers of the slots)."""
+        """Issue this step's step-start loads, after everything the compute stream
+        did before (the previous step's readers of the slots)."""
         if not self._primed:
             self._prime()
         if self.position % self.schedule.n:
@@ -208,12 +206,16 @@ class LayerwiseExecutor:
             return
         self._step_start_loads()
 
-    def _step_start_loads(self) -> None:
+    def _step_start_loads(self, loads: list[Load] | None = None) -> None:
+        if loads is None:
+            loads = self.schedule.step_start(self.schedule.step_of(self.position))
+        if not loads:
+            return
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             for side in self.side_streams():
                 side.wait_stream(compute)
-        for load in self.schedule.step_start(self.schedule.step_of(self.position)):
+        for load in loads:
             self._issue(load, wait_free=False)
 
     # -- copies ----------------------------------------------------------------
@@ -312,14 +314,8 @@ class LayerwiseExecutor:
             "(an exception inside the model?); re-priming the slots",
             stacklevel=4,
         )
-        if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._to_step_boundary()
-        if self.schedule.step_local:
-            self._step_start_loads()
-            return
-        for i in range(self.schedule.slots):
-            self._issue(self.schedule.load(self.position + i), wait_free=False)
+        self._step_start_loads(self.schedule.refill(self.schedule.step_of(self.position)))
 
     def _to_step_boundary(self) -> None:
         """Unbind whatever a cut-short step left bound; move to the next step start."""
@@ -341,11 +337,9 @@ class LayerwiseExecutor:
         return [self.copy_stream] if self.cuda else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
-        """(position, slot) of the loads already issued for upcoming positions
-        (none between the steps of a step-local schedule)."""
-        if self.schedule.step_local:
-            return []
-        return [(self.position + i, self.schedule.slot_at(self.position + i)) for i in range(self.schedule.slots)]
+        """(position, slot) of the loads already issued for the next step's first
+        positions (none between the steps of a step-local schedule)."""
+        return [(ld.position, ld.slot) for ld in self.schedule.carried(self.schedule.step_of(self.position))]
 
     def wait_pending(self, stream) -> None:
         """Make ``stream`` wait for the loads of upcoming positions (before a graph launch)."""

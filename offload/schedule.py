@@ -21,6 +21,14 @@ across the graph boundary): the step's first ``S`` positions load at the
 *start* of the step, behind the resident blocks' compute, and the last blocks
 prefetch nothing. Slots then count from the step start (``k % S``), so every
 step uses the same pattern.
+
+``defer_last=True`` is the CUDA-graph schedule without resident blocks: loads
+cross the step boundary as usual, except the one that waits for a step's last
+block (position ``S - 1`` of the next step). Inside a graph that copy could
+only start at the very end and the graph would wait for it; issued at the
+start of the next step instead (ordered after the previous step as a whole),
+it overlaps that step's first block, as the eager ring does. The first
+``S - 1`` loads are primed before the first forward.
 """
 from __future__ import annotations
 
@@ -43,10 +51,14 @@ class Schedule:
     resident: int = 0
     num_slots: int = 2
     step_local: bool = False
+    defer_last: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.step_local, bool):
-            raise TypeError(f"Schedule.step_local={self.step_local!r} must be a bool")
+        for key in ("step_local", "defer_last"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"Schedule.{key}={getattr(self, key)!r} must be a bool")
+        if self.step_local and self.defer_last:
+            raise ValueError("Schedule: step_local=True and defer_last=True exclude each other; choose one")
         for key in ("num_blocks", "resident", "num_slots"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -85,27 +97,51 @@ class Schedule:
             return position % self.n % self.slots
         return position % self.slots
 
+    @property
+    def has_step_start(self) -> bool:
+        """Whether loads are issued when a step starts (a hook on the DiT's forward)."""
+        return self.step_local or self.defer_last
+
+    def _at_step_start(self, position: int) -> bool:
+        i = position % self.n
+        if self.step_local:
+            return i < self.slots
+        return self.defer_last and i == self.slots - 1
+
     def load(self, position: int) -> Load:
         prev = position - self.slots
-        if self.step_local and position % self.n < self.slots:
+        if self._at_step_start(position):
             prev = -1  # a step-start load: ordered after the previous step as a whole
         return Load(position, self.block_at(position), self.slot_at(position), prev if prev >= 0 else None)
 
     def priming(self) -> list[Load]:
-        """Loads issued before the first forward (every slot's first user).
-        Step-local schedules issue these at the start of every step instead."""
-        return self.step_start(0)
+        """Loads issued before the first forward (every slot's first user, less
+        those a step issues at its start)."""
+        return self.carried(0)
+
+    def carried(self, step: int) -> list[Load]:
+        """The loads of ``step``'s first positions that the previous step issues
+        (priming for step 0); the rest come from :meth:`step_start`."""
+        return [self.load(step * self.n + i) for i in range(self.slots) if not self._at_step_start(i)]
 
     def step_start(self, step: int) -> list[Load]:
-        """The loads of a step's first positions."""
+        """The loads issued when ``step`` starts (none for the plain ring)."""
+        return [self.load(step * self.n + i) for i in range(self.slots) if self._at_step_start(i)]
+
+    def refill(self, step: int) -> list[Load]:
+        """Every load of ``step``'s first positions, for a step that starts with
+        nothing in flight (after an interrupted step)."""
         return [self.load(step * self.n + i) for i in range(self.slots)]
 
     def after_compute(self, position: int) -> Load | None:
-        """The load that may start once ``position`` finished computing (None:
-        a step-local schedule's last blocks prefetch nothing)."""
+        """The load that may start once ``position`` finished computing (None when
+        that load is issued at the next step's start, or not at all)."""
+        nxt = position + self.slots
         if self.step_local and position % self.n + self.slots >= self.n:
             return None
-        return self.load(position + self.slots)
+        if self.defer_last and self._at_step_start(nxt) and self.step_of(nxt) > self.step_of(position):
+            return None
+        return self.load(nxt)
 
     @property
     def phase_period(self) -> int:

@@ -55,11 +55,7 @@ class StreamedBlocks:
                 f"layer_options.dit.resident_layers={resident} leaves no block to stream: "
                 f"{type(module).__name__} has {len(self.blocks)} blocks; allowed: 0..{len(self.blocks) - 1}"
             )
-        # With CUDA graphs and resident blocks, loads stay inside their step: a
-        # graph cannot leave copies in flight for the next one, and the step's
-        # first loads hide behind the resident blocks instead (see Schedule).
-        step_local = config.cuda_graphs == "on" and resident > 0
-        self.schedule = Schedule(len(self.blocks), resident, config.num_slots, step_local)
+        self.schedule = self._schedule(len(self.blocks), resident)
         check_not_shared(self.blocks, module)
         streamed = [self.blocks[i] for i in self.schedule.streamed]
         tensors = [block_tensors(b.module) for b in streamed]
@@ -89,6 +85,21 @@ class StreamedBlocks:
         self.setup_s = time.perf_counter() - t0
 
     # -- overridable construction steps (the DLO variant shards the store) ----
+    defer_last_in_graphs = True
+
+    def _schedule(self, num_blocks: int, resident: int) -> Schedule:
+        """The ring; CUDA graphs change where a step's boundary loads are issued
+        (a graph waits for every copy it holds, see Schedule): with resident
+        blocks every load stays in its step and the first ones hide behind the
+        resident blocks; without, only the load waiting for the last block moves
+        to the next step's start, so it overlaps that step's first block."""
+        graphs = self.config.cuda_graphs == "on"
+        return Schedule(
+            num_blocks, resident, self.config.num_slots,
+            step_local=graphs and resident > 0,
+            defer_last=graphs and resident == 0 and self.defer_last_in_graphs,
+        )
+
     def _build_store(self, layouts, tensors) -> HostStore:
         """Pack every streamed block into one host store and drop the originals."""
         cfg, device = self.config, self.device

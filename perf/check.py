@@ -7,15 +7,17 @@ A baseline file `perf/baselines/<gpu-slug>.json`:
                                                    "ratio_to_best_peer": 0.77}, ...}, ...},
      "sources": {"flux-12b-1024": {"commit": "<sha>", "date": "...", "file": "<result file>"}}}
 
-Only ratios are compared (lower is better), never absolute times: a ratio
-worsens when new > baseline * (1 + tolerance).
+Only ratios are compared, never absolute times: a ratio worsens when
+new > baseline * (1 + tolerance), or, for the ratios where higher is better
+(``ratio_to_copy``: a kernel's bandwidth against a device copy), when
+new < baseline * (1 - tolerance).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from perf.results import RATIO_FIGURES, gpu_slug, validate_result
+from perf.results import HIGHER_IS_BETTER, RATIO_FIGURES, gpu_slug, validate_result
 
 BASELINES = Path(__file__).resolve().parent / "baselines"
 
@@ -62,7 +64,8 @@ def compare(result: dict, baseline: dict, tolerance: float) -> tuple[list[dict],
                 continue
             old, new = float(b[fig]), float(figs[fig])
             change = new / old - 1 if old else float("inf")
-            if new > old * (1 + tolerance):
+            worse = new < old * (1 - tolerance) if fig in HIGHER_IS_BETTER else new > old * (1 + tolerance)
+            if worse:
                 regressions.append(dict(scenario=sc, mode=mode, figure=fig, baseline=old, new=new, change=change))
             else:
                 notes.append(f"{sc} {mode} {fig}: baseline {old:.4f} new {new:.4f} ({change:+.1%}) ok")

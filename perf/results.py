@@ -14,18 +14,23 @@ GB = 1e9
 
 # Figures the regression check compares. All are "lower is better" ratios, so
 # they survive a change of clock, driver or machine load better than times.
-RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph")
+RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
+                 "ratio_to_pinned", "ratio_to_copy")
+# Ratios where higher is better (a kernel's bandwidth against a plain copy);
+# every other ratio is a time against a yardstick, lower is better.
+HIGHER_IS_BETTER = ("ratio_to_copy",)
 
 # Peers are other libraries' offloading, named by library prefix.
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
     r"^(resident|resident-graph|module|naive-block|dlo-allgather|dlo-rank-local"
-    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*"
+    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
 _MODE_FORMS = ("resident, resident-graph, module, naive-block, dlo-allgather, dlo-rank-local, "
-               "layerwise[-variant...], graphs[-variant...], diffusers-<x>, accelerate-<x>")
+               "layerwise[-variant...], graphs[-variant...], copy[-variant...], triton[-variant...] (kernel benchmarks), "
+               "diffusers-<x>, accelerate-<x>")
 
 _REQUIRED_TOP = {
     "scenario": str, "gpu": str, "gpus": int, "commit": str, "torch": str,
@@ -50,7 +55,8 @@ def is_weightstream(mode: str) -> bool:
 
 
 def is_offloaded(mode: str) -> bool:
-    return mode not in ("resident", "resident-graph")
+    """A mode that streams weights (and so carries a streaming floor)."""
+    return mode not in ("resident", "resident-graph") and not mode.startswith(("copy", "triton"))
 
 
 def _is_number(x: Any) -> bool:

@@ -306,6 +306,31 @@ def test_copies_split_at_registration_chunks(monkeypatch):
         assert torch.equal(plain(**x), ref(**x))
 
 
+@pytest.mark.parametrize("name", ["toy", "flux", "wan"])
+def test_defer_last_schedule_bit_exact(name):
+    """The schedule CUDA graphs use without resident blocks (the load that waits
+    for a step's last block is issued when the next step starts) on the CPU."""
+    from weightstream.offload.transformer import StreamedBlocks
+
+    model, ref, x = build(name, DEV)
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
+    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    sched = sb.schedule
+    assert sched.defer_last and "StepHook" in repr(sb.executor.hooks)
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = []
+        for _ in range(3):
+            outs.append(first(model(**x)))
+            # between steps only the first S - 1 loads of the next step are in flight
+            assert [p for p, _ in sb.executor.pending_loads()] == [
+                sb.executor.position + i for i in range(sched.slots - 1)]
+    assert all(torch.equal(o, expected) for o in outs)
+    copies = [e for e in sb.executor.events() if e["lane"] == "copy"]
+    assert len(copies) == 3 * sched.n + sched.slots - 1  # every step's n, plus the primed next ones
+    sb.restore()
+
+
 @pytest.mark.parametrize("name, resident", [("toy", 2), ("flux", 1), ("flux", 3)])
 def test_step_local_schedule_bit_exact(name, resident):
     """The schedule CUDA graphs use with resident blocks (loads start with each

@@ -199,6 +199,21 @@ def test_check_fails_on_worse_ratio_and_names_it(tmp_path, capsys):
     assert perf_main(["check", path, "--baseline", str(base), "--tolerance", "0.10"]) == 0
 
 
+def test_kernel_bandwidth_ratio_regresses_when_it_falls(tmp_path, capsys):
+    def kernel_result(ratio):
+        return {**{k: DESIGN_EXAMPLE[k] for k in ("gpu", "gpus", "commit", "torch", "date")}, "scenario": "materialise",
+                "modes": {"copy-300mb": {"step_ms": 0.138},
+                          "triton-300mb": {"step_ms": 0.138 / ratio, "ratio_to_copy": ratio}}}
+
+    base = tmp_path / "b.json"
+    assert perf_main(["baseline", _write(tmp_path, "r.json", kernel_result(0.96)), "--out", str(base)]) == 0
+    assert json.loads(base.read_text())["scenarios"]["materialise"] == {"triton-300mb": {"ratio_to_copy": 0.96}}
+    capsys.readouterr()
+    assert perf_main(["check", _write(tmp_path, "up.json", kernel_result(0.99)), "--baseline", str(base)]) == 0
+    assert perf_main(["check", _write(tmp_path, "down.json", kernel_result(0.80)), "--baseline", str(base)]) == 1
+    assert "REGRESSION materialise triton-300mb ratio_to_copy: baseline 0.9600 new 0.8000" in capsys.readouterr().out
+
+
 def test_check_errors_clearly_without_baseline(tmp_path, capsys):
     path = _write(tmp_path, "r.json", DESIGN_EXAMPLE)
     assert perf_main(["check", path, "--baseline", str(tmp_path / "missing.json")]) == 2

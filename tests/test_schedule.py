@@ -119,3 +119,51 @@ def test_step_local_loads_stay_in_their_step(num_blocks, slots):
 def test_step_local_must_be_a_bool():
     with pytest.raises(TypeError, match="step_local"):
         Schedule(4, 1, 2, step_local=1)
+
+
+def simulate_defer_last(sched: Schedule, steps: int):
+    """The CUDA-graph ring without resident blocks: as :func:`simulate`, except
+    the load waiting for a step's last block is issued at the next step's start."""
+    plain = Schedule(sched.num_blocks, sched.resident, sched.num_slots)
+    contents, deferred = {}, []
+    for load in sched.priming():
+        assert load.after_position is None and load.position < sched.slots - 1
+        contents[load.slot] = (load.position, load.block)
+    for step in range(steps):
+        starts = sched.step_start(step)
+        assert [ld.position for ld in starts] == [step * sched.n + sched.slots - 1]
+        for load in starts:
+            assert load.after_position is None  # ordered after the previous step as a whole
+            # the slot's previous reader is the previous step's last block: it has finished
+            assert step == 0 or plain.load(load.position).after_position == step * sched.n - 1
+            contents[load.slot] = (load.position, load.block)
+            deferred.append(load.position)
+        for k in range(sched.n):
+            p = step * sched.n + k
+            slot = sched.slot_at(p)
+            assert slot == plain.slot_at(p)  # same ring, same phases
+            assert contents[slot] == (p, sched.block_at(p)), (p, contents)
+            nxt = sched.after_compute(p)
+            if k == sched.n - 1:
+                assert nxt is None  # deferred to the next step's start
+                continue
+            assert nxt == plain.after_compute(p)
+            contents[nxt.slot] = (nxt.position, nxt.block)
+    return deferred
+
+
+@pytest.mark.parametrize("num_blocks", range(2, 10))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_defer_last_moves_only_the_boundary_load(num_blocks, slots):
+    sched = Schedule(num_blocks, 0, slots, defer_last=True)
+    simulate_defer_last(sched, steps=4)
+    assert sched.has_step_start and sched.phase_period == Schedule(num_blocks, 0, slots).phase_period
+    assert len(sched.carried(1)) == sched.slots - 1
+    assert sched.refill(2) == [sched.load(2 * sched.n + i) for i in range(sched.slots)]
+
+
+def test_defer_last_and_step_local_exclude_each_other():
+    with pytest.raises(ValueError, match="exclude each other"):
+        Schedule(4, 1, 2, step_local=True, defer_last=True)
+    with pytest.raises(TypeError, match="defer_last"):
+        Schedule(4, 0, 2, defer_last="yes")
