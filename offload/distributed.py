@@ -582,12 +582,14 @@ class AllGatherExecutor(GuardedExecutor):
 class _DLOStreamedBlocks(StreamedBlocks):
     """Shared part of the two DLO backends (stats, failure hooks)."""
 
-    # Under CUDA graphs a DLO step keeps its boundary loads (gathers) inside the
-    # graph, as measured on 2x H200; the deferred variant is not yet verified
-    # with collectives there.
-    defer_last_in_graphs = False
-
     def __init__(self, module, config, device, plan, parallel: ParallelConfig, dlo: DLOPlan):
+        if config.graph_boundary_loads != "in-graph":
+            # a DLO step keeps its boundary loads (gathers) inside the graph, as
+            # verified on 2x H200; the next-step variant is not verified with collectives
+            raise ValueError(
+                f"graph_boundary_loads={config.graph_boundary_loads!r} is not supported with distributed "
+                "layerwise offload (DLO); choose: in-graph"
+            )
         self.parallel, self.dlo = parallel, dlo
         super().__init__(module, config, device, plan)
         self._root_hooks = [module.register_forward_pre_hook(self._before_forward)]

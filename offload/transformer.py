@@ -85,19 +85,19 @@ class StreamedBlocks:
         self.setup_s = time.perf_counter() - t0
 
     # -- overridable construction steps (the DLO variant shards the store) ----
-    defer_last_in_graphs = True
-
     def _schedule(self, num_blocks: int, resident: int) -> Schedule:
         """The ring; CUDA graphs change where a step's boundary loads are issued
         (a graph waits for every copy it holds, see Schedule): with resident
         blocks every load stays in its step and the first ones hide behind the
-        resident blocks; without, only the load waiting for the last block moves
-        to the next step's start, so it overlaps that step's first block."""
-        graphs = self.config.cuda_graphs == "on"
+        resident blocks; without, the load waiting for the last block stays at
+        the graph's end, or with graph_boundary_loads='next-step' starts the
+        next step's graph."""
+        cfg = self.config
+        graphs = cfg.cuda_graphs == "on"
         return Schedule(
-            num_blocks, resident, self.config.num_slots,
+            num_blocks, resident, cfg.num_slots,
             step_local=graphs and resident > 0,
-            defer_last=graphs and resident == 0 and self.defer_last_in_graphs,
+            defer_last=graphs and resident == 0 and cfg.graph_boundary_loads == "next-step",
         )
 
     def _build_store(self, layouts, tensors) -> HostStore:

@@ -140,6 +140,10 @@ def baseline_main(results: list[str], out: str | None) -> int:
                 written.append(mode)
         base.setdefault("sources", {})[r["scenario"]] = {
             "commit": r["commit"], "date": r["date"], "file": Path(path).name}
+        # several result files may feed one scenario: name each mode's source
+        per_mode = base.setdefault("mode_sources", {}).setdefault(r["scenario"], {})
+        for mode in written:
+            per_mode[mode] = Path(path).name
         bpath.parent.mkdir(parents=True, exist_ok=True)
         bpath.write_text(json.dumps(base, indent=1, sort_keys=True) + "\n")
         print(f"baseline {bpath}: {r['scenario']} <- {', '.join(written) or 'nothing (no ratios)'} from {path}")

@@ -105,6 +105,16 @@ REJECTIONS = {
     "cuda_graphs_in_module_mode": (
         _with(MODULE, cuda_graphs="on"), ValueError,
         ["cuda_graphs='on'", "mode='layer'", "mode='module'", "choose from: off"]),
+    "graph_boundary_unknown": (
+        _with(LAYER, cuda_graphs="on", graph_boundary_loads="after"), ValueError,
+        ["graph_boundary_loads='after'", "choose from: in-graph, next-step"]),
+    "graph_boundary_without_graphs": (
+        _with(LAYER, graph_boundary_loads="next-step"), ValueError,
+        ["graph_boundary_loads='next-step'", "cuda_graphs='on'", "in-graph"]),
+    "graph_boundary_with_resident_layers": (
+        _with(LAYER, cuda_graphs="on", graph_boundary_loads="next-step",
+              layer_options={"dit": {"resident_layers": 2}}), ValueError,
+        ["graph_boundary_loads='next-step'", "resident_layers=2", "in-graph"]),
     "num_slots_one": (
         _with(LAYER, num_slots=1), ValueError, ["num_slots=1", "int >= 2"]),
     "num_slots_bool": (

@@ -575,6 +575,15 @@ def test_rejections_before_any_tensor_moves(par, transfer, resident, match):
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_dlo_refuses_next_step_graph_boundary_loads():
+    model, ptrs = _toy_and_ptrs()
+    cfg = OffloadConfig.layerwise(weight_transfer="rank-local", cuda_graphs="on",
+                                  graph_boundary_loads="next-step", progress=False)
+    with pytest.raises(ValueError, match="graph_boundary_loads='next-step' is not supported with distributed"):
+        OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(dp=2))
+    assert {k: (v.data_ptr(), v.numel()) for k, v in model.state_dict().items()} == ptrs
+
+
 @pytest.mark.parametrize("par,msg", [
     (dict(hsdp=2, dp=2), "HSDP combines with SP only"),
     (dict(hsdp=2, tp=2), "HSDP combines with SP only"),

@@ -29,9 +29,9 @@ def _setup(name="flux", dtype="bfloat16", **cfg):
     return torch, first, w, ref, x
 
 
-def case_graph_equals_eager_flux():
-    torch, first, w, ref, x = _setup("flux")
-    assert w._streamed.schedule.defer_last  # the boundary load runs at the next graph's start
+def case_graph_equals_eager_flux(**cfg):
+    torch, first, w, ref, x = _setup("flux", **cfg)
+    assert w._streamed.schedule.defer_last == (cfg.get("graph_boundary_loads") == "next-step")
     with torch.no_grad():
         expected = first(ref(**x))
         outs = [first(w(**x)) for _ in range(5)]  # warm-up, capture, replays (odd n: two phases)
@@ -39,6 +39,11 @@ def case_graph_equals_eager_flux():
     c = w.graphs.counts
     assert c["eager-warmup"] == 1 and c["capture"] == 2 and c["replay"] == 2, c
     assert outs[-1].data_ptr() != outs[-2].data_ptr()  # fresh tensors, not the static output
+
+
+def case_graph_equals_eager_flux_next_step():
+    # the boundary load starts the next step's graph instead of ending this one
+    case_graph_equals_eager_flux(graph_boundary_loads="next-step")
 
 
 def case_graph_equals_eager_even_block_count():
@@ -171,6 +176,7 @@ def case_debug_addresses():
     "case",
     [
         "case_graph_equals_eager_flux",
+        "case_graph_equals_eager_flux_next_step",
         "case_graph_equals_eager_wan",
         "case_graph_equals_eager_even_block_count",
         "case_step_local_odd_streamed_count_one_graph",

@@ -308,12 +308,16 @@ def test_copies_split_at_registration_chunks(monkeypatch):
 
 @pytest.mark.parametrize("name", ["toy", "flux", "wan"])
 def test_defer_last_schedule_bit_exact(name):
-    """The schedule CUDA graphs use without resident blocks (the load that waits
-    for a step's last block is issued when the next step starts) on the CPU."""
+    """graph_boundary_loads='next-step' (CUDA graphs without resident blocks: the
+    load that waits for a step's last block is issued when the next step starts)
+    on the CPU: same outputs, same mechanism."""
     from weightstream.offload.transformer import StreamedBlocks
 
     model, ref, x = build(name, DEV)
-    cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
+    plain = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on"), torch.device(DEV), None)
+    assert not plain.schedule.defer_last and not plain.schedule.step_local  # the default keeps the plain ring
+    plain.restore()
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="next-step", record_events=True)
     sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
     sched = sb.schedule
     assert sched.defer_last and "StepHook" in repr(sb.executor.hooks)
