@@ -262,6 +262,13 @@ def run_worker(mode: str, ckpt_dir: Path, steps: int, warmup: int, device: str, 
                 "open_s", "bind_s", "resident_load_s", "store_s", "copies_per_step", "staging_bytes",
                 "staging_kind", "staging_packs", "staging_wait_s", "staging_pack_s", "pinned_bytes", "host_bytes")
         out["stats"] = {k: stats[k] for k in keep if k in stats}
+        after = module.stats()  # the packer's counters once the steps ran: where staging spends its time
+        if after.get("staging_packs"):
+            mean_block = after["streamed_bytes_per_step"] / max(after.get("blocks_streamed", 1), 1)
+            out["staging_after_steps"] = {
+                k: after[k] for k in ("staging_packs", "staging_pack_s", "staging_wait_s") if k in after}
+            if after.get("staging_pack_s"):
+                out["staging_pack_gbps"] = round(after["staging_packs"] * mean_block / after["staging_pack_s"] / 1e9, 2)
     log(f"{mode}: median step {out['step_ms']:.1f} ms over {steps} steps ({warmup} warm-up, "
         f"first {first_ms:.0f} ms)")
     if cuda:
@@ -317,7 +324,8 @@ def assemble(workers: dict, commit: str, dirty: bool, fs: str, ckpt_gb: float) -
     modes = {}
     for m, w in ok.items():
         f = {"step_ms": w["step_ms"], "step_ms_all": w["step_ms_all"]}
-        for k in ("setup_s", "setup_s_per_gb", "load_s", "build_s", "peak_device_gb", "first_steps_ms", "stats"):
+        for k in ("setup_s", "setup_s_per_gb", "load_s", "build_s", "peak_device_gb", "first_steps_ms", "stats",
+                  "staging_after_steps", "staging_pack_gbps"):
             if k in w:
                 f[k] = w[k]
         if m != "resident":
