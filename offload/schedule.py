@@ -119,27 +119,33 @@ class Schedule:
         those a step issues at its start)."""
         return self.carried(0)
 
+    def _first_loads(self, step: int, at_start: bool | None = None) -> list[Load]:
+        """Loads of ``step``'s first ``S`` positions: all of them, or only those
+        issued at the step's start (``at_start=True``) or before it (False)."""
+        first = (step * self.n + i for i in range(self.slots))
+        return [self.load(p) for p in first if at_start is None or self._at_step_start(p) == at_start]
+
     def carried(self, step: int) -> list[Load]:
         """The loads of ``step``'s first positions that the previous step issues
         (priming for step 0); the rest come from :meth:`step_start`."""
-        return [self.load(step * self.n + i) for i in range(self.slots) if not self._at_step_start(i)]
+        return self._first_loads(step, at_start=False)
 
     def step_start(self, step: int) -> list[Load]:
         """The loads issued when ``step`` starts (none for the plain ring)."""
-        return [self.load(step * self.n + i) for i in range(self.slots) if self._at_step_start(i)]
+        return self._first_loads(step, at_start=True)
 
     def refill(self, step: int) -> list[Load]:
         """Every load of ``step``'s first positions, for a step that starts with
         nothing in flight (after an interrupted step)."""
-        return [self.load(step * self.n + i) for i in range(self.slots)]
+        return self._first_loads(step)
 
     def after_compute(self, position: int) -> Load | None:
         """The load that may start once ``position`` finished computing (None when
         that load is issued at the next step's start, or not at all)."""
-        nxt = position + self.slots
         if self.step_local and position % self.n + self.slots >= self.n:
             return None
-        if self.defer_last and self._at_step_start(nxt) and self.step_of(nxt) > self.step_of(position):
+        nxt = position + self.slots
+        if self.defer_last and self._at_step_start(nxt):  # only a step's last position reaches it
             return None
         return self.load(nxt)
 

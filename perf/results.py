@@ -12,8 +12,8 @@ from typing import Any
 
 GB = 1e9
 
-# Figures the regression check compares. All are "lower is better" ratios, so
-# they survive a change of clock, driver or machine load better than times.
+# Figures the regression check compares: ratios, which survive a change of
+# clock, driver or machine load better than times.
 RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
                  "ratio_to_pinned", "ratio_to_copy")
 # Ratios where higher is better (a kernel's bandwidth against a plain copy);
