@@ -67,7 +67,7 @@ from .executor import LayerwiseExecutor
 from .host_store import PAGE, REGISTER_CHUNK, Progress, _cuda_register, _Registration, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, align_up, block_tensors
 from .schedule import Load, Schedule
-from .staging import Stager
+from .staging import CopyPool, Stager, check_threads
 from .transformer import OffloadedTransformer, StreamedBlocks, resolve_device
 
 __all__ = [
@@ -761,13 +761,22 @@ class MmapStore:
         return out
 
     # -- packing (staging thread) ----------------------------------------------
-    def pack(self, k: int, buf: torch.Tensor) -> None:
-        """Write streamed block ``k``'s runtime image into host bytes ``buf``."""
+    def pack(self, k: int, buf: torch.Tensor, pool: CopyPool | None = None) -> None:
+        """Write streamed block ``k``'s runtime image into host bytes ``buf``
+        (the checkpoint runs split over ``pool``'s threads when given)."""
         self.pack_threads.add(threading.current_thread().name)
         plan, files = self.plans[k], self.ckpt.files
         with torch.no_grad():
-            for r in plan.runs:
-                buf[r.dst : r.dst + r.nbytes].copy_(files[r.file].u8[r.src : r.src + r.nbytes])
+            if pool is not None:  # raw addresses: check the bounds torch slicing would have
+                base = buf.data_ptr()
+                for r in plan.runs:
+                    if r.dst + r.nbytes > buf.numel() or r.src + r.nbytes > files[r.file].u8.numel():
+                        raise ValueError(f"pack: run {r} of block {k} is out of bounds of its buffer or file")
+                pool.copy([(base + r.dst, files[r.file].u8.data_ptr() + r.src, r.nbytes) for r in plan.runs])
+                self.pack_threads |= pool.thread_names
+            else:
+                for r in plan.runs:
+                    buf[r.dst : r.dst + r.nbytes].copy_(files[r.file].u8[r.src : r.src + r.nbytes])
             for b, dst, table in plan.kernel:
                 materialise_torch(self.ckpt.bytes(b.src), buf[dst : dst + b.src.nbytes], table)
             for b, spec in plan.callables:
@@ -836,7 +845,8 @@ class MmapStore:
 class MmapExecutor(LayerwiseExecutor):
     """LayerwiseExecutor whose copies come from the checkpoint mapping (direct) or the stager."""
 
-    def __init__(self, blocks, store: MmapStore, schedule: Schedule, device, *, record_events: bool = False):
+    def __init__(self, blocks, store: MmapStore, schedule: Schedule, device, *, record_events: bool = False,
+                 staging_threads: int | None = None):
         super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward")
         plans = store.plans
         wire = max((p.wire_nbytes for p in plans if p.direct), default=0)
@@ -874,7 +884,8 @@ class MmapExecutor(LayerwiseExecutor):
                         yield p
                     p += 1
 
-            self.stager = Stager(store.pack, positions, lambda p: p % n, nbytes, self.device, pin=self.cuda)
+            self.stager = Stager(store.pack, positions, lambda p: p % n, nbytes, self.device, pin=self.cuda,
+                                 threads=staging_threads)
             weakref.finalize(self, self.stager.stop)
         self._prime()
 
@@ -938,9 +949,10 @@ class MmapStreamedBlocks(StreamedBlocks):
     """StreamedBlocks whose streamed tensors stay in the checkpoint mapping."""
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
-                 ckpt: Checkpoint, copy_path: str = "auto"):
+                 ckpt: Checkpoint, copy_path: str = "auto", staging_threads: int | None = None):
         t0 = time.perf_counter()
         self.ckpt, self.copy_path = ckpt, copy_path
+        self.staging_threads = check_threads(staging_threads)
         blocks = discover_blocks(module, plan)
         if config.resident_layers >= len(blocks):  # same message as StreamedBlocks, before any loading
             raise ValueError(
@@ -1005,7 +1017,7 @@ class MmapStreamedBlocks(StreamedBlocks):
                     if t.device.type == "meta":
                         _give_data(t, torch.empty(0, dtype=t.dtype, device=self.device))
         return MmapExecutor(self.blocks, self.store, self.schedule, self.device,
-                            record_events=self.config.record_events)
+                            record_events=self.config.record_events, staging_threads=self.staging_threads)
 
     def restore(self) -> nn.Module:
         """Give every streamed tensor a private device copy of its weights; tear down."""
@@ -1118,6 +1130,7 @@ def offload_from_safetensors(
     device=None,
     plan: OffloadPlan | None = None,
     copy_path: str = "auto",
+    staging_threads: int | None = None,
 ) -> OffloadedTransformer:
     """Stream ``model_on_meta``'s blocks straight from safetensors files.
 
@@ -1130,11 +1143,14 @@ def offload_from_safetensors(
     copy_path: "auto" (direct DMA from registered pages on CUDA, staging on
     CPU or where registration is not possible), "direct" (also on CPU:
     synchronous copies straight from the mapping, for tests), or "staging".
+    staging_threads: threads that pack staged blocks (int >= 1; None: up to 8,
+    capped by the CPUs available). 1 packs on the packer thread alone.
     """
     if not isinstance(model_on_meta, nn.Module):
         raise TypeError(f"model_on_meta must be a torch.nn.Module, got {type(model_on_meta).__name__}")
     if copy_path not in COPY_PATHS:
         raise ValueError(f"copy_path={copy_path!r} is not allowed; choose from: {', '.join(COPY_PATHS)}")
+    check_threads(staging_threads)
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
@@ -1149,7 +1165,7 @@ def offload_from_safetensors(
     check_opt_in(model_on_meta)
     ckpt = Checkpoint(as_sources(source, model_on_meta))
     try:
-        streamed = MmapStreamedBlocks(model_on_meta, cfg, dev, plan, ckpt, copy_path)
+        streamed = MmapStreamedBlocks(model_on_meta, cfg, dev, plan, ckpt, copy_path, staging_threads)
     except BaseException:
         ckpt.close()
         raise

@@ -13,6 +13,11 @@ after the copy. Before the packer overwrites a buffer it synchronises that
 event on its own thread, so a buffer is never written while a copy still
 reads it.
 
+Packing itself can be split over a small pool of copy threads
+(:class:`CopyPool`, ``threads`` > 1): one thread's ``memcpy`` reaches a
+fraction of the host's memory bandwidth, and the packer must keep up with the
+H2D engine for the fallback to stay near the pinned-store step time.
+
 Ordering: staged positions are packed in schedule order, buffer ``j % 2``
 for the ``j``-th staged position of a *generation*. A generation starts when
 the executor asks for a position other than the next expected one (an
@@ -21,12 +26,15 @@ buffers of the old generation are dropped, never handed out.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,6 +42,75 @@ from .host_store import PAGE, REGISTER_CHUNK, _cuda_register, _Registration
 from .layout import align_up
 
 NUM_BUFFERS = 2
+DEFAULT_THREADS = 8  # capped by the CPUs this process may run on
+PIECE_MIN = 1 << 20
+PIECE_MAX = 64 << 20
+
+
+def default_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(DEFAULT_THREADS, cpus))
+
+
+def check_threads(threads) -> int:
+    """Validate a ``staging_threads`` value (None: :func:`default_threads`)."""
+    if threads is None:
+        return default_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool):
+        raise TypeError(f"staging_threads={threads!r} must be an int >= 1 (or None for the default)")
+    if threads < 1:
+        raise ValueError(f"staging_threads={threads} is not allowed; choose an int >= 1 (1: pack on the packer thread alone)")
+    return threads
+
+
+class CopyPool:
+    """Host ``memcpy`` split over ``threads`` threads (``ctypes.memmove`` drops the GIL).
+
+    :meth:`copy` takes (destination address, source address, bytes) runs, cuts
+    them into pieces of 1 to 64 MiB so that every thread gets several, and
+    returns when all are copied (re-raising the first failure).
+    """
+
+    def __init__(self, threads: int, name: str = "weightstream-stager-copy"):
+        self.threads = check_threads(threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=name)
+        self.thread_names: set[str] = set()
+        self.bytes = 0
+
+    def _run(self, pieces: list[tuple[int, int, int]]) -> None:
+        self.thread_names.add(threading.current_thread().name)
+        for dst, src, n in pieces:
+            ctypes.memmove(dst, src, n)
+
+    def pieces(self, runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """Split ``runs`` into one list of pieces per task (pure; tested on its own)."""
+        total = sum(n for _, _, n in runs)
+        if total == 0:
+            return []
+        size = min(PIECE_MAX, max(PIECE_MIN, -(-total // (4 * self.threads))))
+        out = []
+        for dst, src, n in runs:
+            at = 0
+            while at < n:
+                k = min(size, n - at)
+                out.append([(dst + at, src + at, k)])
+                at += k
+        return out
+
+    def copy(self, runs: list[tuple[int, int, int]]) -> None:
+        futures = [self._pool.submit(self._run, task) for task in self.pieces(runs)]
+        for f in futures:
+            f.result()
+        self.bytes += sum(n for _, _, n in runs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"CopyPool({self.threads} threads)"
 
 
 class StagingError(RuntimeError):
@@ -90,7 +167,9 @@ class Stager:
 
     ``positions(start)`` yields the staged schedule positions from ``start``
     on, in order; ``block_of(position)`` names the block to pack there and
-    ``pack(block, buffer)`` writes its runtime image into a uint8 buffer.
+    ``pack(block, buffer, pool)`` writes its runtime image into a uint8
+    buffer, splitting its copies over ``pool`` (a :class:`CopyPool`, or None
+    with ``threads=1``).
     ``nbytes``: the largest staged image. ``device``: where the H2D copies go
     (events and pinned buffers on CUDA; pageable buffers and no events on CPU).
     """
@@ -104,8 +183,11 @@ class Stager:
         device: torch.device,
         *,
         pin: bool = True,
+        threads: int | None = 1,
     ):
         self._pack, self._positions, self._block_of = pack, positions, block_of
+        # threads > 1: pack() receives a CopyPool to split its copies over
+        self.pool = CopyPool(threads) if check_threads(threads) > 1 else None
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.buffers = [PinnedBuffer(nbytes, pin=pin and self.cuda) for _ in range(NUM_BUFFERS)]
@@ -148,7 +230,7 @@ class Stager:
                     self.h2d_done[b].synchronize()  # the last H2D that read buffer b has finished
                 t0 = time.perf_counter()
                 try:
-                    self._pack(self._block_of(q), self.buffers[b].tensor)
+                    self._pack(self._block_of(q), self.buffers[b].tensor, self.pool)
                 except BaseException as e:  # handed to the forward thread by acquire()
                     with self._cv:
                         self._error = e
@@ -212,6 +294,8 @@ class Stager:
                     ev.synchronize()
         for buf in self.buffers:
             buf.release()
+        if self.pool is not None:
+            self.pool.close()
 
     @property
     def buffer_bytes(self) -> int:
@@ -223,6 +307,7 @@ class Stager:
                 "staging_buffers": len(self.buffers),
                 "staging_bytes": self.buffer_bytes,
                 "staging_kind": self.buffers[0].kind,
+                "staging_threads": 1 if self.pool is None else self.pool.threads,
                 "staging_packs": self.packs,
                 "staging_max_ready": self.max_ready,
                 "staging_restarts": self.restarts,
@@ -233,5 +318,5 @@ class Stager:
     def __repr__(self) -> str:
         return (
             f"Stager({len(self.buffers)} x {self.buffers[0].nbytes / 2**20:.1f} MiB {self.buffers[0].kind}, "
-            f"{self.packs} packs)"
+            f"{1 if self.pool is None else self.pool.threads} packing thread(s), {self.packs} packs)"
         )

@@ -214,6 +214,15 @@ def run_mode(args, prefix: str) -> dict:
     finally:
         if mon is not None:
             mon.stop()
+    if args.profile_dir and device.type == "cuda":
+        from perf.lanes import profile_steps
+
+        with torch.no_grad():
+            lanes = profile_steps(lambda: prepared.module(**inputs), args.profile_steps, args.profile_dir,
+                                  f"{label}-{args.mode}")
+        log(prefix, f"profiled {args.profile_steps} steps: copy lane busy {lanes.get('copy_busy_ms')} ms, "
+                    f"idle {lanes.get('copy_idle_ms')} ms in {lanes.get('gaps_over_min')} gaps over "
+                    f"{lanes.get('window_ms')} ms")
     y = first_output(out)
     finite = bool(torch.isfinite(y).all().item())
     digest = hashlib.sha1(y.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -281,6 +290,10 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--monitor-hz", type=float, default=50.0)
     p.add_argument("--no-monitor", action="store_true")
     p.add_argument("--no-h2d", action="store_true")
+    p.add_argument("--profile-dir", default=None,
+                   help="after the timed steps, profile --profile-steps more with torch.profiler; write the copy/compute "
+                        "lane summary (perf/lanes.py) and the gzipped trace here")
+    p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--ckpt-dir", default=None, help="checkpoint folder of an -mmap mode (default: per scenario in /tmp)")
     args = p.parse_args(argv)
     prefix = f"{args.scenario}{'-tiny' if args.tiny and not args.scenario.endswith('-tiny') else ''} {args.mode}"

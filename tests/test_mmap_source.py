@@ -484,13 +484,15 @@ class _ToyMmap(ToyDiT):
     _supports_mmap_loading = True
 
 
-def test_staging_never_exceeds_two_buffers(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staging_never_exceeds_two_buffers(threads, tmp_path):
     model = ToyDiT()
     path = _save(model.state_dict(), tmp_path / "toy.safetensors")
     with torch.no_grad():
         want = model(**toy_inputs())
         meta = _meta(_ToyMmap)
-        wrapped = offload_from_safetensors(meta, path, OffloadConfig.layerwise(num_slots=3), device=DEV)
+        wrapped = offload_from_safetensors(meta, path, OffloadConfig.layerwise(num_slots=3), device=DEV,
+                                           staging_threads=threads)
         steps = 4
         for _ in range(steps):
             assert torch.equal(wrapped(**toy_inputs()), want)
@@ -505,8 +507,15 @@ def test_staging_never_exceeds_two_buffers(tmp_path):
     assert 1 <= s["staging_max_ready"] <= 2  # packed-but-unconsumed buffers at any time
     # every load of every step came through the stager, plus at most two packed ahead
     assert steps * n <= s["staging_packs"] <= steps * n + 3 + 2
-    # packing (mapping reads, transforms) ran on the packer thread only, never on the forward thread
-    assert ex.store.pack_threads == {"weightstream-stager"}
+    # packing (mapping reads, transforms) ran on the packer thread and its copy
+    # threads only, never on the forward thread
+    assert s["staging_threads"] == threads
+    if threads == 1:
+        assert ex.store.pack_threads == {"weightstream-stager"} and st.pool is None
+    else:
+        assert "weightstream-stager" in ex.store.pack_threads and len(ex.store.pack_threads) >= 2
+        assert all(t.startswith("weightstream-stager") for t in ex.store.pack_threads)
+        assert st.pool.bytes >= steps * sum(lay.nbytes for lay in ex.store.layouts)
     assert threading.current_thread().name not in ex.store.pack_threads
 
 
@@ -633,6 +642,7 @@ def test_source_errors(tmp_path):
     "kw, match",
     [
         (dict(copy_path="fast"), "copy_path='fast' is not allowed; choose from: auto, direct, staging"),
+        (dict(staging_threads=0), "staging_threads=0 is not allowed; choose an int >= 1"),
         (dict(config={"mode": "module", "components": ["dit"]}), "mode='module' is not allowed"),
         (dict(config=OffloadConfig.layerwise(weight_transfer="allgather")), "weight_transfer='allgather' is not allowed"),
         (dict(config=OffloadConfig.layerwise(resident_layers=3)), "resident_layers=3 leaves no block to stream"),
@@ -642,6 +652,12 @@ def test_option_rejections(kw, match, tmp_path):
     path = _save(_toy().state_dict(), tmp_path / "toy.safetensors")
     with pytest.raises(ValueError, match=match):
         offload_from_safetensors(_meta(), path, device=DEV, **kw)
+
+
+def test_staging_threads_type(tmp_path):
+    path = _save(_toy().state_dict(), tmp_path / "toy.safetensors")
+    with pytest.raises(TypeError, match="staging_threads='4' must be an int >= 1"):
+        offload_from_safetensors(_meta(), path, device=DEV, staging_threads="4")
 
 
 # ----------------------------------------------------------------- registration planning (pure)
@@ -707,10 +723,17 @@ def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
         "layerwise-mmap": {"ok": True, "step_ms": 450.0, "step_ms_all": [450.0], "streamed_bytes": int(22e9),
                            "setup_s": 2.0, "setup_s_per_gb": 0.084},
         "layerwise-mmap-staging": {"ok": False, "error": "boom"},
+        "layerwise-mmap-staging-t4": {"ok": True, "step_ms": 500.0, "step_ms_all": [500.0],
+                                      "streamed_bytes": int(22e9), "setup_s": 2.0},
     }
     result = bench_mmap.assemble(workers, "abc123", False, "ext4", 23.8)
     validate_result(result)
     m = result["modes"]["layerwise-mmap"]
     assert m["floor_ms"] == 440.0 and m["ratio_to_pinned"] == round(450 / 440, 4) and m["setup_s_per_gb"] == 0.084
     assert result["failed"] == {"layerwise-mmap-staging": "boom"}
-    assert any("PASS" in line for line in bench_mmap.verdicts(result))
+    lines = bench_mmap.verdicts(result)
+    assert any(line.startswith("layerwise-mmap:") and "PASS" in line for line in lines)
+    assert any(line.startswith("layerwise-mmap-staging-t4:") and "1.136x" in line and "MISS" in line for line in lines)
+    assert bench_mmap.staging_threads("layerwise-mmap-staging-t4") == 4
+    assert bench_mmap.staging_threads("layerwise-mmap-staging") is None
+    assert not bench_mmap.known_mode("layerwise-mmap-staging-t0") and bench_mmap.known_mode("layerwise-mmap")

@@ -58,7 +58,8 @@ def test_staging_fallback_under_a_tiny_budget_warns_once(tmp_path):
     assert s["staged_blocks"] == s["blocks_streamed"] and s["registered_bytes"] == 0
     assert s["staging_buffers"] == 2 and s["staging_kind"] in ("registered", "pin_memory")
     assert s["staging_max_ready"] <= 2 and s["pinned"] is False
-    assert wrapped.executor.store.pack_threads == {"weightstream-stager"}
+    names = wrapped.executor.store.pack_threads  # the packer thread and its copy pool, never the forward thread
+    assert "weightstream-stager" in names and all(n.startswith("weightstream-stager") for n in names)
 
 
 def test_partial_budget_mixes_direct_and_staged_blocks(tmp_path):
