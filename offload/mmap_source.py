@@ -1143,8 +1143,9 @@ def offload_from_safetensors(
     copy_path: "auto" (direct DMA from registered pages on CUDA, staging on
     CPU or where registration is not possible), "direct" (also on CPU:
     synchronous copies straight from the mapping, for tests), or "staging".
-    staging_threads: threads that pack staged blocks (int >= 1; None: up to 8,
-    capped by the CPUs available). 1 packs on the packer thread alone.
+    staging_threads: threads that pack staged blocks (int >= 1; None: the
+    CPUs available less two, at most 16). 1 packs on the packer thread alone
+    (torch's multi-threaded copy).
     """
     if not isinstance(model_on_meta, nn.Module):
         raise TypeError(f"model_on_meta must be a torch.nn.Module, got {type(model_on_meta).__name__}")

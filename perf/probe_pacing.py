@@ -1,0 +1,122 @@
+"""Probe: does how the host waits for the GPU change a streamed step's time?
+
+    python -m perf.probe_pacing [--scenario flux-12b-1024] [--modes graphs-nextstep,graphs,layerwise] [--steps 5]
+
+With an odd block count the CUDA-graph schedules alternate two graphs, so the
+host, running ahead, launches a graph whose previous replay has not finished
+and blocks inside ``cudaGraphLaunch`` for most of a step. This runs the same
+steps under several host pacings and reports the per-step times (CUDA events
+around each step), to tell whether that blocking costs copy bandwidth:
+
+- ``free``: call after call (what the perf worker does);
+- ``event-2``: before step i, ``Event.synchronize()`` on the event recorded
+  after step i-2 (the host still runs one step ahead);
+- ``poll-2``: the same wait as a ``query()`` + ``sleep(200 us)`` loop;
+- ``device-sync``: ``torch.cuda.synchronize()`` after every step.
+
+Each mode runs in a fresh process. Results: ``perf/results/pacing-<scenario>-<gpu>-<commit>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACINGS = ("free", "event-2", "poll-2", "device-sync")
+
+
+def _steps(run, pacing: str, steps: int):
+    import torch
+
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    waits = []
+    torch.cuda.synchronize()
+    for i, (s, e) in enumerate(marks):
+        t = time.perf_counter()
+        if pacing in ("event-2", "poll-2") and i >= 2:
+            prev = marks[i - 2][1]
+            if pacing == "event-2":
+                prev.synchronize()
+            else:
+                while not prev.query():
+                    time.sleep(0.0002)
+        waits.append((time.perf_counter() - t) * 1e3)
+        s.record()
+        run()
+        e.record()
+        if pacing == "device-sync":
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return [round(s.elapsed_time(e), 3) for s, e in marks], [round(w, 2) for w in waits]
+
+
+def one(scenario_name: str, mode: str, steps: int) -> dict:
+    import torch
+
+    from perf.modes import parse_mode, prepare
+    from perf.scenarios import build_inputs, build_model, get_scenario
+
+    scenario, tiny = get_scenario(scenario_name)
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = parse_mode(mode, scenario)
+    model = build_model(scenario, tiny=tiny, device="cpu", seed=0, progress=lambda m: None)
+    inputs = build_inputs(scenario, device, tiny=tiny)
+    prepared = prepare(spec, model, scenario, device, record_events=False)
+    del model
+    run = lambda: prepared.module(**inputs)  # noqa: E731
+    out = {}
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: eager, then a capture per phase
+            run()
+        torch.cuda.synchronize()
+        for pacing in PACINGS:
+            run()
+            ms, waits = _steps(run, pacing, steps)
+            out[pacing] = {"step_ms": round(statistics.median(ms), 3), "step_ms_all": ms, "host_wait_ms": waits}
+            print(f"[probe_pacing] {scenario_name} {mode} {pacing:<12} median {out[pacing]['step_ms']:.1f} ms  "
+                  f"all {ms}", file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.probe_pacing", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", default="flux-12b-1024")
+    p.add_argument("--modes", default="graphs-nextstep,graphs,layerwise")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
+    p.add_argument("--_one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._one:
+        print(json.dumps({"_probe": 1, "mode": args._one, "pacings": one(args.scenario, args._one, args.steps)}))
+        return 0
+    import torch
+
+    results = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        cmd = [sys.executable, "-m", "perf.probe_pacing", "--scenario", args.scenario, "--steps", str(args.steps),
+               "--_one", mode]
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith('{"_probe"')), None)
+        results[mode] = json.loads(line)["pacings"] if line else {"error": f"exit {proc.returncode}"}
+    gpu = torch.cuda.get_device_name()
+    commit = os.environ.get("WEIGHTSTREAM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    doc = {"probe": "pacing", "scenario": args.scenario, "gpu": gpu, "commit": commit, "torch": torch.__version__,
+           "steps": args.steps, "modes": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    path = args.out / f"pacing-{args.scenario}-{slug}-{commit}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
