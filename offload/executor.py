@@ -171,6 +171,11 @@ class LayerwiseExecutor:
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
         self.hooks = [BlockHook(self, b) for b in streamed]
         self._compute_stream = None
+        # late_step_start: issue a step's step-start loads when its first streamed
+        # block starts (after the DiT's first kernels), still ordered only after
+        # the step's start by an event recorded there
+        self.late_step_start = False
+        self._late: tuple | None = None
         for k in range(len(streamed)):
             self._unbind(k)
         if prime not in ("now", "first_forward"):
@@ -211,10 +216,23 @@ class LayerwiseExecutor:
             loads = self.schedule.step_start(self.schedule.step_of(self.position))
         if not loads:
             return
+        if self.cuda and self.late_step_start and self.position % self.schedule.n == 0:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._late = (ev, loads)
+            return
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             for side in self.side_streams():
                 side.wait_stream(compute)
+        for load in loads:
+            self._issue(load, wait_free=False)
+
+    def _issue_late(self) -> None:
+        ev, loads = self._late
+        self._late = None
+        for side in self.side_streams():
+            side.wait_event(ev)
         for load in loads:
             self._issue(load, wait_free=False)
 
@@ -268,6 +286,8 @@ class LayerwiseExecutor:
     def before_block(self, block: int) -> None:
         if not self._primed:
             self._prime()
+        if self._late is not None:
+            self._issue_late()
         p = self.position
         expected = self.schedule.block_at(p)
         if block != expected:
@@ -321,6 +341,7 @@ class LayerwiseExecutor:
         """Unbind whatever a cut-short step left bound; move to the next step start."""
         if self._bound is not None:
             self._unbind(self._bound)
+        self._late = None
         n = self.schedule.n
         self.position = -(-self.position // n) * n
 

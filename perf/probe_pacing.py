@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACINGS = ("free", "event-2", "poll-2", "device-sync")
+PACINGS = ("free", "device-sync")
 
 
 def _steps(run, pacing: str, steps: int):
@@ -65,11 +65,16 @@ def one(scenario_name: str, mode: str, steps: int) -> dict:
 
     scenario, tiny = get_scenario(scenario_name)
     device = torch.device("cuda", torch.cuda.current_device())
-    spec = parse_mode(mode, scenario)
+    base, *flags = mode.split("+")  # +rs: replay on a private stream; +late: late step-start loads
+    spec = parse_mode(base, scenario)
     model = build_model(scenario, tiny=tiny, device="cpu", seed=0, progress=lambda m: None)
     inputs = build_inputs(scenario, device, tiny=tiny)
     prepared = prepare(spec, model, scenario, device, record_events=False)
     del model
+    if "rs" in flags:
+        prepared.module.graphs.replay_stream = torch.cuda.Stream(device)
+    if "late" in flags:
+        prepared.module.executor.late_step_start = True
     run = lambda: prepared.module(**inputs)  # noqa: E731
     out = {}
     with torch.no_grad():
