@@ -62,24 +62,6 @@ class GraphRunner:
         self.period = executor.schedule.phase_period
         self.counts = {a.value: 0 for a in Action}
         self._captures = 0  # capture tags handed to the executor
-        # launch replays on a private stream (joined to the caller's by events)
-        # instead of the caller's current stream
-        self.replay_stream = None
-
-    def _launch(self, graph) -> None:
-        """Replay ``graph`` after the caller's stream's work, on ``replay_stream`` when set."""
-        ex = self.executor
-        stream = torch.cuda.current_stream(ex.device)
-        rs = self.replay_stream
-        if rs is None:
-            ex.wait_pending(stream)
-            graph.replay()
-            return
-        rs.wait_stream(stream)
-        with torch.cuda.stream(rs):
-            ex.wait_pending(rs)
-            graph.replay()
-        stream.wait_stream(rs)
 
     def _phase(self) -> int:
         ex = self.executor
@@ -158,7 +140,7 @@ class GraphRunner:
             self.graphs.pop(key, None)
         self.graphs[(sig, phase)] = g
         self.counts[Action.CAPTURE.value] += 1
-        self._launch(graph)
+        graph.replay()
         return _fresh(out)
 
     def _fail(self, sig, args, kwargs, cause: str):
@@ -177,7 +159,9 @@ class GraphRunner:
         with torch.no_grad():
             for dst, src in zip(g.static_in, tensor_leaves(args, kwargs)):
                 dst.copy_(src)
-        self._launch(g.graph)
+        stream = torch.cuda.current_stream(ex.device)
+        ex.wait_pending(stream)
+        g.graph.replay()
         ex.position += ex.schedule.n
         self.counts[Action.REPLAY.value] += 1
         return _fresh(g.static_out)

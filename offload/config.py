@@ -28,7 +28,7 @@ COMPONENTS = ("dit", "text_encoder", "vae")
 LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
 WEIGHT_TRANSFERS = ("allgather", "rank-local")
 CUDA_GRAPHS = ("off", "on")
-GRAPH_BOUNDARY_LOADS = ("in-graph", "next-step")
+GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 
 
@@ -141,14 +141,17 @@ class OffloadConfig:
 
     cuda_graphs: "off" | "on". "on" captures each denoising step as a CUDA
         graph and replays it (layer mode only; rejected in module mode).
-    graph_boundary_loads: "in-graph" | "next-step" (CUDA graphs without
-        resident layers). Where the copy that waits for a step's last block
-        runs: "in-graph" (default) keeps it at the end of the step's graph, so
-        the graph ends when it does; "next-step" issues it at the start of the
-        next step's graph, overlapping that step's first block as the eager ring
-        does. Measured on one H200 (perf/results/*3676a63*): wan-14b-480p
-        graphs 1.000x eager with "next-step" vs 1.006x "in-graph"; flux-12b-1024
-        1.033x vs 1.012x. Needs cuda_graphs="on", resident_layers=0 and no DLO.
+    graph_boundary_loads: "auto" | "in-graph" | "next-step" (CUDA graphs
+        without resident layers). Where the copy that waits for a step's last
+        block runs: "in-graph" keeps it at the end of the step's graph, so the
+        graph ends when it does and the copy engine idles while the next graph's
+        first block computes; "next-step" issues it at the start of the next
+        step's graph, overlapping that step's first block as the eager ring
+        does. "auto" (default): "next-step" where it applies (cuda_graphs="on",
+        resident_layers=0, no DLO), else "in-graph". Measured on one H200
+        (flux-12b-1024): next-step 1.00x the eager step, in-graph 1.007x;
+        wan-14b-480p 1.000x / 1.006x. "next-step" given explicitly needs
+        cuda_graphs="on", resident_layers=0 and no DLO.
     num_slots: int >= 2. Device block buffers used by layer mode; more slots
         let copies run further ahead of compute at the cost of device memory.
     pinned_memory_budget_gb: number > 0 or None (no cap). Cap on pinned /
@@ -176,7 +179,7 @@ class OffloadConfig:
     enable_cpu_offload: bool = False
     # weightstream's own keys
     cuda_graphs: str = "off"
-    graph_boundary_loads: str = "in-graph"
+    graph_boundary_loads: str = "auto"
     num_slots: int = 2
     pinned_memory_budget_gb: float | None = None
     device_memory_budget_gb: float | None = None

@@ -582,13 +582,16 @@ class AllGatherExecutor(GuardedExecutor):
 class _DLOStreamedBlocks(StreamedBlocks):
     """Shared part of the two DLO backends (stats, failure hooks)."""
 
+    # a DLO step keeps its boundary loads (gathers) inside the graph: 'auto' is 'in-graph'
+    supports_next_step = False
+
     def __init__(self, module, config, device, plan, parallel: ParallelConfig, dlo: DLOPlan):
-        if config.graph_boundary_loads != "in-graph":
+        if config.graph_boundary_loads == "next-step":
             # a DLO step keeps its boundary loads (gathers) inside the graph, as
             # verified on 2x H200; the next-step variant is not verified with collectives
             raise ValueError(
                 f"graph_boundary_loads={config.graph_boundary_loads!r} is not supported with distributed "
-                "layerwise offload (DLO); choose: in-graph"
+                "layerwise offload (DLO); choose: auto (in-graph under DLO), in-graph"
             )
         self.parallel, self.dlo = parallel, dlo
         super().__init__(module, config, device, plan)

@@ -45,6 +45,9 @@ class StreamedBlocks:
     graph executor) share it.
     """
 
+    # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
+    supports_next_step = True
+
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
         t0 = time.perf_counter()
         self.module, self.config, self.device = module, config, device
@@ -90,14 +93,16 @@ class StreamedBlocks:
         (a graph waits for every copy it holds, see Schedule): with resident
         blocks every load stays in its step and the first ones hide behind the
         resident blocks; without, the load waiting for the last block stays at
-        the graph's end, or with graph_boundary_loads='next-step' starts the
-        next step's graph."""
+        the graph's end ('in-graph') or starts the next step's graph
+        ('next-step'; 'auto' where the streamed blocks support it)."""
         cfg = self.config
         graphs = cfg.cuda_graphs == "on"
+        next_step = cfg.graph_boundary_loads == "next-step" or (
+            cfg.graph_boundary_loads == "auto" and self.supports_next_step)
         return Schedule(
             num_blocks, resident, cfg.num_slots,
             step_local=graphs and resident > 0,
-            defer_last=graphs and resident == 0 and cfg.graph_boundary_loads == "next-step",
+            defer_last=graphs and resident == 0 and next_step,
         )
 
     def _build_store(self, layouts, tensors) -> HostStore:

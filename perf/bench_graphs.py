@@ -8,9 +8,9 @@
    dominate: modes `resident`, `resident-graph`, `layerwise-r<R>` (eager) and
    `graphs-r<R>`; the result carries `ratio_to_resident_graph` on the graphs
    mode. Target: graphs <= 1.05 x resident-graph, clearly below eager.
-2. `--big`: `flux-12b-1024` and `wan-14b-480p` with `layerwise`, `graphs` and
-   `graphs-nextstep` (graph_boundary_loads='next-step'); graphs must not be
-   slower than eager there.
+2. `--big`: `flux-12b-1024` and `wan-14b-480p` with `layerwise`, `graphs`
+   (the default graph_boundary_loads='auto', i.e. 'next-step' there) and
+   `graphs-ingraph` ('in-graph'); graphs must not be slower than eager there.
 
 Warm-up must cover the graph policy's eager warm-up and one capture per phase
 (two with an odd streamed block count), hence `--warmup 3` by default.
@@ -31,7 +31,7 @@ def plan(resident_layers: int, big: bool) -> list[tuple[str, list[str]]]:
     r = f"r{resident_layers}"
     runs = [("flux-12b-512", ["resident", "resident-graph", f"layerwise-{r}", f"graphs-{r}"])]
     if big:
-        runs += [(sc, ["resident", "layerwise", "graphs", "graphs-nextstep"]) for sc in ("flux-12b-1024", "wan-14b-480p")]
+        runs += [(sc, ["resident", "layerwise", "graphs", "graphs-ingraph"]) for sc in ("flux-12b-1024", "wan-14b-480p")]
     return runs
 
 

@@ -31,7 +31,7 @@ from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
 PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph)$")
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,15 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, "
-                                 "graphs, nextstep (graph_boundary_loads='next-step')")
+                                 "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph')")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "mmap":
                 source = "mmap"
             elif v == "nextstep":
                 kw["graph_boundary_loads"] = "next-step"
+            elif v == "ingraph":
+                kw["graph_boundary_loads"] = "in-graph"
             else:
                 kw["cuda_graphs"] = "on"
         return ModeSpec(name, "weightstream", config_kw=kw, source=source)
@@ -87,7 +89,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
-                     f"layerwise[-r<N>|-mmap|-graphs], graphs[-nextstep], {', '.join(PEER_MODES)}")
+                     f"layerwise[-r<N>|-mmap|-graphs], graphs[-nextstep|-ingraph], {', '.join(PEER_MODES)}")
 
 
 @dataclass

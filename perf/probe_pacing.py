@@ -1,17 +1,13 @@
-"""Probe: does how the host waits for the GPU change a streamed step's time?
+"""Probe: per-step times of a mode, with the host running ahead or synchronising every step.
 
     python -m perf.probe_pacing [--scenario flux-12b-1024] [--modes graphs-nextstep,graphs,layerwise] [--steps 5]
 
-With an odd block count the CUDA-graph schedules alternate two graphs, so the
-host, running ahead, launches a graph whose previous replay has not finished
-and blocks inside ``cudaGraphLaunch`` for most of a step. This runs the same
-steps under several host pacings and reports the per-step times (CUDA events
-around each step), to tell whether that blocking costs copy bandwidth:
+With an odd block count the CUDA-graph schedules alternate two graphs (one
+per slot phase); timing each step after a device synchronisation shows a
+phase whose graph is slower than the other (how the slow H2D copies of the
+first next-step schedule were found; see LayerwiseExecutor). Pacings:
 
 - ``free``: call after call (what the perf worker does);
-- ``event-2``: before step i, ``Event.synchronize()`` on the event recorded
-  after step i-2 (the host still runs one step ahead);
-- ``poll-2``: the same wait as a ``query()`` + ``sleep(200 us)`` loop;
 - ``device-sync``: ``torch.cuda.synchronize()`` after every step.
 
 Each mode runs in a fresh process. Results: ``perf/results/pacing-<scenario>-<gpu>-<commit>.json``.
@@ -25,7 +21,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,25 +31,15 @@ def _steps(run, pacing: str, steps: int):
     import torch
 
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    waits = []
     torch.cuda.synchronize()
-    for i, (s, e) in enumerate(marks):
-        t = time.perf_counter()
-        if pacing in ("event-2", "poll-2") and i >= 2:
-            prev = marks[i - 2][1]
-            if pacing == "event-2":
-                prev.synchronize()
-            else:
-                while not prev.query():
-                    time.sleep(0.0002)
-        waits.append((time.perf_counter() - t) * 1e3)
+    for s, e in marks:
         s.record()
         run()
         e.record()
         if pacing == "device-sync":
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return [round(s.elapsed_time(e), 3) for s, e in marks], [round(w, 2) for w in waits]
+    return [round(s.elapsed_time(e), 3) for s, e in marks]
 
 
 def one(scenario_name: str, mode: str, steps: int) -> dict:
@@ -65,16 +50,11 @@ def one(scenario_name: str, mode: str, steps: int) -> dict:
 
     scenario, tiny = get_scenario(scenario_name)
     device = torch.device("cuda", torch.cuda.current_device())
-    base, *flags = mode.split("+")  # +rs: replay on a private stream; +late: late step-start loads
-    spec = parse_mode(base, scenario)
+    spec = parse_mode(mode, scenario)
     model = build_model(scenario, tiny=tiny, device="cpu", seed=0, progress=lambda m: None)
     inputs = build_inputs(scenario, device, tiny=tiny)
     prepared = prepare(spec, model, scenario, device, record_events=False)
     del model
-    if "rs" in flags:
-        prepared.module.graphs.replay_stream = torch.cuda.Stream(device)
-    if "late" in flags:
-        prepared.module.executor.late_step_start = True
     run = lambda: prepared.module(**inputs)  # noqa: E731
     out = {}
     with torch.no_grad():
@@ -83,8 +63,8 @@ def one(scenario_name: str, mode: str, steps: int) -> dict:
         torch.cuda.synchronize()
         for pacing in PACINGS:
             run()
-            ms, waits = _steps(run, pacing, steps)
-            out[pacing] = {"step_ms": round(statistics.median(ms), 3), "step_ms_all": ms, "host_wait_ms": waits}
+            ms = _steps(run, pacing, steps)
+            out[pacing] = {"step_ms": round(statistics.median(ms), 3), "step_ms_all": ms}
             print(f"[probe_pacing] {scenario_name} {mode} {pacing:<12} median {out[pacing]['step_ms']:.1f} ms  "
                   f"all {ms}", file=sys.stderr, flush=True)
     return out

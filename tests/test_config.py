@@ -107,7 +107,7 @@ REJECTIONS = {
         ["cuda_graphs='on'", "mode='layer'", "mode='module'", "choose from: off"]),
     "graph_boundary_unknown": (
         _with(LAYER, cuda_graphs="on", graph_boundary_loads="after"), ValueError,
-        ["graph_boundary_loads='after'", "choose from: in-graph, next-step"]),
+        ["graph_boundary_loads='after'", "choose from: auto, in-graph, next-step"]),
     "graph_boundary_without_graphs": (
         _with(LAYER, graph_boundary_loads="next-step"), ValueError,
         ["graph_boundary_loads='next-step'", "cuda_graphs='on'", "in-graph"]),

@@ -31,7 +31,8 @@ def _setup(name="flux", dtype="bfloat16", **cfg):
 
 def case_graph_equals_eager_flux(**cfg):
     torch, first, w, ref, x = _setup("flux", **cfg)
-    assert w._streamed.schedule.defer_last == (cfg.get("graph_boundary_loads") == "next-step")
+    # no resident layers: 'auto' (the default) and 'next-step' defer the boundary load
+    assert w._streamed.schedule.defer_last == (cfg.get("graph_boundary_loads", "auto") != "in-graph")
     with torch.no_grad():
         expected = first(ref(**x))
         outs = [first(w(**x)) for _ in range(5)]  # warm-up, capture, replays (odd n: two phases)
@@ -44,6 +45,11 @@ def case_graph_equals_eager_flux(**cfg):
 def case_graph_equals_eager_flux_next_step():
     # the boundary load starts the next step's graph instead of ending this one
     case_graph_equals_eager_flux(graph_boundary_loads="next-step")
+
+
+def case_graph_equals_eager_flux_in_graph():
+    # the boundary load ends the step's graph (the plain ring inside each graph)
+    case_graph_equals_eager_flux(graph_boundary_loads="in-graph")
 
 
 def case_graph_equals_eager_even_block_count():
@@ -177,6 +183,7 @@ def case_debug_addresses():
     [
         "case_graph_equals_eager_flux",
         "case_graph_equals_eager_flux_next_step",
+        "case_graph_equals_eager_flux_in_graph",
         "case_graph_equals_eager_wan",
         "case_graph_equals_eager_even_block_count",
         "case_step_local_odd_streamed_count_one_graph",

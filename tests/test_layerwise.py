@@ -314,9 +314,13 @@ def test_defer_last_schedule_bit_exact(name):
     from weightstream.offload.transformer import StreamedBlocks
 
     model, ref, x = build(name, DEV)
-    plain = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on"), torch.device(DEV), None)
-    assert not plain.schedule.defer_last and not plain.schedule.step_local  # the default keeps the plain ring
+    plain = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="in-graph"),
+                           torch.device(DEV), None)
+    assert not plain.schedule.defer_last and not plain.schedule.step_local  # in-graph keeps the plain ring
     plain.restore()
+    auto = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on"), torch.device(DEV), None)
+    assert auto.schedule.defer_last  # the default ("auto") without resident layers
+    auto.restore()
     cfg = OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="next-step", record_events=True)
     sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
     sched = sb.schedule
@@ -332,6 +336,33 @@ def test_defer_last_schedule_bit_exact(name):
     assert all(torch.equal(o, expected) for o in outs)
     copies = [e for e in sb.executor.events() if e["lane"] == "copy"]
     assert len(copies) == 3 * sched.n + sched.slots - 1  # every step's n, plus the primed next ones
+    sb.restore()
+
+
+def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
+    """The next-step schedule issues a step's step-start load when the step's
+    first streamed block starts, not when the DiT's forward starts: inside a CUDA
+    graph a copy created before any kernel of the step runs on the launching
+    stream, measured slower on the H200."""
+    from weightstream.offload.transformer import StreamedBlocks
+
+    model, ref, x = build("flux", DEV)
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
+    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    copies_seen = []
+    count = lambda: sum(r.lane == "copy" for r in sb.executor.log.records)  # noqa: E731
+    first_block = sb.blocks[0].module
+    h1 = model.x_embedder.register_forward_pre_hook(lambda m, a: copies_seen.append(("embed", count())))
+    h2 = first_block.register_forward_pre_hook(lambda m, a: copies_seen.append(("block0", count())))
+    with torch.no_grad():
+        for _ in range(3):
+            out = first(model(**x))
+    h1.remove(), h2.remove()
+    assert torch.equal(out, first(ref(**x)))
+    # our block hook was registered first, so "block0" is seen after the late load was issued
+    for step in (1, 2):
+        (e, at_embed), (b, at_block) = copies_seen[2 * step], copies_seen[2 * step + 1]
+        assert (e, b) == ("embed", "block0") and at_block == at_embed + 1, copies_seen
     sb.restore()
 
 

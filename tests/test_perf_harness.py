@@ -256,6 +256,7 @@ def test_parse_mode_variants_and_refusals():
     assert parse_mode("graphs", flux).config_kw == {"cuda_graphs": "on"}
     assert parse_mode("layerwise-r2-graphs", flux).config_kw == {"resident_layers": 2, "cuda_graphs": "on"}
     assert parse_mode("graphs-nextstep", flux).config_kw == {"cuda_graphs": "on", "graph_boundary_loads": "next-step"}
+    assert parse_mode("graphs-ingraph", flux).config_kw == {"cuda_graphs": "on", "graph_boundary_loads": "in-graph"}
     mm = parse_mode("layerwise-mmap-r2", flux)
     assert (mm.source, mm.config_kw) == ("mmap", {"resident_layers": 2})
     assert parse_mode("layerwise", flux).source == "memory"
