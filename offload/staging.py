@@ -84,13 +84,12 @@ class CopyPool:
         self.thread_names: set[str] = set()
         self.bytes = 0
 
-    def _run(self, pieces: list[tuple[int, int, int]]) -> None:
+    def _run(self, dst: int, src: int, n: int) -> None:
         self.thread_names.add(threading.current_thread().name)
-        for dst, src, n in pieces:
-            ctypes.memmove(dst, src, n)
+        ctypes.memmove(dst, src, n)
 
-    def pieces(self, runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-        """Split ``runs`` into one list of pieces per task (pure; tested on its own)."""
+    def pieces(self, runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Cut ``runs`` into the pieces the threads copy (pure; tested on its own)."""
         total = sum(n for _, _, n in runs)
         if total == 0:
             return []
@@ -100,12 +99,12 @@ class CopyPool:
             at = 0
             while at < n:
                 k = min(size, n - at)
-                out.append([(dst + at, src + at, k)])
+                out.append((dst + at, src + at, k))
                 at += k
         return out
 
     def copy(self, runs: list[tuple[int, int, int]]) -> None:
-        futures = [self._pool.submit(self._run, task) for task in self.pieces(runs)]
+        futures = [self._pool.submit(self._run, *piece) for piece in self.pieces(runs)]
         for f in futures:
             f.result()
         self.bytes += sum(n for _, _, n in runs)
