@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -164,8 +165,6 @@ def main(argv=None) -> int:
     log(f"{nbytes / GB:.1f} GB file ready and read once in {time.perf_counter() - t:.1f} s ({args.file})")
     with open(args.file, "rb") as f:
         mp = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: torch warns, we never write
         src = torch.frombuffer(mp, dtype=torch.uint8)
