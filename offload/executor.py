@@ -292,8 +292,6 @@ class LayerwiseExecutor:
     def before_block(self, block: int) -> None:
         if not self._primed:
             self._prime()
-        if self._late is not None:
-            self._issue_late()
         p = self.position
         expected = self.schedule.block_at(p)
         if block != expected:
@@ -306,6 +304,8 @@ class LayerwiseExecutor:
                     f"{self.blocks[expected].name!r}. Blocks must run once per step in discovery order "
                     f"({self.blocks[self.schedule.resident].name!r} first)."
                 )
+        if self._late is not None:  # after a resync too, which may defer its loads here
+            self._issue_late()
         slot = self.schedule.slot_at(p)
         if self.cuda:
             cs = torch.cuda.current_stream(self.device)
