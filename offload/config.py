@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,21 @@ WEIGHT_TRANSFERS = ("allgather", "rank-local")
 CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
+
+# vLLM-Omni's older flat flags (engine arguments before diffusion_offload_config).
+# Mapped: the new spelling is unambiguous; a DeprecationWarning names it.
+# Rejected: no exact equivalent; the message gives the new spelling to choose.
+LEGACY_MAPPED = {
+    "pin_cpu_memory": "pin_memory",
+}
+LEGACY_REJECTED = {
+    "enable_layerwise_offload": "'mode': 'layer', 'components': ['dit']",
+    "layerwise_num_gpu_layers": "'num_slots' (device block buffers, >= 2) and/or "
+                                "'layer_options': {'dit': {'resident_layers': N}}",
+    "layerwise_offload_blocks_attrs": "an OffloadPlan(block_containers=[...]) passed as plan=",
+    "enable_sequential_cpu_offload": "'mode': 'module', 'components': [...]",
+    "enable_model_cpu_offload": "'mode': 'module', 'components': [...]",
+}
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -139,7 +155,7 @@ class OffloadConfig:
 
     weightstream's own keys:
 
-    cuda_graphs: "off" | "on". "on" captures each denoising step as a CUDA
+    cuda_graphs: "off" | "on" (or a bool: True = "on"). "on" captures each denoising step as a CUDA
         graph and replays it (layer mode only; rejected in module mode).
     graph_boundary_loads: "auto" | "in-graph" | "next-step" (CUDA graphs
         without resident layers). Where the copy that waits for a step's last
@@ -196,6 +212,8 @@ class OffloadConfig:
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "components", components)
         object.__setattr__(self, "layer_options", self._check_layer_options())
+        if isinstance(self.cuda_graphs, bool):  # JSON true/false
+            object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         if self.cuda_graphs == "on" and self.mode == "module":
             raise _reject("cuda_graphs", "on",
@@ -324,6 +342,7 @@ class OffloadConfig:
         if not isinstance(d, Mapping):
             raise _wrong_type("OffloadConfig", d, "a dict")
         names = [f.name for f in dataclasses.fields(cls)]
+        d = _map_legacy(d)
         for key in d:
             if key not in names:
                 raise _unknown_key("OffloadConfig", key, names)
@@ -403,3 +422,21 @@ class OffloadConfig:
     def weight_transfer(self) -> str | None:
         """dit's weight transfer ("allgather" | "rank-local" | None)."""
         return self.layer_option("dit").weight_transfer
+
+
+def _map_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM-Omni's older flat flags: mapped with a DeprecationWarning where the
+    new spelling is exact, else rejected with the new spelling in the message."""
+    out = dict(d)
+    for old, new in LEGACY_MAPPED.items():
+        if old not in out:
+            continue
+        if new in out and out[new] != out[old]:
+            raise _reject(old, out[old], f"it is the old spelling of {new!r}, which is also given "
+                          f"as {out[new]!r}; give only {new!r}")
+        warnings.warn(f"OffloadConfig key {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=4)
+        out[new] = out.pop(old)
+    for old, new in LEGACY_REJECTED.items():
+        if old in out:
+            raise _reject(old, out[old], f"it is a legacy vLLM-Omni flag; write {new} instead")
+    return out

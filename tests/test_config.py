@@ -100,8 +100,8 @@ REJECTIONS = {
         _with(LAYER, mode=1), TypeError, ["mode=1", "choose from: module, layer"]),
     "cuda_graphs_unknown": (
         _with(LAYER, cuda_graphs="auto"), ValueError, ["cuda_graphs='auto'", "choose from: off, on"]),
-    "cuda_graphs_bool": (
-        _with(LAYER, cuda_graphs=True), TypeError, ["cuda_graphs=True", "choose from: off, on"]),
+    "cuda_graphs_int": (
+        _with(LAYER, cuda_graphs=1), TypeError, ["cuda_graphs=1", "choose from: off, on"]),
     "cuda_graphs_in_module_mode": (
         _with(MODULE, cuda_graphs="on"), ValueError,
         ["cuda_graphs='on'", "mode='layer'", "mode='module'", "choose from: off"]),
