@@ -70,6 +70,7 @@ from torch import nn
 
 from .components import Component, Components, SupportsComponentDiscovery, discover_components
 from .config import OffloadConfig
+from .tracing import not_traced
 from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
@@ -240,7 +241,7 @@ class ModuleHook:
         if entry is None:
             self._handles.append(module.register_forward_hook(self.post_forward, always_call=True))
 
-    @torch.compiler.disable  # swaps rebind parameters and wait on stream events; not traceable
+    @not_traced  # swaps rebind parameters and wait on stream events; not traceable
     def pre_forward(self, module, args):
         unit = self.unit
         if self.entry is None:
@@ -249,7 +250,7 @@ class ModuleHook:
         elif not unit.on_device:
             self.controller._enter(unit, cause=f"{unit.name}.{self.entry}", log=False)
 
-    @torch.compiler.disable  # bookkeeping only, but must not be traced into the graph
+    @not_traced  # bookkeeping only, but must not be traced into the graph
     def post_forward(self, module, args, output):
         self.unit.active -= 1
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig
+from .tracing import not_traced
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .host_store import HostStore, Progress, copy_from_image
@@ -315,7 +316,7 @@ class OffloadedTransformer(nn.Module):
                 raise
             return getattr(modules["module"], name)
 
-    @torch.compiler.disable  # hooks and stream events drive the streaming; not traceable
+    @not_traced  # hooks and stream events drive the streaming; not traceable
     def forward(self, *args, **kwargs):
         if self._disabled:
             raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")

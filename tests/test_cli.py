@@ -14,12 +14,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_demo_layer_mode_matches_bit_for_bit(model, capsys):
     assert main(["demo", "--model", model, "--steps", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "outputs match bit for bit: True" in out and "ms/step" in out
+    assert "outputs match bit for bit: True" in out and "step (median)" in out
+    assert "weights held on the device" in out and "host store" in out
 
 
 def test_demo_resident_layers(capsys):
     assert main(["demo", "--model", "toy", "--steps", "1", "--device", "cpu", "--resident-layers", "2"]) == 0
-    assert "resident 2" in capsys.readouterr().out
+    assert "2 resident" in capsys.readouterr().out
 
 
 def test_demo_module_mode(capsys):
@@ -45,3 +46,51 @@ def test_bad_arguments_exit_with_usage():
     with pytest.raises(SystemExit) as e:
         main(["demo", "--model", "nope"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--resident-layers", "99", "--device", "cpu"], "--resident-layers 99 is not allowed"),
+    (["plan", "--resident-layers", "99"], "--resident-layers 99 is not allowed"),
+    (["demo", "--device", "tpu"], "--device 'tpu' is not allowed"),
+])
+def test_bad_values_are_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_a_one_line_error(capsys):
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "torch sees no CUDA device here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_steps_must_be_a_positive_integer(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--steps", value])
+    assert e.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", ["demo", "plan"])
+def test_help_does_not_import_torch(sub):
+    code = (f"import sys; from weightstream.__main__ import main\n"
+            f"try:\n    main(['{sub}', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported by --help'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_importing_the_public_api_does_not_import_dynamo():
+    code = ("import sys\nfrom weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline, "
+            "offload_from_safetensors, ParallelConfig\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported at import time'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_outside_the_repository_root_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "run", "--scenario", "flux-12b-1024"]) == 2
+    assert "not installed" in capsys.readouterr().err

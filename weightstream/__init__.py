@@ -4,16 +4,50 @@ Public surface::
 
     from weightstream import OffloadConfig, OffloadedTransformer
     model = OffloadedTransformer(transformer, OffloadConfig.layerwise(), device="cuda")
-"""
-from weightstream.offload.config import LayerOptions, OffloadConfig
-from weightstream.offload.discovery import OffloadPlan
-from weightstream.offload.distributed import ParallelConfig, validate_wave
-from weightstream.offload.mmap_source import offload_from_safetensors
-from weightstream.offload.module import offload_pipeline
-from weightstream.offload.transformer import OffloadedTransformer
 
-__all__ = [
-    "OffloadConfig", "LayerOptions", "OffloadPlan", "OffloadedTransformer", "offload_pipeline",
-    "ParallelConfig", "validate_wave", "offload_from_safetensors",
-]
+Names are imported on first use (PEP 562), so ``import weightstream`` and the
+command line's ``--help`` do not pay for torch and the controller up front.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+# the package's logger; a library adds no handler beyond this one (silent unless configured)
+logging.getLogger("weightstream").addHandler(logging.NullHandler())
+
+_EXPORTS = {
+    "OffloadConfig": "weightstream.offload.config",
+    "LayerOptions": "weightstream.offload.config",
+    "OffloadPlan": "weightstream.offload.discovery",
+    "OffloadedTransformer": "weightstream.offload.transformer",
+    "offload_pipeline": "weightstream.offload.module",
+    "ParallelConfig": "weightstream.offload.distributed",
+    "validate_wave": "weightstream.offload.distributed",
+    "offload_from_safetensors": "weightstream.offload.mmap_source",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # static type checkers see the real names
+    from weightstream.offload.config import LayerOptions, OffloadConfig
+    from weightstream.offload.discovery import OffloadPlan
+    from weightstream.offload.distributed import ParallelConfig, validate_wave
+    from weightstream.offload.mmap_source import offload_from_safetensors
+    from weightstream.offload.module import offload_pipeline
+    from weightstream.offload.transformer import OffloadedTransformer
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightstream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

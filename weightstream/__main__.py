@@ -1,20 +1,62 @@
-"""Command line: ``python -m weightstream demo|plan|bench|monitor``."""
+"""Command line: ``python -m weightstream demo|plan|bench|monitor``.
+
+torch is imported only by the subcommand that runs, so ``--help`` is fast.
+Bad values end with one line on stderr and exit status 2, not a traceback.
+"""
 from __future__ import annotations
 
 import argparse
-import copy
+import os
+import statistics
+import subprocess
 import sys
 import time
 
-import torch
+
+class CliError(ValueError):
+    """A command-line value that is not allowed (printed as one line, exit 2)."""
 
 
 def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not allowed; give an integer >= 1")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} is not allowed; give an integer >= 0")
+    return v
+
+
+def _device(text: str | None) -> str:
+    import torch
+
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {text}: torch sees no CUDA device here; use --device cpu")
+    if text != "cpu" and not text.startswith("cuda"):
+        raise CliError(f"--device {text!r} is not allowed; choose from: cpu, cuda, cuda:N")
+    return text
 
 
 def _demo_model(name: str, device: str):
     """A real architecture with random weights: tiny on CPU, larger on a GPU."""
+    import torch
+
     from weightstream import models
 
     big = device.startswith("cuda")
@@ -38,51 +80,92 @@ def _demo_model(name: str, device: str):
     return model, inputs
 
 
-def _timed(fn, device: str, steps: int) -> float:
+def _check_resident_layers(model, resident: int) -> int:
+    from weightstream.offload.discovery import discover_blocks
+
+    n = len(discover_blocks(model))
+    if resident >= n:
+        raise CliError(f"--resident-layers {resident} is not allowed: {type(model).__name__} has {n} blocks; "
+                       f"choose 0..{n - 1} (at least one block must stream)")
+    return n
+
+
+def _median_ms(fn, device: str, steps: int):
+    """Median wall time of ``steps`` calls after one warm-up (synchronised per call on CUDA)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = []
     with torch.no_grad():
-        fn()  # warm-up
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        out = fn()  # warm-up
+        sync()
         for _ in range(steps):
+            t0 = time.perf_counter()
             out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3, out
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+def _h2d_gbps(device: str, nbytes: int = 256 << 20) -> float:
+    """Pinned host -> device bandwidth, the best of a few copies."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best / 1e9
 
 
 def demo_layer(args) -> int:
+    import copy
+
+    import torch
+
     from weightstream import OffloadConfig, OffloadedTransformer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(args.device)
+    cuda = device.startswith("cuda")
     model, inputs = _demo_model(args.model, device)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model: {type(model).__name__}, {nbytes / 1e6:.1f} MB of weights, random init; device: {device}")
+    nblocks = _check_resident_layers(model, args.resident_layers)
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    print(f"model: {type(model).__name__}, {nblocks} blocks, {weight_bytes / 1e6:.1f} MB of weights "
+          f"(random init); device: {device}; median of {args.steps} steps after one warm-up")
     resident = copy.deepcopy(model).to(device)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    ms_res, ref = _timed(lambda: _first(resident(**inputs)), device, args.steps)
-    peak_res = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+    ms_res, ref = _median_ms(lambda: _first(resident(**inputs)), device, args.steps)
     del resident
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers)
+    cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers, progress=False)
     streamed = OffloadedTransformer(model, cfg, device=device)
-    ms_str, out = _timed(lambda: _first(streamed(**inputs)), device, args.steps)
+    ms_str, out = _median_ms(lambda: _first(streamed(**inputs)), device, args.steps)
     s = streamed.stats()
     same = torch.equal(out, ref)
-    print(f"resident : {ms_res:8.2f} ms/step" + (f", peak device {peak_res / 1e6:.1f} MB" if peak_res else ""))
-    line = f"streamed : {ms_str:8.2f} ms/step"
-    if device.startswith("cuda"):
-        line += f", peak device {torch.cuda.max_memory_allocated() / 1e6:.1f} MB"
-    print(line)
-    print(
-        f"blocks streamed {s['blocks_streamed']}, resident {s['blocks_resident']}; slots {s['num_slots']} x "
-        f"{s['slot_bytes'] / s['num_slots'] / 1e6:.2f} MB; host store {s['host_bytes'] / 1e6:.1f} MB "
-        f"({'pinned' if s['pinned'] else 'pageable'}); setup {s['setup_s']:.3f} s"
-    )
+    on_device = s["resident_bytes"] + s["slot_bytes"]
+    print(f"weights held on the device: resident model {weight_bytes / 1e6:9.2f} MB | streamed "
+          f"{on_device / 1e6:9.2f} MB = resident parts {s['resident_bytes'] / 1e6:.2f} MB + "
+          f"{s['num_slots']} slots {s['slot_bytes'] / 1e6:.2f} MB ({on_device / max(weight_bytes, 1):.0%})")
+    print(f"host store: {s['host_bytes'] / 1e6:.2f} MB ({'pinned' if s['pinned'] else 'pageable'}), "
+          f"{s['blocks_streamed']} blocks streamed, {s['blocks_resident']} resident; setup {s['setup_s']:.3f} s")
+    print(f"step (median): resident {ms_res:8.2f} ms | streamed {ms_str:8.2f} ms")
+    if cuda:
+        streamed_bytes = s["streamed_bytes_per_step"]
+        gbps = _h2d_gbps(device)
+        floor = max(ms_res, streamed_bytes / gbps / 1e6)
+        print(f"streamed {streamed_bytes / 1e6:.1f} MB per step = {streamed_bytes / ms_str / 1e6:.1f} GB/s; "
+              f"pinned H2D {gbps:.1f} GB/s; floor max(resident, bytes/H2D) {floor:.2f} ms; "
+              f"step / floor {ms_str / floor:.3f}; peak device {torch.cuda.max_memory_allocated() / 1e6:.1f} MB")
+    else:
+        print("on the CPU copies are plain memcpy and compute is the CPU's: the times show overhead only; "
+              "streaming pays off on a GPU (--device cuda)")
     print(f"outputs match bit for bit: {same}")
     return 0 if same else 1
 
@@ -95,7 +178,7 @@ def cmd_demo(args) -> int:
     if args.mode == "module":
         from weightstream.demo_module import run_module_demo
 
-        return run_module_demo(args.device)
+        return run_module_demo(None if args.device is None else _device(args.device))
     return demo_layer(args)
 
 
@@ -106,6 +189,7 @@ def cmd_plan(args) -> int:
     from weightstream.offload.schedule import Schedule
 
     model, _ = _demo_model(args.model, "cpu")
+    _check_resident_layers(model, args.resident_layers)
     cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers)
     blocks = discover_blocks(model)
     sched = Schedule(len(blocks), cfg.resident_layers, cfg.num_slots)
@@ -124,21 +208,15 @@ def cmd_monitor(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    try:
-        from perf.__main__ import main as perf_main
-    except ImportError:
-        print("weightstream bench runs the harness in perf/ (run from the repository root): "
-              "python -m perf run --scenario flux-12b-1024 --modes resident,layerwise", file=sys.stderr)
-        return 2
-    return perf_main(argv)
+    """The perf harness lives in the repository's perf/ folder (not installed): run it
+    as a separate process from the repository root."""
+    if not os.path.isfile(os.path.join("perf", "__main__.py")):
+        raise CliError("bench runs the harness in perf/, which is not installed: run it from the repository "
+                       "root (python -m weightstream bench run --scenario flux-12b-1024 --modes resident,layerwise)")
+    return subprocess.call([sys.executable, "-m", "perf", *argv])
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "monitor":
-        return cmd_monitor(argv[1:])
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m weightstream")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run a random-weight DiT resident and streamed; compare outputs")
@@ -146,16 +224,29 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--dlo", choices=["allgather", "rank-local"], default=None,
                    help="distributed layerwise offload (launch with torchrun --nproc-per-node N)")
     d.add_argument("--model", choices=["flux", "wan", "toy"], default="flux")
-    d.add_argument("--device", default=None)
-    d.add_argument("--steps", type=int, default=3)
-    d.add_argument("--resident-layers", type=int, default=0)
+    d.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    d.add_argument("--steps", type=_positive_int, default=10, help="timed steps, median reported (default 10)")
+    d.add_argument("--resident-layers", type=_non_negative_int, default=0)
     pl = sub.add_parser("plan", help="print discovered blocks, their layouts and slots")
     pl.add_argument("--model", choices=["flux", "wan", "toy"], default="flux")
-    pl.add_argument("--resident-layers", type=int, default=0)
-    sub.add_parser("bench", help="run the perf harness (python -m weightstream bench run --scenario ...)")
+    pl.add_argument("--resident-layers", type=_non_negative_int, default=0)
+    sub.add_parser("bench", help="run the perf harness from the repository root (bench run --scenario ...)")
     sub.add_parser("monitor", help="record GPU memory while a command runs: monitor -- CMD ...")
-    args = p.parse_args(argv)
-    return {"demo": cmd_demo, "plan": cmd_plan}[args.cmd](args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] == "monitor":
+            return cmd_monitor(argv[1:])
+        if argv and argv[0] == "bench":
+            return cmd_bench(argv[1:])
+        args = _parser().parse_args(argv)
+        return {"demo": cmd_demo, "plan": cmd_plan}[args.cmd](args)
+    except CliError as e:
+        print(f"weightstream: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
