@@ -12,14 +12,13 @@ construction.
 from __future__ import annotations
 
 import mmap
-import sys
-import time
 import warnings
 import weakref
 
 import torch
 
 from .layout import BlockLayout, align_up
+from .progress import Progress  # noqa: F401  (re-exported: callers import it from here)
 
 PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
 REGISTER_CHUNK = 1 << 30
@@ -78,29 +77,6 @@ class _Registration:
             _cuda_unregister(p)
         self.ptrs.clear()
         self.bytes = 0
-
-
-class Progress:
-    """Progress lines on stderr for long host work (pinning tens of GB)."""
-
-    def __init__(self, what: str, total_bytes: int, enabled: bool, min_bytes: int = 1 << 30):
-        self.enabled = enabled and total_bytes >= min_bytes
-        self.what, self.total, self.done = what, total_bytes, 0
-        self.t0 = self.last = time.perf_counter()
-        if self.enabled:
-            print(f"weightstream: {what}: {total_bytes / 1e9:.2f} GB", file=sys.stderr, flush=True)
-
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= 1.0 or self.done >= self.total):
-            self.last = now
-            print(
-                f"weightstream: {self.what}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                f"({100 * self.done / max(self.total, 1):.0f}%) {now - self.t0:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 class HostStore:

@@ -162,6 +162,31 @@ def test_monitor_main_passes_exit_status_and_collects_event_logs(no_nvml, tmp_pa
     assert rc == 3
     trace = load_trace(str(tmp_path / "trace.json"))
     assert trace["events"]["ctl"] == [dict(step=0, block=0, lane="copy", start_ms=0.0, end_ms=1.0)]
+    # the Perfetto export beside it carries the event as a complete event on the copy thread
+    perfetto = json.loads((tmp_path / "trace.perfetto.json").read_text())
+    spans = [e for e in perfetto["traceEvents"] if e["ph"] == "X"]
+    assert spans == [{"name": "copy block 0", "cat": "copy", "ph": "X", "pid": "weightstream ctl", "tid": 0,
+                      "ts": 0.0, "dur": 1000.0, "args": {"step": 0, "block": 0}}]
+
+
+def test_perfetto_export_of_samples_and_events():
+    trace = {"format": "weightstream-trace/1", "created": "x", "t": [0.0, 0.5], "n_samples": 2,
+             "devices": [{"index": 0, "name": "NVIDIA H200", "total_bytes": 1}],
+             "gpu": [{"used_bytes": [1e9, 2e9], "util_pct": [10, None]}],
+             "pcie": [{"t": [0.25], "rx_mbs": [55000.0], "tx_mbs": [1.0]}],
+             "torch": {"t": [0.0], "devices": ["cuda:0"], "allocated_bytes": [[3e9]], "reserved_bytes": [[4e9]]},
+             "host": {"pid": 7, "t": [0.1], "rss_bytes": [5e9]},
+             "events": {"dit": [dict(step=1, block=3, lane="compute", start_ms=2.0, end_ms=2.5)]}, "meta": {}}
+    evs = telemetry.to_perfetto(trace)["traceEvents"]
+    counters = {(e["pid"], e["name"], e["ts"]): e["args"] for e in evs if e["ph"] == "C"}
+    assert counters[("GPU0 NVIDIA H200", "memory used (GB)", 500000.0)] == {"GB": 2.0}
+    assert ("GPU0 NVIDIA H200", "utilisation (%)", 500000.0) not in counters  # missing sample skipped
+    assert counters[("GPU0 NVIDIA H200", "PCIe H2D (GB/s)", 250000.0)] == {"GBps": 55.0}
+    assert counters[("torch allocator cuda:0", "reserved (GB)", 0.0)] == {"GB": 4.0}
+    assert counters[("host pid 7", "RSS (GB)", 100000.0)] == {"GB": 5.0}
+    (span,) = [e for e in evs if e["ph"] == "X"]
+    assert (span["tid"], span["ts"], span["dur"]) == (1, 2000.0, 500.0)
+    json.dumps(evs)  # plain JSON
 
 
 def test_monitor_main_usage_errors(tmp_path, capsys):

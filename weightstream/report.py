@@ -200,7 +200,7 @@ def _fmt(x, scale=1.0, nd=2) -> str:
 def render_html(trace: dict, html_path: str, *, png_path: str | None = None, title: str | None = None) -> dict:
     """Write the HTML report (and the PNG beside it when matplotlib is there).
     Returns {"html": path, "png": path or None}."""
-    from weightstream.telemetry import trace_summary
+    from weightstream.tracefile import trace_summary
 
     summary = trace_summary(trace)
     overlap = {name: overlap_stats(evs) for name, evs in trace["events"].items() if evs}
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m weightstream.report TRACE.json [OUT.html]`"""
     import sys
 
-    from weightstream.telemetry import load_trace
+    from weightstream.tracefile import load_trace
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or len(argv) > 2:

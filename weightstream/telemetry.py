@@ -33,7 +33,8 @@ import warnings
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
-TRACE_FORMAT = "weightstream-trace/1"
+from weightstream.tracefile import TRACE_FORMAT, load_trace, save_trace, to_perfetto, trace_summary  # noqa: F401
+
 EVENTS_DIR_ENV = "WEIGHTSTREAM_EVENTS_DIR"
 _EVENT_KEYS = ("step", "block", "lane", "start_ms", "end_ms")
 
@@ -398,44 +399,6 @@ def _clean_event(e: dict, source: str) -> dict:
     return out
 
 
-def save_trace(trace: dict, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    return path
-
-
-def load_trace(path: str) -> dict:
-    with open(path) as f:
-        trace = json.load(f)
-    if trace.get("format") != TRACE_FORMAT:
-        raise ValueError(f"{path}: not a weightstream trace (format {trace.get('format')!r}, want {TRACE_FORMAT!r})")
-    return trace
-
-
-def _peak(xs) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return max(vals) if vals else None
-
-
-def trace_summary(trace: dict) -> dict:
-    """Peaks per device from a trace (bytes, %, MB/s)."""
-    gpus = []
-    for d, g, p in zip(trace["devices"], trace["gpu"], trace["pcie"]):
-        gpus.append({"index": d["index"], "name": d["name"], "total_bytes": d["total_bytes"],
-                     "peak_used_bytes": _peak(g["used_bytes"]), "peak_util_pct": _peak(g["util_pct"]),
-                     "peak_rx_mbs": _peak(p["rx_mbs"]), "peak_tx_mbs": _peak(p["tx_mbs"])})
-    tor = trace["torch"]
-    return {
-        "duration_s": trace["duration_s"], "n_samples": trace["n_samples"], "effective_hz": trace["effective_hz"],
-        "nvml": trace["nvml"]["available"], "gpus": gpus,
-        "torch": [{"device": dev, "peak_allocated_bytes": _peak(tor["allocated_bytes"][i]),
-                   "peak_reserved_bytes": _peak(tor["reserved_bytes"][i])} for i, dev in enumerate(tor["devices"])],
-        "host_peak_rss_bytes": _peak(trace["host"]["rss_bytes"]),
-        "events": {k: len(v) for k, v in trace["events"].items()},
-    }
-
-
 # -------------------------------------------------------------------- live view
 
 def format_status(latest: dict, width: int | None = None) -> str:
@@ -575,6 +538,8 @@ def monitor_main(argv: list[str]) -> int:
     meta = {"command": command, "returncode": rc, "cwd": os.getcwd(), "wall_s": time.time() - started}
     trace_path = os.path.join(out, "trace.json")
     trace = mon.save(trace_path, meta=meta)
+    perfetto_path = os.path.join(out, "trace.perfetto.json")
+    save_trace(to_perfetto(trace), perfetto_path)
     from weightstream.report import render_html
 
     paths = render_html(trace, os.path.join(out, "report.html"))
@@ -584,5 +549,6 @@ def monitor_main(argv: list[str]) -> int:
               f"{g['total_bytes'] / 1e9:.1f} GB, peak util {g['peak_util_pct']}%, peak H2D "
               f"{(g['peak_rx_mbs'] or 0) / 1e3:.1f} GB/s", file=sys.stderr)
     print(f"[monitor] {s['n_samples']} samples over {s['duration_s']:.1f} s; trace {trace_path}; "
-          f"report {paths['html']}" + (f" ({paths['png']})" if paths.get("png") else ""), file=sys.stderr)
+          f"report {paths['html']}" + (f" ({paths['png']})" if paths.get("png") else "")
+          + f"; Perfetto trace {perfetto_path} (open in ui.perfetto.dev)", file=sys.stderr)
     return rc

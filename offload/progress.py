@@ -1,0 +1,51 @@
+"""Progress of long host work (packing, pinning, registering tens of GB).
+
+A tqdm bar on stderr where tqdm is installed (it comes with diffusers and
+huggingface_hub), else lines on the ``weightstream`` logger at INFO, at most
+one a second. Work under ``min_bytes`` shows nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("weightstream")
+
+
+class Progress:
+    def __init__(self, what: str, total_bytes: int, enabled: bool, min_bytes: int = 1 << 30):
+        self.enabled = enabled and total_bytes >= min_bytes
+        self.what, self.total, self.done = what, total_bytes, 0
+        self.t0 = self.last = time.perf_counter()
+        self._bar = None
+        if not self.enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            log.info("%s: %.2f GB", what, total_bytes / 1e9)
+            return
+        self._bar = tqdm(total=total_bytes, desc=f"weightstream: {what}", unit="B", unit_scale=True,
+                         unit_divisor=1000, leave=False, mininterval=0.5)
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if not self.enabled:
+            return
+        finished = self.done >= self.total
+        if self._bar is not None:
+            self._bar.update(nbytes)
+            if finished:
+                self.close()
+            return
+        now = time.perf_counter()
+        if now - self.last >= 1.0 or finished:
+            self.last = now
+            log.info("%s: %.2f/%.2f GB (%.0f%%) %.1f s", self.what, self.done / 1e9, self.total / 1e9,
+                     100 * self.done / max(self.total, 1), now - self.t0)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+            log.info("%s: %.2f GB in %.1f s", self.what, self.done / 1e9, time.perf_counter() - self.t0)
