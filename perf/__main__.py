@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated (default: %(default)s)")
     r.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
     r.add_argument("--warmup", type=int, default=2, help="warm-up steps per mode (default 2)")
-    r.add_argument("--out", default=None, help="results folder (default perf/results)")
+    r.add_argument("--out", default=None, help="results folder (default perf/results; --tiny: a temporary folder)")
     r.add_argument("--tiny", action="store_true", help="toy-sized model of the same structure")
     r.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     r.add_argument("--touch-gb", type=float, default=None,
@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "run":
-        from perf.harness import DEFAULT_OUT, run
+        from perf.harness import run
         try:
             _, path, ok = run(args.scenario, _split(args.modes), steps=args.steps, warmup=args.warmup,
-                              out_dir=args.out or DEFAULT_OUT, tiny=args.tiny, device=args.device,
+                              out_dir=args.out, tiny=args.tiny, device=args.device,
                               touch_gb=args.touch_gb, trace_dir=args.trace_dir,
                               mode_timeout=args.mode_timeout, merge=args.merge, ckpt_dir=args.ckpt_dir)
         except ValueError as e:

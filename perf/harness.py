@@ -190,7 +190,44 @@ def assemble(label: str, workers: dict[str, dict], failed: dict[str, str], *, co
     return result
 
 
-def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out_dir: str | Path = DEFAULT_OUT,
+def host_memory_cap_gb() -> float | None:
+    """What this machine lets a process touch: the larger of MemAvailable and a
+    cgroup limit (the device machines' RAM grows on first use, so MemAvailable
+    alone under-reports there); None when neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024 / 1e9)
+    except OSError:
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < 1 << 60:
+            found.append(int(raw) / 1e9)
+    return max(found) if found else None
+
+
+def _touch_size(requested: float, clock: Clock) -> float:
+    cap = host_memory_cap_gb()
+    if cap is not None and requested > 0.8 * cap:
+        clock.log(f"host-memory touch of {requested:.0f} GB capped to {0.8 * cap:.0f} GB "
+                  f"(80% of the {cap:.0f} GB this machine offers)")
+        return round(0.8 * cap)
+    return requested
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out_dir: str | Path | None = None,
         tiny: bool = False, device: str | None = None, touch_gb: float | None = None, trace_dir: str | None = None,
         mode_timeout: float | None = None, merge: bool = False, ckpt_dir: str | None = None,
         clock: Clock | None = None) -> tuple[dict | None, Path | None, bool]:
@@ -201,6 +238,12 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
     label = scenario_label(sc, tiny)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps} warmup={warmup}")
+    if not tiny and (device == "cpu" or (device is None and not _cuda_available())):
+        raise ValueError(f"scenario {scenario!r} is sized like the real model ({sc.approx_model_gb:.0f} GB) and "
+                         "needs a CUDA GPU; on this machine add --tiny (a toy-sized model of the same structure)")
+    if out_dir is None:
+        # tiny runs are smoke tests: their figures do not belong in perf/results
+        out_dir = tempfile.mkdtemp(prefix="weightstream-perf-tiny-") if tiny else DEFAULT_OUT
     for m in modes:
         parse_mode(m, sc)  # refuse unknown or disallowed modes before spending any time
     if len(set(modes)) != len(modes):
@@ -214,7 +257,7 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
     clock.log(f"scenario {label}: modes {','.join(modes)}; {warmup} warm-up + {steps} timed steps; "
               f"commit {commit[:12]}{' (dirty)' if dirty else ''}")
     if touch_gb is None:
-        touch_gb = 0.0 if tiny else round(2 * sc.approx_model_gb)
+        touch_gb = 0.0 if tiny else _touch_size(round(2 * sc.approx_model_gb), clock)
     touch_host_memory(touch_gb, clock)
 
     out_dir = Path(out_dir)

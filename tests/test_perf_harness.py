@@ -375,3 +375,32 @@ def test_bench_graphs_plan():
     for _, modes in plan(3, True):
         for m in modes:
             parse_mode(m)
+
+
+def test_full_size_scenario_without_cuda_is_refused_before_any_work(tmp_path):
+    from perf.harness import run
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("checks the CPU-machine refusal")  # never on CI's CPU machine
+    with pytest.raises(ValueError, match="needs a CUDA GPU; on this machine add --tiny"):
+        run("flux-12b-1024", ["layerwise"], out_dir=tmp_path, touch_gb=None)
+    assert not any(tmp_path.iterdir())
+
+
+def test_tiny_results_go_to_a_temporary_folder_unless_out_is_given(monkeypatch, capsys):
+    from perf.__main__ import main as perf_main
+
+    assert perf_main(["run", "--scenario", "flux-12b-1024", "--tiny", "--modes", "layerwise", "--steps", "1",
+                      "--warmup", "0", "--device", "cpu"]) == 0
+    path = capsys.readouterr().out.strip().splitlines()[-1].split("result: ")[1]
+    assert "weightstream-perf-tiny-" in path and os.path.isfile(path)
+    assert "perf/results" not in path
+
+
+def test_host_touch_is_capped_by_what_the_machine_offers():
+    from perf.harness import Clock, _touch_size, host_memory_cap_gb
+
+    cap = host_memory_cap_gb()
+    assert cap is not None and cap > 0
+    assert _touch_size(10 * cap, Clock()) <= 0.8 * cap + 1
+    assert _touch_size(1, Clock()) == 1
