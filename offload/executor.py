@@ -25,6 +25,7 @@ from .discovery import Block
 from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .schedule import Load, Schedule
+from .tracing import not_traced
 
 
 class BlockHook:
@@ -39,9 +40,14 @@ class BlockHook:
             block.module.register_forward_hook(self.post_forward),
         ]
 
+    # not traced: under regional compile (nn.Module.compile compiles _call_impl,
+    # hooks included) the rebinding of parameters to slot views must run eagerly,
+    # as a graph break, not as a traced input mutation
+    @not_traced
     def pre_forward(self, module, args):
         self.executor.before_block(self.block.index)
 
+    @not_traced
     def post_forward(self, module, args, output):
         self.executor.after_block(self.block.index)
 

@@ -31,7 +31,7 @@ from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
 PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile)$")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class ModeSpec:
     config_kw: dict = field(default_factory=dict)   # OffloadConfig.layerwise(**config_kw)
     peer_kw: dict = field(default_factory=dict)     # apply_group_offloading(**peer_kw)
     source: str = "memory"                          # weightstream: "memory" (host model) | "mmap" (checkpoint)
+    compile: bool = False                           # diffusers' regional compile (compile_repeated_blocks)
 
     @property
     def builds_on_device(self) -> bool:
@@ -52,17 +53,21 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
     validate_mode_name(name)
     if name == "resident":
         return ModeSpec(name, "resident")
+    if name == "resident-compile":
+        return ModeSpec(name, "resident", compile=True)
     if name == "resident-graph":
         return ModeSpec(name, "resident-graph")
     if name.startswith(("layerwise", "graphs")):
         head, *variants = name.split("-")
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
         source = "memory"
+        compiled = False
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, "
-                                 "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph')")
+                                 "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
+                                 "compile (regional compile of the repeated blocks)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "mmap":
@@ -71,9 +76,11 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 kw["graph_boundary_loads"] = "next-step"
             elif v == "ingraph":
                 kw["graph_boundary_loads"] = "in-graph"
+            elif v == "compile":
+                compiled = True
             else:
                 kw["cuda_graphs"] = "on"
-        return ModeSpec(name, "weightstream", config_kw=kw, source=source)
+        return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -89,7 +96,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
-                     f"layerwise[-r<N>|-mmap|-graphs], graphs[-nextstep|-ingraph], {', '.join(PEER_MODES)}")
+                     f"resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile], graphs[-nextstep|-ingraph], {', '.join(PEER_MODES)}")
 
 
 @dataclass
@@ -140,6 +147,16 @@ def _need_accelerate(what: str):
 
 def prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.device,
             *, record_events: bool = False) -> Prepared:
+    prepared = _prepare(spec, model, scenario, device, record_events=record_events)
+    if spec.compile:
+        # diffusers' regional compile: each repeated block class compiled once (inductor)
+        model.compile_repeated_blocks()  # the streamed model's hooks sit on this module too
+        prepared.notes["compile"] = "compile_repeated_blocks() (inductor)"
+    return prepared
+
+
+def _prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.device,
+             *, record_events: bool = False) -> Prepared:
     if spec.kind == "resident":
         return Prepared(model.to(device), streamed_bytes=None)
     if spec.kind == "resident-graph":

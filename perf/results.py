@@ -15,20 +15,24 @@ GB = 1e9
 # Figures the regression check compares: ratios, which survive a change of
 # clock, driver or machine load better than times.
 RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
-                 "ratio_to_pinned", "ratio_to_copy")
+                 "ratio_to_resident_compile", "ratio_to_pinned", "ratio_to_copy")
 # Ratios where higher is better (a kernel's bandwidth against a plain copy);
 # every other ratio is a time against a yardstick, lower is better.
 HIGHER_IS_BETTER = ("ratio_to_copy",)
+
+# Yardsticks: the whole model on the device, plain / as one CUDA graph / with
+# diffusers' regional compile (compile_repeated_blocks).
+RESIDENT_MODES = ("resident", "resident-graph", "resident-compile")
 
 # Peers are other libraries' offloading, named by library prefix.
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|module|naive-block|dlo-allgather|dlo-rank-local"
+    r"^(resident|resident-graph|resident-compile|module|naive-block|dlo-allgather|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, module, naive-block, dlo-allgather, dlo-rank-local, "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, module, naive-block, dlo-allgather, dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], copy[-variant...], triton[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")
 
@@ -40,7 +44,7 @@ _OPTIONAL_TOP_NUM = ("h2d_gbps", "model_gb")
 # per-mode figures that, when present, must be finite non-negative numbers
 _MODE_NUMBERS = (
     "step_ms", "floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
-    "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
+    "ratio_to_resident_compile", "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
 )
 
@@ -56,7 +60,7 @@ def is_weightstream(mode: str) -> bool:
 
 def is_offloaded(mode: str) -> bool:
     """A mode that streams weights (and so carries a streaming floor)."""
-    return mode not in ("resident", "resident-graph") and not mode.startswith(("copy", "triton"))
+    return mode not in RESIDENT_MODES and not mode.startswith(("copy", "triton"))
 
 
 def _is_number(x: Any) -> bool:
@@ -169,6 +173,8 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_best_peer"] = _sig(f["step_ms"] / best_peer)
         if "resident-graph" in out and "graphs" in mode.split("-"):
             f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
+        if "resident-compile" in out and "compile" in mode.split("-"):
+            f["ratio_to_resident_compile"] = _sig(f["step_ms"] / out["resident-compile"]["step_ms"])
     return out
 
 

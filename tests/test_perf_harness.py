@@ -119,7 +119,7 @@ def test_gpu_slug_and_file_name():
     assert result_filename("flux-12b-1024", "NVIDIA H200", "abcdef0123456789") == "flux-12b-1024-nvidia-h200-abcdef012345.json"
 
 
-def test_assemble_records_failures_and_median_bandwidth():
+def test_assemble_records_failures_and_the_best_bandwidth():
     def worker(step, h2d, **kw):
         return dict(ok=True, gpu="NVIDIA H200", gpus=1, torch="2.11.0", driver="580.1", model_gb=23.8,
                     step_ms=step, h2d_gbps=h2d, **kw)
@@ -131,7 +131,9 @@ def test_assemble_records_failures_and_median_bandwidth():
     }
     r = assemble("flux-12b-1024", workers, {"diffusers-leaf": "OutOfMemoryError: boom"}, commit="f" * 40, dirty=False)
     validate_result(r)
-    assert r["h2d_gbps"] == 55.0 and r["driver"] == "580.1" and r["model_gb"] == 23.8
+    assert r["h2d_gbps"] == 56.0 and r["driver"] == "580.1" and r["model_gb"] == 23.8
+    # one floor for all: the best link rate of the run, not each mode's own nor the median
+    assert r["modes"]["layerwise"]["floor_ms"] == pytest.approx(23.8e9 / 56e9 * 1e3, abs=0.01)
     assert set(r["modes"]) == {"resident", "layerwise", "diffusers-block"}
     assert r["failed"] == {"diffusers-leaf": "OutOfMemoryError: boom"}
     assert r["modes"]["layerwise"]["ratio_to_best_peer"] == pytest.approx(441 / 575, abs=1e-4)
@@ -404,3 +406,15 @@ def test_host_touch_is_capped_by_what_the_machine_offers():
     assert cap is not None and cap > 0
     assert _touch_size(10 * cap, Clock()) <= 0.8 * cap + 1
     assert _touch_size(1, Clock()) == 1
+
+
+def test_compile_modes_parse_and_compare_with_the_compiled_resident():
+    from perf.results import summarise
+
+    assert parse_mode("resident-compile").compile and parse_mode("resident-compile").kind == "resident"
+    spec = parse_mode("layerwise-r4-compile")
+    assert spec.compile and spec.config_kw == {"resident_layers": 4}
+    out = summarise({"resident": {"step_ms": 100.0}, "resident-compile": {"step_ms": 80.0},
+                     "layerwise-compile": {"step_ms": 84.0, "streamed_gb": 1.0}}, 50.0)
+    assert out["layerwise-compile"]["ratio_to_resident_compile"] == pytest.approx(1.05)
+    assert "floor_ms" not in out["resident-compile"]
