@@ -10,14 +10,17 @@ same seed on every rank; DLO packs its host store from those GPU weights and
 ``disable()`` gives them back for the next mode. Reported per mode: median
 step time over ``--steps`` steps after ``--warmup`` (CUDA events; the slowest
 rank counts, since a DP wave moves at its pace), pinned host GB per rank,
-bit-exactness against the resident step, and the floor:
+bit-exactness against the resident step, and the floor (one definition for
+every bench, perf/common.py):
 
-    dlo-allgather:          max(resident, bytes / (N x H2D) + bytes / all-gather GB/s)
-    dlo-rank-local, layerwise: max(resident, bytes / H2D)
+    max(resident, bytes each rank copies host -> device / H2D)
 
-H2D GB/s: a 1 GiB pinned copy, both ranks at once. All-gather GB/s: output
-bytes / time of an all_gather_into_tensor with a 700 MB output. Targets:
-AllGather step <= 1.1 x floor; per-rank pinned bytes <= 0.51 x model bytes.
+(a 1/N shard per rank under AllGather; the all-gather runs over NVLink beside
+the copies, so it adds no serial term). H2D GB/s: the best of 1 GiB pinned
+copies, all ranks at once, on the slowest rank. All-gather GB/s (reported, not
+in the floor): output bytes / time of an all_gather_into_tensor with a 700 MB
+output. Targets: AllGather step <= 1.1 x floor; per-rank pinned bytes <= 0.51 x
+model bytes.
 Writes perf/results/flux-12b-1024-<gpu-slug>-x2-<commit>.json (rank 0);
 ``WEIGHTSTREAM_COMMIT`` names the commit where the tree has no .git.
 ``--tiny`` runs a tiny Flux on CPU ranks over gloo (a smoke test; writes a
@@ -125,45 +128,19 @@ def model_inputs(model, device, rank: int, tiny: bool):
 
 
 # --------------------------------------------------------------------------- timing
-class Timer:
-    """Per-step times: CUDA events on the compute stream, perf_counter on CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def steps(self, fn, n: int) -> list[float]:
-        import torch
-
-        if not self.cuda:
-            out = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t0) * 1e3)
-            return out
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for a, b in evs:
-            a.record()
-            fn()
-            b.record()
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in evs]
-
-
 def measure_h2d(device, cuda: bool, dist) -> float:
-    """GB/s of a 1 GiB pinned host -> device copy, every rank at once (median of 5)."""
-    import torch
-
+    """Best GB/s of 1 GiB pinned host -> device copies, every rank at once."""
     if not cuda:
         return 0.0
-    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(GiB, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = Timer(True).steps(lambda: dst.copy_(src, non_blocking=True), 5)
-    del src, dst
-    return GiB / (statistics.median(times) / 1e3) / 1e9
+    from perf.common import measure_h2d_gbps
+
+    return measure_h2d_gbps(device, reps=5, barrier=dist.barrier)[0]
+
+
+def _steps(fn, n: int, cuda: bool) -> list[float]:
+    from perf.common import timed_steps
+
+    return timed_steps(fn, n, 0, cuda).ms
 
 
 def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int = 700_000_000) -> float:
@@ -180,7 +157,7 @@ def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int = 700
     out = torch.empty(shard * world, dtype=torch.uint8, device=device)
     gather(out, inp)
     torch.cuda.synchronize()
-    times = Timer(True).steps(lambda: gather(out, inp), 5)
+    times = _steps(lambda: gather(out, inp), 5, True)
     del inp, out
     return shard * world / (statistics.median(times) / 1e3) / 1e9
 
@@ -214,7 +191,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
             out = om(**inputs)[0]
         dist.barrier()
         last = {}
-        times = ctx["timer"].steps(lambda: last.__setitem__("out", om(**inputs)[0]), args.steps)
+        times = _steps(lambda: last.__setitem__("out", om(**inputs)[0]), args.steps, cuda)
     exact = bool(torch.equal(last["out"], ref))
     s = om.stats()
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
@@ -259,7 +236,7 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
     try:
         clock.log(f"{world} ranks, {'NCCL on ' + torch.cuda.get_device_name(device) if cuda else 'gloo on CPU'}, "
                   f"torch {torch.__version__}")
-        ctx = dict(clock=clock, device=device, cuda=cuda, rank=rank, timer=Timer(cuda))
+        ctx = dict(clock=clock, device=device, cuda=cuda, rank=rank)
         h2d = measure_h2d(device, cuda, dist)
         ag = measure_allgather(device, cuda, dist, world)
         clock.log(f"H2D {h2d:.1f} GB/s per rank (1 GiB pinned, all ranks at once); all-gather {ag:.1f} GB/s "
@@ -274,7 +251,7 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
             for _ in range(max(args.warmup, 1)):
                 ref = model(**inputs)[0]
             dist.barrier()
-            res_times = ctx["timer"].steps(lambda: model(**inputs)[0], args.steps)
+            res_times = _steps(lambda: model(**inputs)[0], args.steps, cuda)
         per_rank = {"resident": dict(step_ms=statistics.median(res_times),
                                      step_ms_all=[round(t, 3) for t in res_times])}
         clock.log(f"resident: median {per_rank['resident']['step_ms']:.1f} ms/step", all_ranks=True)
@@ -303,7 +280,9 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
 def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
     import torch
 
-    from perf.harness import git_commit
+    from perf.results import floor_ms
+
+    from perf.common import git_commit
 
     h2d = min(e["h2d"] for e in everyone)
     ag = min(e["ag"] for e in everyone)
@@ -315,14 +294,11 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
         if mode == "resident" or any(f is None for f in figs):
             continue
         f0 = figs[0]
-        streamed = f0["streamed_gb"] * 1e9
         if h2d > 0:
-            if mode == "dlo-allgather":
-                n = f0["shard_group_size"]
-                floor = streamed / (n * h2d * 1e9) * 1e3 + streamed / (ag * 1e9) * 1e3
-            else:
-                floor = streamed / (h2d * 1e9) * 1e3
-            floor = max(resident, floor)
+            # one floor definition (perf/common.py): each rank's link carries its own H2D bytes
+            # (a 1/N shard under AllGather) at the best rate measured on the slowest rank; the
+            # all-gather runs over NVLink beside the copies, so it is no serial term here
+            floor = floor_ms(resident, f0["h2d_gb_per_rank"] * 1e9, h2d)
         else:  # CPU smoke test: no link to measure
             floor = resident
         step = max(f["step_ms"] for f in figs)

@@ -26,7 +26,6 @@ import mmap
 import os
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
+from perf.common import short_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -130,17 +131,6 @@ def dma_alone(device, host: torch.Tensor, copies: int) -> float:
     return copies * host.numel() / GB / (s.elapsed_time(e) / 1e3)
 
 
-def _commit() -> str:
-    env = os.environ.get("WEIGHTSTREAM_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python perf/bench_hostcopy.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=4.0, help="file size (default: %(default)s)")
@@ -197,7 +187,7 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     result = {
-        "scenario": "hostcopy", "gpu": gpu, "commit": _commit(), "torch": torch.__version__,
+        "scenario": "hostcopy", "gpu": gpu, "commit": short_commit(), "torch": torch.__version__,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "file_gb": round(nbytes / GB, 3), "piece_bytes": PIECE, "destination": dst.kind,

@@ -25,13 +25,16 @@ import datetime as _dt
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # `python perf/bench_materialise.py`
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from perf.common import short_commit  # noqa: E402
 TARGET_RATIO = 0.8
 ALIGN = 512  # tensor alignment inside block images (DESIGN.md, HostStore)
 D, HEADS, HEAD_DIM, MLP = 3072, 24, 128, 4 * 3072
@@ -144,15 +147,6 @@ def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def _commit() -> str:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 def run(args) -> dict:
     from weightstream.kernels.materialise import bytes_moved, materialise, materialise_torch
 
@@ -246,7 +240,7 @@ def main(argv=None) -> int:
 
     modes = run(args)
     gpu = torch.cuda.get_device_name()
-    commit = _commit()
+    commit = short_commit()
     result = {
         "scenario": "materialise",
         "gpu": gpu,

@@ -186,34 +186,17 @@ def fs_type(path: Path) -> str:
 
 
 def _timed_steps(module, inputs, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
+    """(per-step ms, first warm-up step ms) through the shared loop; the output must be finite."""
     import torch
 
+    from perf.common import timed_steps
     from perf.scenarios import first_output
 
-    t_first = time.perf_counter()
     with torch.no_grad():
-        for i in range(warmup):
-            first_output(module(**inputs))
-            if i == 0 and cuda:
-                torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - t_first) * 1e3
-        times = []
-        if cuda:
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-            for a, b in evs:
-                a.record()
-                out = first_output(module(**inputs))
-                b.record()
-            torch.cuda.synchronize()
-            times = [a.elapsed_time(b) for a, b in evs]
-        else:
-            for _ in range(steps):
-                t = time.perf_counter()
-                out = first_output(module(**inputs))
-                times.append((time.perf_counter() - t) * 1e3)
-    if not torch.isfinite(out.float()).all():
+        t = timed_steps(lambda: first_output(module(**inputs)), steps, warmup, cuda)
+    if not torch.isfinite(t.out.float()).all():
         raise RuntimeError("non-finite output")
-    return times, first_ms
+    return t.ms, t.first_ms or 0.0
 
 
 def run_worker(mode: str, ckpt_dir: Path, steps: int, warmup: int, device: str, tiny: bool) -> dict:
@@ -289,7 +272,7 @@ def run_worker(mode: str, ckpt_dir: Path, steps: int, warmup: int, device: str, 
     log(f"{mode}: median step {out['step_ms']:.1f} ms over {steps} steps ({warmup} warm-up, "
         f"first {first_ms:.0f} ms)")
     if cuda:
-        from perf.worker import measure_h2d_gbps
+        from perf.common import measure_h2d_gbps
 
         out["peak_device_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 3)
         del module
@@ -335,7 +318,7 @@ def assemble(workers: dict, commit: str, dirty: bool, fs: str, ckpt_gb: float) -
 
     ok = {m: w for m, w in workers.items() if w.get("ok")}
     rates = [w["h2d_gbps"] for w in ok.values() if w.get("h2d_gbps")]
-    h2d = round(statistics.median(rates), 2) if rates else None
+    h2d = round(max(rates), 2) if rates else None  # one floor: the best H2D of the run
     resident_ms = ok.get("resident", {}).get("step_ms")
     pinned_ms = ok.get("layerwise", {}).get("step_ms")
     modes = {}
@@ -425,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown modes {unknown}; allowed: {', '.join(MODES)}, layerwise-mmap-staging-t<N>")
 
-    from perf.harness import Clock, git_commit, touch_host_memory
+    from perf.common import git_commit
+    from perf.harness import Clock, touch_host_memory
     from perf.results import gpu_slug, validate_result
 
     commit, dirty = git_commit()

@@ -45,6 +45,8 @@ if __package__ in (None, ""):  # `python perf/bench_module.py`
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from perf.common import git_commit, gpu_slug, measure_h2d_gbps  # noqa: E402
+
 SCENARIO = "module-swap"
 GB = 1e9
 REPO = Path(__file__).resolve().parent.parent
@@ -87,13 +89,6 @@ def nbytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def measure_h2d_gbps(device: torch.device) -> float:
-    """Median pinned H2D GB/s of 1 GiB copies (the harness's measurement)."""
-    from perf.worker import measure_h2d_gbps as measure
-
-    return measure(device, reps=9)[0]
-
-
 def timed_call(module: nn.Module, x: torch.Tensor) -> tuple[float, torch.Tensor]:
     """CUDA-event ms around one hooked call (arrival + trivial forward)."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,21 +105,6 @@ def host_timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
-
-
-def git_commit() -> tuple[str, bool]:
-    try:
-        from perf.harness import git_commit as harness_commit
-
-        return harness_commit()
-    except Exception:  # perf.harness moved or missing: the bench still runs
-        return "unknown", False
-
-
-def gpu_slug(name: str) -> str:
-    import re
-
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def med(xs: list[float]) -> float:
@@ -254,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_commit()
     log(f"{gpu}, torch {torch.__version__}, commit {commit[:12]}{' (dirty)' if dirty else ''}")
 
-    h2d = measure_h2d_gbps(device)
+    h2d = measure_h2d_gbps(device, reps=9)[0]
     log(f"pinned H2D: {h2d:.1f} GB/s (1 GiB copies, median)")
     x = torch.randn(1, args.width, device=device, dtype=torch.bfloat16)
     enc = build_stack(args.encoder_gb, args.width, device, seed=1)

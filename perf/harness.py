@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from perf.common import git_commit
 from perf.modes import parse_mode
 from perf.results import markdown_table, result_filename, summarise, validate_result
 from perf.scenarios import checkpoint_dir, existing_checkpoint, get_scenario, scenario_label, warm_page_cache
@@ -40,21 +40,6 @@ class Clock:
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.1f}s] {msg}",
               file=sys.stderr, flush=True)
-
-
-def git_commit() -> tuple[str, bool]:
-    """(sha, dirty). WEIGHTSTREAM_COMMIT overrides (copies without .git)."""
-    env = os.environ.get("WEIGHTSTREAM_COMMIT")
-    if env:
-        return env, False
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-        return sha, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
 
 
 def _child_env() -> dict:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from perf.common import gpu_slug, short_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 PACINGS = ("free", "device-sync")
@@ -91,12 +91,11 @@ def main(argv=None) -> int:
         line = next((s for s in proc.stdout.splitlines() if s.startswith('{"_probe"')), None)
         results[mode] = json.loads(line)["pacings"] if line else {"error": f"exit {proc.returncode}"}
     gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("WEIGHTSTREAM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = short_commit()
     doc = {"probe": "pacing", "scenario": args.scenario, "gpu": gpu, "commit": commit, "torch": torch.__version__,
            "steps": args.steps, "modes": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    slug = gpu_slug(gpu)
     path = args.out / f"pacing-{args.scenario}-{slug}-{commit}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")

@@ -20,6 +20,7 @@ import traceback
 
 import torch
 
+from perf.common import measure_h2d_gbps, timed_steps
 from perf.modes import parse_mode, prepare, prepare_mmap, weightstream_config
 from perf.results import GB
 from perf.scenarios import (
@@ -68,25 +69,6 @@ def torch_pinned_bytes() -> int | None:
     return None
 
 
-def measure_h2d_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 7) -> tuple[float, list[float]]:
-    """Median pinned host -> device copy bandwidth (GB/s) of `nbytes` copies."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    src.fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    rates = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src, non_blocking=True)
-        e.record()
-        e.synchronize()
-        rates.append(nbytes / GB / (s.elapsed_time(e) / 1e3))
-    del src, dst
-    return statistics.median(rates), rates
-
-
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__.split("+")[0], "torch_full": torch.__version__,
            "python": sys.version.split()[0], "gpu": "cpu", "gpus": 0, "driver": None}
@@ -112,42 +94,6 @@ def environment(device: torch.device) -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def time_steps(run, after, device: torch.device, steps: int, warmup: int):
-    """Warm-up, then `steps` timed steps. Returns (per-step ms, wall ms per
-    step, first warm-up step ms, last output)."""
-    out, first_ms = None, None
-    for i in range(warmup):
-        t = time.perf_counter()
-        out = run()
-        _sync(device)
-        if i == 0:
-            first_ms = (time.perf_counter() - t) * 1e3
-        if after:
-            after()
-    _sync(device)
-    ms = []
-    t0 = time.perf_counter()
-    if device.type == "cuda":
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for s, e in marks:
-            s.record()
-            out = run()
-            e.record()
-            if after:
-                after()
-        torch.cuda.synchronize(device)
-        ms = [s.elapsed_time(e) for s, e in marks]
-    else:
-        for _ in range(steps):
-            t = time.perf_counter()
-            out = run()
-            ms.append((time.perf_counter() - t) * 1e3)
-            if after:
-                after()
-    wall = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
-    return ms, wall, first_ms, out
 
 
 def run_mode(args, prefix: str) -> dict:
@@ -209,8 +155,9 @@ def run_mode(args, prefix: str) -> dict:
         mon.start()
     try:
         with torch.no_grad():
-            ms, wall, first_ms, out = time_steps(lambda: prepared.module(**inputs), prepared.after_step,
-                                                 device, args.steps, args.warmup)
+            timing = timed_steps(lambda: prepared.module(**inputs), args.steps, args.warmup,
+                                 device.type == "cuda", after=prepared.after_step)
+            ms, wall, first_ms, out = timing.ms, timing.wall_ms, timing.first_ms, timing.out
     finally:
         if mon is not None:
             mon.stop()
