@@ -57,6 +57,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 import types
 import warnings
@@ -74,7 +75,7 @@ from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
-from .transformer import resolve_device
+from .transformer import HostStateDictHook, resolve_device
 
 __all__ = [
     "offload_pipeline",
@@ -329,12 +330,15 @@ class ModuleOffload:
         self.units: dict[str, _Unit] = {}
         self._resident_only: dict[str, Component] = {}
         self.hooks: list[ModuleHook] = []
+        self.state_dict_hooks: list[HostStateDictHook] = []
+        self.host_views: dict[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
         try:
             self._build_units()
             self._setup_store()
             self._install_hooks()
         except BaseException:
+            self._remove_hooks()
             self._undo_split()
             raise
         if self.cuda:
@@ -528,6 +532,16 @@ class ModuleOffload:
             )
 
     def _install_hooks(self) -> None:
+        # id(tensor) -> its view of the host image (zero-copy), for state_dict()
+        self.host_views = {id(t): spec.view_of(self.store.image(u.index))
+                           for u in self.units.values() for t, spec in zip(u.tensors, u.layout.tensors)}
+        views = self.host_views
+        for u in self.units.values():
+            # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
+            self.state_dict_hooks.append(HostStateDictHook(
+                f"weightstream.module[{u.name}].state_dict", u.module,
+                lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
+            ))
         for u in self.units.values():
             if not u.swapped:
                 continue
@@ -695,8 +709,7 @@ class ModuleOffload:
         """
         if self._disabled:
             return self.pipe
-        for h in self.hooks:
-            h.remove()
+        self._remove_hooks()
         if self.cuda:
             self.copy_stream.synchronize()
         with torch.no_grad():
@@ -713,6 +726,13 @@ class ModuleOffload:
         self.store.close()
         self._disabled = True
         return self.pipe
+
+    def _remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for h in self.state_dict_hooks:
+            h.remove()
+        self.host_views.clear()  # the hooks' lookups hold this dict: let the store's memory go
 
     def _undo_split(self) -> None:
         for module, _ in self._split:
@@ -741,6 +761,7 @@ class ModuleOffload:
             "  hooks=[",
         ]
         lines += [f"    {h!r}," for h in self.hooks]
+        lines += [f"    {h!r}," for h in self.state_dict_hooks]
         lines.append("  ],")
         if self._resident_only:
             lines.append(f"  resident={list(self._resident_only)},")
