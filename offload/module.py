@@ -299,6 +299,18 @@ def _single(spec):
     return types.SimpleNamespace(tensors=(dataclasses.replace(spec, offset=0),))
 
 
+def _forward_running(module: nn.Module) -> bool:
+    """Whether a call of ``module`` (its ``nn.Module._call_impl`` frame) is on some thread's stack."""
+    code = nn.Module._call_impl.__code__
+    for top in sys._current_frames().values():
+        f = top
+        while f is not None:
+            if f.f_code is code and f.f_locals.get("self") is module:
+                return True
+            f = f.f_back
+    return False
+
+
 def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
     return [t for _, _, t in block_tensors(module)]
 
@@ -600,7 +612,7 @@ class ModuleOffload:
         if not u.on_device:
             leaving = [v for v in u.excludes if v.on_device]
             for v in leaving:
-                if v.busy():
+                if v.busy() and self._still_busy(v):
                     what = "its forward is running" if v.active else "a using() context holds it"
                     raise RuntimeError(
                         f"{u.name!r} needs the device, but {v.name!r} must leave first and cannot: {what}. "
@@ -614,6 +626,21 @@ class ModuleOffload:
             self._seq += 1
             self.events.append(Transition(self._seq, "enter", u.name, cause, 0,
                                           (time.perf_counter() - self._t0) * 1e3, 0.0, self.on_device()))
+
+    @staticmethod
+    def _still_busy(u: _Unit) -> bool:
+        """Whether busy ``u`` really is (slow path: a refusal is about to be raised).
+
+        A forward left by a BaseException (KeyboardInterrupt, SystemExit) never
+        ran its post-forward hook: torch runs ``always_call`` hooks for
+        ``Exception`` only. A count whose forward is on no thread's stack is
+        such a leftover: it is reset, and the next use proceeds (as the layer
+        path recovers at its next step); nothing was lost, the host image is
+        the master.
+        """
+        if u.active and not _forward_running(u.module):
+            u.active = 0
+        return u.busy()
 
     # ---------------------------------------------------------------- public
     def _unit(self, name: str) -> _Unit | None:
@@ -658,7 +685,7 @@ class ModuleOffload:
     def offload_all(self) -> None:
         """Every swapped unit leaves the device (frees its device memory)."""
         self._check_live()
-        busy = [u.name for u in self.units.values() if u.swapped and u.on_device and u.busy()]
+        busy = [u.name for u in self.units.values() if u.swapped and u.on_device and u.busy() and self._still_busy(u)]
         if busy:
             raise RuntimeError(f"offload_all(): {busy} are running or held by using(); call it outside them")
         for u in self.units.values():
