@@ -387,3 +387,57 @@ def _try(pipe, inputs):
     except BaseException as e:  # reported to the test thread
         return e
     return None
+
+
+# ------------------------------------------------------------ DLO (2 ranks over gloo)
+
+
+def dlo_scenario(rank, world):
+    """Inside each rank: state_dict of the wrapped module (and of a parent) under DLO."""
+    from test_distributed import Checks
+
+    from weightstream import ParallelConfig
+    from weightstream.models import ToyDiT, toy_inputs
+
+    def check(transfer):
+        model, x = ToyDiT(), toy_inputs(seed=1 + rank)
+        want = copy.deepcopy(model).state_dict()
+        om = OffloadedTransformer(model, layer_cfg(weight_transfer=transfer), device=DEV,
+                                  parallel=ParallelConfig(dp=world))
+        with torch.no_grad():
+            om(**x)
+        rep = {}
+        for what, fn in (("module", model.state_dict), ("parent", nn.ModuleDict({"m": model}).state_dict)):
+            try:
+                sd = fn()
+                sd = {k[2:] if what == "parent" else k: v for k, v in sd.items()}
+                rep[what] = all(torch.equal(sd[k], v) for k, v in want.items())
+            except RuntimeError as e:
+                rep[what] = str(e)
+        plain = om.disable()  # a collective under AllGather
+        rep["after_disable"] = all(torch.equal(plain.state_dict()[k], v) for k, v in want.items())
+        return rep
+
+    c = Checks()
+    c.run("allgather", check, "allgather")
+    c.run("rank-local", check, "rank-local")
+    return c.report
+
+
+@pytest.fixture(scope="module")
+def dlo_two(tmp_path_factory):
+    from test_distributed import run_ranks
+
+    return run_ranks(2, tmp_path_factory.mktemp("save_dlo"), "test_trust_save:dlo_scenario")
+
+
+def test_dlo_state_dict_of_wrapped_module(dlo_two):
+    from test_distributed import get
+
+    for rep in get(dlo_two, "rank-local"):
+        assert rep == {"module": True, "parent": True, "after_disable": True}
+    for rep in get(dlo_two, "allgather"):
+        # no rank holds a streamed tensor whole: a clear error, never placeholders or a silent shard
+        for what in ("module", "parent"):
+            assert isinstance(rep[what], str) and "gather_state_dict" in rep[what], rep
+        assert rep["after_disable"] is True
