@@ -19,6 +19,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline
+from weightstream.offload.module import SplitOffloadMixin
 from weightstream.models import flux_inputs, tiny_flux, tiny_wan, wan_inputs
 from weightstream.offload.mmap_source import meta_from_pretrained, offload_from_safetensors
 from weightstream.offload.transformer import HostStateDictHook
@@ -441,3 +442,83 @@ def test_dlo_state_dict_of_wrapped_module(dlo_two):
         for what in ("module", "parent"):
             assert isinstance(rep[what], str) and "gather_state_dict" in rep[what], rep
         assert rep["after_disable"] is True
+
+
+# ------------------------------------------------------------ module mode: split parts, hook lifecycle
+
+
+class _Part(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.b(torch.relu(self.a(x))))
+
+
+class _SplitDiT(SplitOffloadMixin, nn.Module):
+    _offload_parts = {"reasoner": "inner.reasoner", "generator": "generator"}
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.shared = nn.Linear(width, width)  # outside every part: stays on the device
+        self.inner = nn.Module()
+        self.inner.reasoner = _Part(width)
+        self.generator = _Part(width)
+
+    def forward(self, x):
+        h = self.shared(x)
+        with self._offload_context("reasoner"):
+            ctx = self.inner.reasoner(h)
+        with self._offload_context("generator"):
+            return self.generator(h + ctx)
+
+
+class _SplitPipe:
+    def __init__(self):
+        torch.manual_seed(0)
+        self.text_encoder = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.transformer = _SplitDiT()
+
+
+def test_split_parts_state_dict_through_component_and_torch_save(tmp_path):
+    pipe = _SplitPipe()
+    x = torch.randn(2, 16)
+    ref = copy.deepcopy(pipe)
+    with torch.no_grad():
+        expected = ref.transformer(ref.text_encoder(x))
+    handle = offload_pipeline(pipe, module_cfg(), device=DEV)
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(pipe.text_encoder(x)), expected)
+    handle.offload_all()
+    assert handle.on_device() == ()
+    # the component's state_dict reaches its parts' hooks (nested), and the encoder's own
+    torch.save({"transformer": pipe.transformer.state_dict(), "text_encoder": pipe.text_encoder.state_dict()},
+               tmp_path / "sd.pt")
+    saved = torch.load(tmp_path / "sd.pt")
+    fresh = _SplitPipe()
+    with torch.no_grad():
+        for p in list(fresh.transformer.parameters()) + list(fresh.text_encoder.parameters()):
+            p.zero_()
+    fresh.transformer.load_state_dict(saved["transformer"], strict=True)
+    fresh.text_encoder.load_state_dict(saved["text_encoder"], strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh.transformer(fresh.text_encoder(x)), expected)
+
+
+def test_module_mode_hooks_listed_and_removed_by_disable():
+    pipe, ids, kw = _pipeline()
+    handle = offload_pipeline(pipe, PIPE_CONFIGS["module"], device=DEV)
+    modules = {n: getattr(pipe, n) for n in ("transformer", "text_encoder", "vae")}
+    for n, m in modules.items():
+        hooks = [h for h in m._state_dict_hooks.values() if isinstance(h, HostStateDictHook)]
+        assert len(hooks) == 1 and f"weightstream.module[{n}].state_dict" in repr(hooks[0]), n
+        assert repr(hooks[0]) in repr(handle)
+    handle.offload_all()
+    host = dict(pipe.transformer.state_dict())
+    handle.disable()
+    for n, m in modules.items():
+        assert not any(isinstance(h, HostStateDictHook) for h in m._state_dict_hooks.values()), n
+    after = pipe.transformer.state_dict()
+    assert all(torch.equal(after[k], v) and after[k].data_ptr() != v.data_ptr() for k, v in host.items())
