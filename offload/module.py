@@ -551,7 +551,7 @@ class ModuleOffload:
         for u in self.units.values():
             # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
             self.state_dict_hooks.append(HostStateDictHook(
-                f"weightstream.module[{u.name}].state_dict", u.module,
+                f"weightstream.state_dict[{u.name}]", u.module,
                 lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
             ))
         for u in self.units.values():
