@@ -593,9 +593,11 @@ class ModuleOffload:
 
     def _depart(self, u: _Unit, cause: str) -> None:
         t0 = time.perf_counter()
+        # off first: a departure interrupted half way (KeyboardInterrupt) leaves the unit
+        # off, so its next use rebinds every tensor again
+        u.buffer = None  # back to the allocator once rebound; no copy: the host master is unchanged
         for t, ph in zip(u.tensors, u.placeholders):
             t.data = ph
-        u.buffer = None  # back to the allocator; no copy: the host master is unchanged
         u.departures += 1
         self._transitions += 1
         self._log("depart", u, cause, u.nbytes, t0)
