@@ -57,6 +57,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 import types
 import warnings
@@ -75,7 +76,7 @@ from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
-from .transformer import resolve_device
+from .transformer import HostStateDictHook, resolve_device
 
 __all__ = [
     "offload_pipeline",
@@ -299,6 +300,18 @@ def _single(spec):
     return types.SimpleNamespace(tensors=(dataclasses.replace(spec, offset=0),))
 
 
+def _forward_running(module: nn.Module) -> bool:
+    """Whether a call of ``module`` (its ``nn.Module._call_impl`` frame) is on some thread's stack."""
+    code = nn.Module._call_impl.__code__
+    for top in sys._current_frames().values():
+        f = top
+        while f is not None:
+            if f.f_code is code and f.f_locals.get("self") is module:
+                return True
+            f = f.f_back
+    return False
+
+
 def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
     return [t for _, _, t in block_tensors(module)]
 
@@ -330,12 +343,15 @@ class ModuleOffload:
         self.units: dict[str, _Unit] = {}
         self._resident_only: dict[str, Component] = {}
         self.hooks: list[ModuleHook] = []
+        self.state_dict_hooks: list[HostStateDictHook] = []
+        self.host_views: dict[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
         try:
             self._build_units()
             self._setup_store()
             self._install_hooks()
         except BaseException:
+            self._remove_hooks()
             self._undo_split()
             raise
         if self.cuda:
@@ -529,6 +545,16 @@ class ModuleOffload:
             )
 
     def _install_hooks(self) -> None:
+        # id(tensor) -> its view of the host image (zero-copy), for state_dict()
+        self.host_views = {id(t): spec.view_of(self.store.image(u.index))
+                           for u in self.units.values() for t, spec in zip(u.tensors, u.layout.tensors)}
+        views = self.host_views
+        for u in self.units.values():
+            # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
+            self.state_dict_hooks.append(HostStateDictHook(
+                f"weightstream.state_dict[{u.name}]", u.module,
+                lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
+            ))
         for u in self.units.values():
             if not u.swapped:
                 continue
@@ -568,9 +594,11 @@ class ModuleOffload:
 
     def _depart(self, u: _Unit, cause: str) -> None:
         t0 = time.perf_counter()
+        # off first: a departure interrupted half way (KeyboardInterrupt) leaves the unit
+        # off, so its next use rebinds every tensor again
+        u.buffer = None  # back to the allocator once rebound; no copy: the host master is unchanged
         for t, ph in zip(u.tensors, u.placeholders):
             t.data = ph
-        u.buffer = None  # back to the allocator; no copy: the host master is unchanged
         u.departures += 1
         self._transitions += 1
         self._log("depart", u, cause, u.nbytes, t0)
@@ -587,7 +615,7 @@ class ModuleOffload:
         if not u.on_device:
             leaving = [v for v in u.excludes if v.on_device]
             for v in leaving:
-                if v.busy():
+                if v.busy() and self._still_busy(v):
                     what = "its forward is running" if v.active else "a using() context holds it"
                     raise RuntimeError(
                         f"{u.name!r} needs the device, but {v.name!r} must leave first and cannot: {what}. "
@@ -601,6 +629,21 @@ class ModuleOffload:
             self._seq += 1
             self.events.append(Transition(self._seq, "enter", u.name, cause, 0,
                                           (time.perf_counter() - self._t0) * 1e3, 0.0, self.on_device()))
+
+    @staticmethod
+    def _still_busy(u: _Unit) -> bool:
+        """Whether busy ``u`` really is (slow path: a refusal is about to be raised).
+
+        A forward left by a BaseException (KeyboardInterrupt, SystemExit) never
+        ran its post-forward hook: torch runs ``always_call`` hooks for
+        ``Exception`` only. A count whose forward is on no thread's stack is
+        such a leftover: it is reset, and the next use proceeds (as the layer
+        path recovers at its next step); nothing was lost, the host image is
+        the master.
+        """
+        if u.active and not _forward_running(u.module):
+            u.active = 0
+        return u.busy()
 
     # ---------------------------------------------------------------- public
     def _unit(self, name: str) -> _Unit | None:
@@ -645,7 +688,7 @@ class ModuleOffload:
     def offload_all(self) -> None:
         """Every swapped unit leaves the device (frees its device memory)."""
         self._check_live()
-        busy = [u.name for u in self.units.values() if u.swapped and u.on_device and u.busy()]
+        busy = [u.name for u in self.units.values() if u.swapped and u.on_device and u.busy() and self._still_busy(u)]
         if busy:
             raise RuntimeError(f"offload_all(): {busy} are running or held by using(); call it outside them")
         for u in self.units.values():
@@ -696,8 +739,7 @@ class ModuleOffload:
         """
         if self._disabled:
             return self.pipe
-        for h in self.hooks:
-            h.remove()
+        self._remove_hooks()
         if self.cuda:
             self.copy_stream.synchronize()
         with torch.no_grad():
@@ -714,6 +756,13 @@ class ModuleOffload:
         self.store.close()
         self._disabled = True
         return self.pipe
+
+    def _remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for h in self.state_dict_hooks:
+            h.remove()
+        self.host_views.clear()  # the hooks' lookups hold this dict: let the store's memory go
 
     def _undo_split(self) -> None:
         for module, _ in self._split:
@@ -742,6 +791,7 @@ class ModuleOffload:
             "  hooks=[",
         ]
         lines += [f"    {h!r}," for h in self.hooks]
+        lines += [f"    {h!r}," for h in self.state_dict_hooks]
         lines.append("  ],")
         if self._resident_only:
             lines.append(f"  resident={list(self._resident_only)},")

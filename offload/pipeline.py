@@ -1,6 +1,14 @@
-"""Layer mode over a whole pipeline: each selected DiT (and text encoder) is
-replaced on the pipeline by an :class:`OffloadedTransformer` that streams its
-blocks; every other component moves to the device and stays there.
+"""Layer mode over a whole pipeline: each selected DiT (and text encoder)
+streams its blocks through an :class:`OffloadedTransformer` built over it;
+every other component moves to the device and stays there.
+
+The pipeline keeps its original module objects: streaming runs from hooks on
+the module itself, and a state_dict hook on it serves the host weights, so
+``pipe.save_pretrained`` and ``model_index.json`` see the real components.
+Only with ``cuda_graphs="on"`` is the component replaced by its wrapper (the
+graph runner must intercept the call); such a pipeline's ``save_pretrained``
+cannot save that component (diffusers does not know the wrapper class): call
+``disable()`` first, or save the component itself (``handle.wrapped[name].save_pretrained``).
 
 Reached through ``offload_pipeline(pipe, {"mode": "layer", ...})``.
 """
@@ -45,11 +53,13 @@ def _set_path(root: Any, dotted: str, value: Any) -> None:
 
 class LayerwisePipelineOffload:
     """Handle of layer mode over a pipeline: ``wrapped`` maps component paths to
-    their :class:`OffloadedTransformer`; ``disable()`` puts plain modules back."""
+    their :class:`OffloadedTransformer`; ``replaced`` names those the pipeline
+    calls through the wrapper (CUDA graphs); ``disable()`` leaves plain modules."""
 
     def __init__(self, pipe: Any, config: OffloadConfig, device: torch.device, components: Components):
         self.pipe, self.config, self.device = pipe, config, device
         self.wrapped: dict[str, OffloadedTransformer] = {}
+        self.replaced: set[str] = set()
         selected = [c for c in components.items if c.kind in config.components and c.kind in ("dit", "text_encoder")]
         try:
             for c in selected:
@@ -60,7 +70,9 @@ class LayerwisePipelineOffload:
                     cfg = config.replace(components=("dit",), layer_options={"dit": opts})
                     plan = _encoder_plan(c.module)
                 self.wrapped[c.name] = OffloadedTransformer(c.module, cfg, device=device, plan=plan)
-                _set_path(pipe, c.name, self.wrapped[c.name])
+                if cfg.cuda_graphs == "on":  # the graph runner replaces the module's call
+                    _set_path(pipe, c.name, self.wrapped[c.name])
+                    self.replaced.add(c.name)
             with torch.no_grad():
                 for c in components.items:
                     if c.name not in self.wrapped:
@@ -77,7 +89,10 @@ class LayerwisePipelineOffload:
     def disable(self) -> Any:
         """Every streamed component back as an ordinary resident module on the pipeline."""
         for name, w in list(self.wrapped.items()):
-            _set_path(self.pipe, name, w.disable())
+            plain = w.disable()
+            if name in self.replaced:
+                _set_path(self.pipe, name, plain)
+                self.replaced.discard(name)
             del self.wrapped[name]
         return self.pipe
 

@@ -231,6 +231,59 @@ def drop_storage(tensors, device: torch.device) -> None:
         t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
 
 
+class HostStateDictHook:
+    """Named, removable ``state_dict`` post-hook: offloaded tensors read from their host owner.
+
+    Installed on the module whose tensors are offloaded (the wrapped DiT, each
+    module-offloaded component), so every path that reaches its
+    ``state_dict()`` (its own, a parent module's, diffusers ``save_pretrained``,
+    ``torch.save``, peft, accelerate) sees the real weights, never the empty
+    placeholders that stand in between forwards. Entries become the host
+    views themselves (zero-copy). ``keep_vars=True`` entries are the live
+    tensor objects and stay as they are (update paths look tensors up by
+    identity). ``lookup(tensor)`` gives the host view, None to leave the entry,
+    or raises (a DLO AllGather rank holds no tensor whole).
+    """
+
+    def __init__(self, name: str, module: nn.Module, lookup, offloaded):
+        self.name = name
+        self._lookup = lookup
+        # key relative to the module -> tensor object, for every offloaded tensor (tied ones under each key)
+        self._keys = {k: t for k, t in module.state_dict(keep_vars=True).items() if offloaded(t)}
+        self._handle = module.register_state_dict_post_hook(self)
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, t in self._keys.items():
+            v = state_dict.get(prefix + key)
+            if v is None or v is t:
+                continue  # not in this dict, or keep_vars=True: the live tensor object
+            hv = self._lookup(t)
+            if hv is not None:
+                state_dict[prefix + key] = hv
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def removed(self) -> bool:
+        return self._handle is None
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else "active"
+        return f"HostStateDictHook({self.name}, {len(self._keys)} offloaded tensors, {state})"
+
+
+def install_state_dict_hook(module: nn.Module, streamed: StreamedBlocks) -> HostStateDictHook:
+    """The hook that makes ``module.state_dict()`` read streamed tensors from ``streamed``'s host store."""
+    views = streamed.host_views
+    return HostStateDictHook(
+        f"weightstream.state_dict[{type(module).__name__}]", module,
+        lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
+    )
+
+
 def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
     seen, out = set(), []
     for t in list(module.parameters()) + list(module.buffers()):
@@ -304,6 +357,8 @@ class OffloadedTransformer(nn.Module):
             except BaseException:
                 self._streamed.restore()  # nothing lost: the module gets its weights back
                 raise
+        # on the wrapped module itself: save_pretrained and parents reach it without the wrapper
+        self.state_dict_hook = install_state_dict_hook(module, self._streamed)
         self._disabled = False
 
     # attribute access passes through to the wrapped model (.config, .dtype, ...)
@@ -361,6 +416,7 @@ class OffloadedTransformer(nn.Module):
             self._graphs.release()
             self._graphs = None
         module = self._streamed.restore()
+        self.state_dict_hook.remove()
         self._disabled = True
         return module
 

@@ -472,7 +472,8 @@ def test_layer_mode_streams_dits_and_encoders(toy):
     config = {"mode": "layer", "components": ["dit", "text_encoder"],
               "layer_options": {"dit": {"resident_layers": 1}}, "progress": False}
     handle = offload_pipeline(pipe, config, device="cpu")
-    assert all(isinstance(getattr(pipe, n), OffloadedTransformer) for n in originals)
+    assert all(isinstance(handle.wrapped[n], OffloadedTransformer) for n in originals)
+    assert all(getattr(pipe, n) is m for n, m in originals.items())  # the pipeline keeps its modules
     for _ in range(2):
         assert torch.equal(pipe(**inputs), expected)
     s = handle.stats()
@@ -487,8 +488,9 @@ def test_layer_mode_dit_only_leaves_encoders_resident(toy):
 
     pipe, inputs, expected = toy
     handle = offload_pipeline(pipe, OffloadConfig.layerwise(progress=False), device="cpu")
-    assert isinstance(pipe.transformer, OffloadedTransformer)
-    assert not isinstance(pipe.text_encoder, OffloadedTransformer)
+    assert set(handle.wrapped) == {"transformer", "transformer_2"}
+    assert isinstance(handle.wrapped["transformer"], OffloadedTransformer)
+    assert not isinstance(pipe.transformer, OffloadedTransformer)  # the pipeline keeps its modules
     assert torch.equal(pipe(**inputs), expected)
     assert "transformer" in repr(handle)
 
