@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -30,12 +29,14 @@ OLD_NS = 1_000_000_000 * 1_600_000_000  # 2020: any later write changes the mtim
 
 class _ToyMmap(ToyDiT):
     _supports_mmap_loading = True
-    boom_at = None  # raise before this block (index over all blocks) when set
+    boom_at = None  # raise before this block (index over all blocks), boom_times times
+    boom_times = 0
 
     def forward(self, x):
         h = self.embed(x)
         for i, b in enumerate(list(self.double_blocks) + list(self.single_blocks)):
-            if self.boom_at == i:
+            if self.boom_at == i and self.boom_times > 0:
+                self.boom_times -= 1
                 raise RuntimeError("boom")
             h = b(h)
         return self.head(h)
@@ -68,8 +69,8 @@ def _quiet(wrapped):
         assert st.wait_idle(timeout=30), "the packer thread did not go idle"
 
 
-def _wrap(path, copy_path, **cfg):
-    return offload_from_safetensors(_meta(), path, OffloadConfig.layerwise(**cfg), device=DEV, copy_path=copy_path)
+def _wrap(path, copy_path, device=DEV, **cfg):
+    return offload_from_safetensors(_meta(), path, OffloadConfig.layerwise(**cfg), device=device, copy_path=copy_path)
 
 
 # ----------------------------------------------------------------- changed file
@@ -165,10 +166,12 @@ _TRUNCATE = textwrap.dedent("""
     from weightstream.offload.mmap_source import CheckpointChangedError
     tmp = Path({tmp!r})
     path, other, a, _ = t._pair(tmp)
-    x = t.toy_inputs()
+    x = t.toy_inputs(device={device!r})
     with torch.no_grad():
-        wrapped = t._wrap(path, {copy_path!r})
-        assert torch.equal(wrapped(**x), a(**x))
+        wrapped = t._wrap(path, {copy_path!r}, {device!r})
+        assert torch.equal(wrapped(**x), a.to({device!r})(**x))
+        if {device!r} == "cuda":
+            torch.cuda.synchronize()
         t._quiet(wrapped)
         os.truncate(path, 64)
         for what, call in (("forward", lambda: wrapped(**x)), ("state_dict", wrapped.state_dict),
@@ -183,9 +186,9 @@ _TRUNCATE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("copy_path", ["direct", "staging"])
-def test_truncation_is_a_named_error_not_sigbus(copy_path, tmp_path):
+def test_truncation_is_a_named_error_not_sigbus(copy_path, tmp_path, device=DEV):
     here = os.path.dirname(os.path.abspath(__file__))
-    code = _TRUNCATE.format(here=here, tmp=str(tmp_path), copy_path=copy_path)
+    code = _TRUNCATE.format(here=here, tmp=str(tmp_path), copy_path=copy_path, device=device)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"rc={r.returncode} (-7 is SIGBUS)\n{r.stdout}\n{r.stderr[-4000:]}"
     assert r.stdout.split("\n")[:3] == ["NAMED forward True", "NAMED state_dict True", "NAMED disable True"], r.stdout
@@ -206,10 +209,9 @@ def test_interrupted_step_then_reset_is_bit_exact(copy_path, boom_at, tmp_path):
         want = a(**x)
         wrapped = _wrap(path, copy_path)
         assert torch.equal(wrapped(**x), want)
-        wrapped.module.boom_at = boom_at
+        wrapped.module.boom_at, wrapped.module.boom_times = boom_at, 1
         with pytest.raises(RuntimeError, match="boom"):
             wrapped(**x)
-        wrapped.module.boom_at = None
         wrapped.executor.reset()
         outs = [wrapped(**x) for _ in range(3)]
     for i, o in enumerate(outs):
