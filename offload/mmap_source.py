@@ -85,7 +85,7 @@ from .executor import LayerwiseExecutor
 from .host_store import PAGE, REGISTER_CHUNK, Progress, _cuda_register, _Registration, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, align_up, block_tensors
 from .schedule import Load, Schedule
-from .staging import CopyPool, Stager, check_threads
+from .staging import CopyPool, Stager, StagingError, check_threads
 from .transformer import OffloadedTransformer, StreamedBlocks, resolve_device
 
 __all__ = [
@@ -986,7 +986,12 @@ class MmapExecutor(LayerwiseExecutor):
         if plan.direct:
             self._copy_direct(k, load.slot, plan)
             return
-        b = self.stager.acquire(load.position)
+        try:
+            b = self.stager.acquire(load.position)
+        except StagingError as e:  # a file changed under the packer: the named error, not a packing failure
+            if isinstance(e.__cause__, CheckpointChangedError):
+                raise CheckpointChangedError(str(e.__cause__)) from e
+            raise
         n = self.store.layouts[k].nbytes
         src = self.stager.buffers[b].tensor
         slot = self.slots[load.slot]

@@ -31,10 +31,13 @@ class _ToyMmap(ToyDiT):
     _supports_mmap_loading = True
     boom_at = None  # raise before this block (index over all blocks), boom_times times
     boom_times = 0
+    before_block = None  # (index, callable): called before that block runs
 
     def forward(self, x):
         h = self.embed(x)
         for i, b in enumerate(list(self.double_blocks) + list(self.single_blocks)):
+            if self.before_block is not None and self.before_block[0] == i:
+                self.before_block[1]()
             if self.boom_at == i and self.boom_times > 0:
                 self.boom_times -= 1
                 raise RuntimeError("boom")
@@ -42,9 +45,17 @@ class _ToyMmap(ToyDiT):
         return self.head(h)
 
 
-def _meta():
+class _Mixed(_ToyMmap):
+    """One block stages (a Python transform), the others copy directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.single_blocks[2].up.weight.mmap_weight_transform = lambda t: t.clone()
+
+
+def _meta(cls=None):
     with on_meta():
-        return _ToyMmap().eval()
+        return (cls or _ToyMmap)().eval()
 
 
 def _write(seed, path):
@@ -70,7 +81,10 @@ def _quiet(wrapped):
 
 
 def _wrap(path, copy_path, device=DEV, **cfg):
-    return offload_from_safetensors(_meta(), path, OffloadConfig.layerwise(**cfg), device=device, copy_path=copy_path)
+    """copy_path 'mixed': direct copies, but one block stages."""
+    meta = _meta(_Mixed if copy_path == "mixed" else None)
+    copy_path = "direct" if copy_path == "mixed" else copy_path
+    return offload_from_safetensors(meta, path, OffloadConfig.layerwise(**cfg), device=device, copy_path=copy_path)
 
 
 # ----------------------------------------------------------------- changed file
@@ -148,6 +162,25 @@ def test_the_packer_checks_before_it_reads(tmp_path):
         store.pack(0, buf)
 
 
+def test_a_write_during_a_step_is_found_by_the_packer(tmp_path):
+    """The step-start check passed; the file is rewritten in place (same size, no
+    truncation) while the step runs: the packer's check names the file."""
+    path, other, _, _ = _pair(tmp_path)
+    wrapped = _wrap(path, "staging")
+
+    def rewrite():
+        with open(path, "r+b") as f:
+            f.write(other.read_bytes())
+
+    x = toy_inputs()
+    with torch.no_grad():
+        wrapped(**x)
+        wrapped.module.before_block = (1, rewrite)
+        with pytest.raises(CheckpointChangedError, match="toy.safetensors") as e:
+            wrapped(**x)
+    assert "packing a staged block failed" not in str(e.value)
+
+
 def test_reload_checks_the_file(tmp_path):
     path, other, _, _ = _pair(tmp_path)
     wrapped = _wrap(path, "direct")
@@ -197,7 +230,7 @@ def test_truncation_is_a_named_error_not_sigbus(copy_path, tmp_path, device=DEV)
 # ----------------------------------------------------------------- reload after an interrupted step
 
 
-@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+@pytest.mark.parametrize("copy_path", ["direct", "staging", "mixed"])
 @pytest.mark.parametrize("boom_at", [1, 4])
 def test_interrupted_step_then_reset_is_bit_exact(copy_path, boom_at, tmp_path):
     """What the graph runner does before a replay or capture after an interrupted
@@ -208,6 +241,9 @@ def test_interrupted_step_then_reset_is_bit_exact(copy_path, boom_at, tmp_path):
     with torch.no_grad():
         want = a(**x)
         wrapped = _wrap(path, copy_path)
+        if copy_path == "mixed":
+            s = wrapped.stats()
+            assert s["staged_blocks"] == 1 and s["direct_blocks"] == s["blocks_streamed"] - 1
         assert torch.equal(wrapped(**x), want)
         wrapped.module.boom_at, wrapped.module.boom_times = boom_at, 1
         with pytest.raises(RuntimeError, match="boom"):
