@@ -2,8 +2,9 @@
 
 Keys: one graph per *input signature* (the structure of args/kwargs, each
 tensor's shape, dtype, device, requires_grad and strides, each other leaf's
-value, and the thread's modes: grad mode, inference mode, and autocast enabled
-and dtype per device type, all of which change the kernels a step records) and
+value, and the thread's modes: grad mode, inference mode, autocast enabled
+and dtype per device type, and autocast's cache flag, all of which change the
+kernels a step records) and
 *phase* (which step of the slot pattern: with an odd block count and two
 slots, even and odd steps use the slots the other way round, so they need
 different graphs).
@@ -14,7 +15,8 @@ named here): the step ran exactly the streamed blocks of one step
 other weights), and its output is made of containers torch's pytree knows
 (:func:`output_problem`; the runner clones every output tensor after a
 replay, and cannot reach tensors inside an unknown container, which the next
-replay would overwrite).
+replay would overwrite). Under autocast with its cast cache nothing is
+captured (:func:`autocast_problem`).
 
 Decisions per call: a new signature runs eager once (warm-up: lazy
 initialisation, library autotuning, allocator growth); the next call with it
@@ -69,7 +71,22 @@ def mode_key() -> tuple:
         (dt, True, torch.get_autocast_dtype(dt)) if torch.is_autocast_enabled(dt) else (dt, False)
         for dt in AUTOCAST_DEVICE_TYPES
     )
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled())
+
+
+def autocast_problem(device_type: str) -> str | None:
+    """Why a step cannot be captured in the current autocast state (None: it can).
+    Autocast's weight-cast cache keeps, until the autocast region ends, casts
+    made by earlier (eager) steps; a capture would read them as constants, stale
+    copies of streamed weights that are freed when the region ends (torch's
+    make_graphed_callables refuses this too)."""
+    if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+        return (
+            f"autocast is enabled on {device_type} with its weight-cast cache, which a graph would read as "
+            f"constants (stale, freed at the region's end); use torch.autocast({device_type!r}, ..., "
+            "cache_enabled=False) to capture"
+        )
+    return None
 
 
 def signature(args: tuple, kwargs: dict):

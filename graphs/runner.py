@@ -27,7 +27,16 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from .policy import Action, GraphPolicy, UnsupportedInput, output_problem, signature, step_problem, tensor_leaves
+from .policy import (
+    Action,
+    GraphPolicy,
+    UnsupportedInput,
+    autocast_problem,
+    output_problem,
+    signature,
+    step_problem,
+    tensor_leaves,
+)
 
 
 class CapturePreconditionError(RuntimeError):
@@ -86,6 +95,9 @@ class GraphRunner:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:
             return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=str(e))
+        problem = autocast_problem(ex.device.type)
+        if problem is not None:
+            return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=problem)
         action = self.policy.decide(sig, self._phase())
         if action is Action.REPLAY:
             return self._replay(self.graphs[(sig, self._phase())], args, kwargs)

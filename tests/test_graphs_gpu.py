@@ -284,7 +284,7 @@ def case_modes_get_their_own_graphs():
     def autocast():
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
-        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
         return stack
 
     def calls(mode, k):
@@ -312,6 +312,27 @@ def case_modes_get_their_own_graphs():
     assert all(torch.equal(o.detach(), expected.detach()) for o in outs)
 
 
+def case_autocast_with_its_cache_runs_eager():
+    import warnings
+
+    torch, first, w, ref, x = _setup("toy", "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # one autocast region over several steps, as a pipeline's loop would: warm-up
+        # casts are cached and a capture would read them as constants
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = ref(**x)
+            outs = [w(**x) for _ in range(5)]
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            outs += [w(**x) for _ in range(2)]  # a new region: nothing freed is read
+            expected2 = ref(**x)
+    assert torch.equal(expected, expected2) and expected.dtype == torch.bfloat16
+    assert all(torch.equal(o, expected) for o in outs), [float((o.float() - expected.float()).abs().max()) for o in outs]
+    msgs = [str(c.message) for c in caught if "cuda_graphs" in str(c.message)]
+    assert len(msgs) == 1 and "cache_enabled=False" in msgs[0], msgs
+    assert w.graphs.counts["capture"] == 0 and not w.graphs.graphs
+
+
 # -- pytest entry points ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -333,6 +354,7 @@ def case_modes_get_their_own_graphs():
         "case_repeated_pass_capture_falls_back",
         "case_unregistered_output_container_runs_eager",
         "case_modes_get_their_own_graphs",
+        "case_autocast_with_its_cache_runs_eager",
     ],
 )
 def test_graphs(case):

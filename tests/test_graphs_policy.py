@@ -3,7 +3,15 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
-from weightstream.graphs.policy import Action, GraphPolicy, UnsupportedInput, output_problem, signature, step_problem
+from weightstream.graphs.policy import (
+    Action,
+    GraphPolicy,
+    UnsupportedInput,
+    autocast_problem,
+    output_problem,
+    signature,
+    step_problem,
+)
 from weightstream.graphs.runner import CapturePreconditionError
 from weightstream.models import ToyDiT, toy_inputs
 
@@ -64,6 +72,21 @@ def test_signature_keys_grad_inference_and_autocast_modes():
     keys = [plain, cpu_bf16, cpu_f16, grad, inference, cuda_bf16, cuda_f16]
     assert len(set(keys)) == len(keys)
     assert cuda_off == plain
+
+
+def test_autocast_cache_flag_is_keyed_and_refused():
+    a = torch.zeros(2, 3)
+    with torch.no_grad():
+        assert autocast_problem("cpu") is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cached = signature((a,), {})
+            why = autocast_problem("cpu")
+            assert why is not None and "cache_enabled=False" in why
+            assert autocast_problem("cuda") is None  # another device type's autocast is off
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            assert autocast_problem("cpu") is None
+            uncached = signature((a,), {})
+    assert cached != uncached
 
 
 class _Unregistered:
