@@ -46,8 +46,8 @@ place (``cp new.safetensors old.safetensors``, ``open(path, "r+b")``) changes
 the bytes under the mapping, so a step could mix old and new weights, and
 truncating it makes any read past the new end kill the process with SIGBUS.
 Each file's identity (``st_dev``, ``st_ino``), size and ``st_mtime_ns`` are
-recorded when it is opened and checked (``fstat`` of the open file, about a
-microsecond) at every step start, before the packer thread reads, before a
+recorded when it is opened and checked (``fstat`` of the open file, a few
+microseconds per file) at every step start, before the packer thread reads, before a
 ring reload, and in the ``state_dict`` / ``disable`` paths; a difference
 raises :class:`CheckpointChangedError` naming the file. A write during a
 step is seen at the next check; a writer that keeps both the size and the
