@@ -32,12 +32,15 @@ class _ToyMmap(ToyDiT):
     boom_at = None  # raise before this block (index over all blocks), boom_times times
     boom_times = 0
     before_block = None  # (index, callable): called before that block runs
+    sync_at = None  # a host sync before this block (cannot be captured in a CUDA graph)
 
     def forward(self, x):
         h = self.embed(x)
         for i, b in enumerate(list(self.double_blocks) + list(self.single_blocks)):
             if self.before_block is not None and self.before_block[0] == i:
                 self.before_block[1]()
+            if self.sync_at == i and h.sum().item() > 1e30:
+                h = h * 2
             if self.boom_at == i and self.boom_times > 0:
                 self.boom_times -= 1
                 raise RuntimeError("boom")
