@@ -12,6 +12,12 @@ waited for by the launching stream, because a capture may not wait on events
 recorded outside it. Host weights are read at replay time, so
 ``update_weights`` needs no recapture.
 
+A capture that did not run exactly one step's streamed blocks (an early exit
+in the model's forward), or whose output hides tensors in a container torch's
+pytree does not know, is discarded before any replay: the ring is re-primed at
+the next step boundary (``executor.reset()``, which reloads the slots) and the
+step runs eager, with one warning.
+
 Policy (keys, when to capture, fallback) lives in :mod:`policy`.
 """
 from __future__ import annotations
@@ -21,7 +27,16 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from .policy import Action, GraphPolicy, UnsupportedInput, signature, tensor_leaves
+from .policy import (
+    Action,
+    GraphPolicy,
+    UnsupportedInput,
+    autocast_problem,
+    output_problem,
+    signature,
+    step_problem,
+    tensor_leaves,
+)
 
 
 class CapturePreconditionError(RuntimeError):
@@ -80,6 +95,9 @@ class GraphRunner:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:
             return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=str(e))
+        problem = autocast_problem(ex.device.type)
+        if problem is not None:
+            return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=problem)
         action = self.policy.decide(sig, self._phase())
         if action is Action.REPLAY:
             return self._replay(self.graphs[(sig, self._phase())], args, kwargs)
@@ -87,7 +105,11 @@ class GraphRunner:
             return self._capture(sig, args, kwargs)
         out = self._eager(args, kwargs, action)
         if action is Action.EAGER_WARMUP:
-            self.policy.warmed_up(sig)
+            problem = output_problem(out)
+            if problem is None:
+                self.policy.warmed_up(sig)
+            elif self.policy.capture_failed(sig, problem):
+                warnings.warn(f"weightstream: cuda_graphs: not capturing, running eager: {problem}", stacklevel=3)
         return out
 
     def _eager(self, args, kwargs, action: Action, cause: str | None = None):
@@ -107,6 +129,7 @@ class GraphRunner:
         s_args, s_kwargs = pytree.tree_unflatten(static, spec)
         phase = self._phase()
         ex.wait_pending(torch.cuda.current_stream(ex.device))  # primes a deferred executor
+        start = ex.position
         graph = torch.cuda.CUDAGraph()
         # the step's first loads were issued before the graph (torch.cuda.graph
         # synchronises on entry); inside, only this capture's events are waited on
@@ -134,6 +157,11 @@ class GraphRunner:
         ex.capture_tag = None
         # Capture ran the hooks (position advanced by one step) but executed
         # nothing; the replay below executes that step.
+        problem = step_problem(ex.position - start, ex.schedule.n) or output_problem(out)
+        if problem is not None:  # never replayed: the ring is re-primed at a step boundary, eager runs the step
+            del graph, out
+            ex.reset()
+            return self._fail(sig, args, kwargs, problem)
         tensors = [x for x in static if isinstance(x, torch.Tensor)]
         g = _Graph(graph, tensors, out, [t.data_ptr() for t in tensors])
         for key in self.policy.captured(sig, phase):

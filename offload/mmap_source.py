@@ -37,6 +37,24 @@ ignored key); sources come from the ``source`` argument or the model's
 that preserves dtype and element count; it must not modify its input, which
 is a read-only view of the mapping) or ``mmap_kernel_transform``.
 
+Checkpoint files must not change while they are mapped. Replace a checkpoint
+atomically: write the new file elsewhere on the same filesystem, then rename
+it over the old path (``os.replace``). A process that mapped the old file keeps
+its mapping of the old inode and streams the old weights, whole and
+consistent, until a new wrapper maps the new file. Writing a mapped file in
+place (``cp new.safetensors old.safetensors``, ``open(path, "r+b")``) changes
+the bytes under the mapping, so a step could mix old and new weights, and
+truncating it makes any read past the new end kill the process with SIGBUS.
+Each file's identity (``st_dev``, ``st_ino``), size and ``st_mtime_ns`` are
+recorded when it is opened and checked (``fstat`` of the open file, a few
+microseconds per file) at every step start, before the packer thread reads, before a
+ring reload, and in the ``state_dict`` / ``disable`` paths; a difference
+raises :class:`CheckpointChangedError` naming the file. A write during a
+step is seen at the next check; a writer that keeps both the size and the
+mtime (``cp -p`` of a same-size file) is not detected. ``state_dict()``
+values are views of the mapping: read them before replacing anything in
+place.
+
 Entry point: :func:`offload_from_safetensors`.
 """
 from __future__ import annotations
@@ -67,7 +85,7 @@ from .executor import LayerwiseExecutor
 from .host_store import PAGE, REGISTER_CHUNK, Progress, _cuda_register, _Registration, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, align_up, block_tensors
 from .schedule import Load, Schedule
-from .staging import CopyPool, Stager, check_threads
+from .staging import CopyPool, Stager, StagingError, check_threads
 from .transformer import OffloadedTransformer, StreamedBlocks, resolve_device
 
 __all__ = [
@@ -79,6 +97,8 @@ __all__ = [
     "meta_from_pretrained",
     "bind_checkpoint",
     "plan_registration",
+    "direct_after_registration",
+    "CheckpointChangedError",
     "COPY_PATHS",
 ]
 
@@ -128,15 +148,46 @@ class CkptTensor:
         return n
 
 
+class CheckpointChangedError(RuntimeError):
+    """A mapped checkpoint file changed in place (size, mtime or identity): its
+    mapping can no longer be trusted (mixed weights, or SIGBUS past a new end)."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_IDENTITY_FIELDS = ("st_dev", "st_ino", "size", "mtime_ns")
+
+
+def changed_message(path, was: tuple, now: tuple) -> str:
+    diffs = ", ".join(f"{k} {a} -> {b}" for k, a, b in zip(_IDENTITY_FIELDS, was, now) if a != b)
+    return (
+        f"checkpoint file {str(path)!r} changed while this process streams from its mapping ({diffs}): "
+        "its bytes may now mix old and new weights, and reads past a truncated end would kill the process "
+        "(SIGBUS). Replace checkpoint files atomically: write the new file elsewhere on the same filesystem, "
+        "then rename it over the old path (os.replace); a process that mapped the old file keeps streaming "
+        "it. Build a new wrapper to load the new weights."
+    )
+
+
 class SafetensorsFile:
-    """A safetensors file: header parsed here, data mapped read-only (ACCESS_READ)."""
+    """A safetensors file: header parsed here, data mapped read-only (ACCESS_READ).
+
+    The file stays open (one descriptor) so that :meth:`check_unchanged` can
+    ``fstat`` the inode that is mapped, whatever the path now names.
+    """
 
     def __init__(self, path: str | os.PathLike, index: int):
         self.path = Path(path)
         self.index = index
+        self._fd: int | None = None
+        self._fd_closer = None
         try:
             with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                size = st.st_size
+                self.identity = _identity(st)
                 head = f.read(8)
                 if len(head) < 8:
                     raise ValueError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
@@ -148,6 +199,8 @@ class SafetensorsFile:
                 except ValueError as e:
                     raise ValueError(f"{self.path}: header is not valid JSON ({e})") from None
                 self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._fd = os.dup(f.fileno())
+                self._fd_closer = weakref.finalize(self, os.close, self._fd)
         except OSError as e:
             raise ValueError(f"cannot open checkpoint file {str(path)!r}: {e}") from e
         if not isinstance(header, dict):
@@ -176,6 +229,14 @@ class SafetensorsFile:
     def base(self) -> int:
         return self.u8.data_ptr()
 
+    def check_unchanged(self) -> None:
+        """Raise CheckpointChangedError if the mapped inode changed since it was opened."""
+        if self._fd is None:
+            return
+        now = _identity(os.fstat(self._fd))
+        if now != self.identity:
+            raise CheckpointChangedError(changed_message(self.path, self.identity, now))
+
     def close(self) -> None:
         """Drop this file's references; the mapping is unmapped once no tensor views it.
 
@@ -185,6 +246,9 @@ class SafetensorsFile:
         """
         self.u8 = None
         self.map = None
+        self._fd = None
+        if self._fd_closer is not None:
+            self._fd_closer()
 
 
 @dataclass(frozen=True)
@@ -312,6 +376,12 @@ class Checkpoint:
 
     def address(self, t: CkptTensor) -> int:
         return self.files[t.file].base + t.offset
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointChangedError naming the first file that changed in place
+        (an ``fstat`` per file; atomically replaced paths keep their old mapping)."""
+        for f in self.files:
+            f.check_unchanged()
 
     def close(self) -> None:
         for f in self.files:
@@ -652,9 +722,20 @@ def plan_registration(
     return accepted, chunks
 
 
-def _covered(pages: list[tuple[int, int, int]], registered: list[tuple[int, int, int]]) -> bool:
-    merged = _merge_intervals((f, s, s + n) for f, s, n in registered)
+def _covered(pages: list[tuple[int, int, int]], merged: list[tuple[int, int, int]]) -> bool:
     return all(any(mf == f and ms <= s and e <= me for mf, ms, me in merged) for f, s, e in pages)
+
+
+def direct_after_registration(
+    block_pages: list[list[tuple[int, int, int]]], accepted: list[int], registered: list[tuple[int, int, int]]
+) -> list[bool]:
+    """Which blocks copy directly: accepted by :func:`plan_registration` and every
+    page range they read lies inside the chunks actually registered
+    (``registered``: (file, start address, size), e.g. cut short by a failed
+    registration). A block with any page outside stages."""
+    merged = _merge_intervals((f, s, s + n) for f, s, n in registered)
+    ok = set(accepted)
+    return [i in ok and _covered(pages, merged) for i, pages in enumerate(block_pages)]
 
 
 class MmapStore:
@@ -737,10 +818,9 @@ class MmapStore:
         for f, start, size in done:
             base = self.ckpt.files[f].base
             self.chunk_bounds.setdefault(f, set()).update((start - base, start + size - base))
-        ok = set(accepted)
         staged = 0
-        for i, (p, pg) in enumerate(zip(plans, pages)):
-            if i not in ok or not _covered(pg, done):
+        for p, direct in zip(plans, direct_after_registration(pages, accepted, done)):
+            if not direct:
                 p.direct = False
                 p.staged_because = "checkpoint pages not registered"
                 staged += 1
@@ -766,6 +846,7 @@ class MmapStore:
         (the checkpoint runs split over ``pool``'s threads when given)."""
         self.pack_threads.add(threading.current_thread().name)
         plan, files = self.plans[k], self.ckpt.files
+        self.ckpt.check_unchanged()  # before reading: a truncated file would SIGBUS this thread
         with torch.no_grad():
             if pool is not None:  # raw addresses: check the bounds torch slicing would have
                 base = buf.data_ptr()
@@ -783,6 +864,7 @@ class MmapStore:
                 spec.view_of(buf).copy_(apply_transform(b, self.ckpt.tensor(b.src)))
             for host, dst in plan.local:
                 buf[dst : dst + host.numel()].copy_(host)
+        self.ckpt.check_unchanged()  # a write during the pack: never hand out a mixed image
 
     # -- HostStore surface -------------------------------------------------------
     def image(self, k: int) -> torch.Tensor:
@@ -904,7 +986,12 @@ class MmapExecutor(LayerwiseExecutor):
         if plan.direct:
             self._copy_direct(k, load.slot, plan)
             return
-        b = self.stager.acquire(load.position)
+        try:
+            b = self.stager.acquire(load.position)
+        except StagingError as e:  # a file changed under the packer: the named error, not a packing failure
+            if isinstance(e.__cause__, CheckpointChangedError):
+                raise CheckpointChangedError(str(e.__cause__)) from e
+            raise
         n = self.store.layouts[k].nbytes
         src = self.stager.buffers[b].tensor
         slot = self.slots[load.slot]
@@ -919,8 +1006,28 @@ class MmapExecutor(LayerwiseExecutor):
         if plan.table is not None:
             self._materialise(self.wire[s], self.slots[s], plan.table)
 
-    def reload_pending(self) -> None:  # weights never change under an mmap source
-        return
+    # -- checkpoint checks (a few fstat calls per step, never per block) -------
+    def check_usable(self) -> None:
+        """Raise CheckpointChangedError if a mapped file changed (the graph runner
+        calls this before every step, replays included)."""
+        self.store.ckpt.check_unchanged()
+
+    def begin_step(self) -> None:
+        self.store.ckpt.check_unchanged()
+        super().begin_step()
+
+    def before_block(self, block: int) -> None:
+        if block == self.schedule.resident:  # a step's first streamed block: step start
+            self.store.ckpt.check_unchanged()
+        super().before_block(block)
+
+    def reload_pending(self) -> None:
+        """Re-copy the slots of the upcoming positions from the mapping (direct
+        blocks) or through the stager, which restarts at those positions (staged
+        blocks): after an interrupted step or a failed capture the slots hold
+        other blocks' bytes."""
+        self.store.ckpt.check_unchanged()
+        super().reload_pending()
 
     def remove(self) -> None:
         super().remove()
@@ -987,7 +1094,22 @@ class MmapStreamedBlocks(StreamedBlocks):
         if left:  # pragma: no cover - bind_checkpoint guarantees this
             self.close()
             raise ValueError(f"tensors left on the meta device after setup: {_listing(left)}")
+        try:
+            ckpt.check_unchanged()  # resident weights were read from the mapping during setup
+        except CheckpointChangedError:
+            self.close()
+            raise
         self.setup_s = ckpt.open_s + (time.perf_counter() - t0)
+
+    @property
+    def host_views(self) -> dict[int, torch.Tensor]:
+        """id(tensor) -> host view (state_dict, update_weights); checks the files first."""
+        self.ckpt.check_unchanged()
+        return self._views
+
+    @host_views.setter
+    def host_views(self, views) -> None:
+        self._views = views
 
     def _build_store(self, layouts, tensors) -> MmapStore:
         objs = [[t for _, _, t in ts] for ts in tensors]
@@ -1020,7 +1142,11 @@ class MmapStreamedBlocks(StreamedBlocks):
                             record_events=self.config.record_events, staging_threads=self.staging_threads)
 
     def restore(self) -> nn.Module:
-        """Give every streamed tensor a private device copy of its weights; tear down."""
+        """Give every streamed tensor a private device copy of its weights; tear down.
+
+        Raises CheckpointChangedError before anything is torn down if a file
+        changed, and after the copies if one changed while they ran."""
+        self.ckpt.check_unchanged()
         self.executor.remove()
         self.store.unregister()  # copies below come from pageable pages: no registration to span
         with torch.no_grad():
@@ -1029,8 +1155,9 @@ class MmapStreamedBlocks(StreamedBlocks):
                     t.data = hv.to(self.device, copy=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self.ckpt.check_unchanged()
         self.store.close()
-        self.host_views.clear()
+        self._views.clear()
         return self.module
 
     def update_weights(self, state_dict, *, strict: bool = False) -> list[str]:

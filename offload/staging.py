@@ -276,6 +276,15 @@ class Stager:
             self._expect = next(it)
             self._cv.notify_all()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the packer reads nothing: every buffer is packed ahead (or
+        it failed, or was stopped). True if so within ``timeout`` seconds. Not on
+        the hot path (tests; before touching checkpoint files)."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: self._stop or self._error is not None or all(r is not None for r in self._ready), timeout
+            )
+
     def _restart(self, position: int) -> None:
         self._gen += 1
         self._start = self._expect = position

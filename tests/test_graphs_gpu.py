@@ -176,6 +176,163 @@ def case_debug_addresses():
     raise AssertionError("moved static input not detected")
 
 
+def _flagged_toy():
+    import torch
+
+    from weightstream.models import ToyDiT
+
+    class Flagged(ToyDiT):
+        """ToyDiT whose forward may stop after ``stop_after`` blocks or run them ``passes`` times."""
+
+        stop_after = None
+        passes = 1
+
+        def forward(self, x):
+            h = self.embed(x)
+            blocks = list(self.double_blocks) + list(self.single_blocks)
+            for _ in range(self.passes):
+                for i, b in enumerate(blocks):
+                    if self.stop_after is not None and i >= self.stop_after:
+                        break
+                    h = b(h)
+            return self.head(h)
+
+    return torch, Flagged
+
+
+def _capture_not_one_step(flag: str, value: int, **cfg):
+    import warnings
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import toy_inputs
+
+    torch, Flagged = _flagged_toy()
+    model, ref = Flagged().cuda(), Flagged().cuda()
+    x = toy_inputs(device="cuda")
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), device="cuda")
+    n = w.executor.schedule.n
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = ref(**x)
+        assert torch.equal(w(**x), full)  # warm-up, eager
+        setattr(model, flag, value)  # the capture call leaves early / runs the blocks again
+        setattr(ref, flag, value)
+        odd = ref(**x)
+        got = w(**x)
+        setattr(model, flag, Flagged.__dict__[flag])
+        after = [w(**x) for _ in range(3)]
+    assert not torch.equal(odd, full)
+    assert torch.equal(got, odd), float((got - odd).abs().max())
+    assert all(torch.equal(o, full) for o in after), [float((o - full).abs().max()) for o in after]
+    msgs = [str(c.message) for c in caught if "cuda_graphs" in str(c.message)]
+    ran = value if flag == "stop_after" else value * n
+    assert len(msgs) == 1 and f"ran {ran} of the {n} streamed blocks" in msgs[0], msgs
+    c = w.graphs.counts
+    assert c["capture"] == 0 and not w.graphs.graphs and c["replay"] == 0, c
+    assert c["eager-fallback"] == 4, c
+
+
+def case_early_exit_capture_falls_back():
+    _capture_not_one_step("stop_after", 4)
+
+
+def case_early_exit_capture_falls_back_in_graph():
+    _capture_not_one_step("stop_after", 3, graph_boundary_loads="in-graph")
+
+
+def case_repeated_pass_capture_falls_back():
+    # 'in-graph': the plain ring (the eager 'next-step' ring issues a step's deferred
+    # load at the forward's start, so it cannot run the block list twice per forward)
+    _capture_not_one_step("passes", 2, graph_boundary_loads="in-graph")
+
+
+def case_unregistered_output_container_runs_eager():
+    import warnings
+
+    import torch
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import ToyDiT, toy_inputs
+
+    class Out:  # not registered with torch's pytree
+        def __init__(self, sample):
+            self.sample = sample
+
+    class Wrapped(ToyDiT):
+        def forward(self, x):
+            return Out(super().forward(x))
+
+    model, ref = Wrapped().cuda(), Wrapped().cuda()
+    x = toy_inputs(device="cuda")
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cuda")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [w(**x).sample for _ in range(4)]
+        expected = ref(**x).sample
+    assert all(torch.equal(o, expected) for o in outs)
+    assert len({o.data_ptr() for o in outs}) == 4  # never one static buffer handed out twice
+    msgs = [str(c.message) for c in caught if "cuda_graphs" in str(c.message)]
+    assert len(msgs) == 1 and "pytree" in msgs[0] and "Out" in msgs[0], msgs
+    assert w.graphs.counts["capture"] == 0 and not w.graphs.graphs
+
+
+def case_modes_get_their_own_graphs():
+    import contextlib
+
+    torch, first, w, ref, x = _setup("toy", "float32")
+
+    def autocast():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+        return stack
+
+    def calls(mode, k):
+        outs = []
+        for _ in range(k):  # one context per call, as a pipeline step would
+            with mode():
+                outs.append(w(**x))
+        with mode():
+            return outs, ref(**x)
+
+    modes = {"no_grad": torch.no_grad, "inference": torch.inference_mode, "autocast": autocast}
+    for name, mode in modes.items():
+        outs, expected = calls(mode, 5)  # warm-up, two captures (odd n: two phases), replays
+        assert all(torch.equal(o, expected) for o in outs), (name, [float((o.float() - expected.float()).abs().max()) for o in outs])
+    assert calls(autocast, 1)[1].dtype == torch.bfloat16  # autocast changed the kernels: the keys must differ
+    sigs = {k[0] for k in w.graphs.graphs}
+    assert len(sigs) == 3 and len(w.graphs.graphs) == 6, list(w.graphs.graphs)
+    captures = w.graphs.counts["capture"]
+    for name, mode in modes.items():  # back to each mode: its own graphs replay, nothing is recaptured
+        outs, expected = calls(mode, 2)
+        assert all(torch.equal(o, expected) for o in outs), name
+    assert w.graphs.counts["capture"] == captures
+    outs, expected = calls(torch.enable_grad, 4)  # grad mode: never a no_grad graph's output
+    assert all(o.requires_grad for o in outs)
+    assert all(torch.equal(o.detach(), expected.detach()) for o in outs)
+
+
+def case_autocast_with_its_cache_runs_eager():
+    import warnings
+
+    torch, first, w, ref, x = _setup("toy", "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # one autocast region over several steps, as a pipeline's loop would: warm-up
+        # casts are cached and a capture would read them as constants
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = ref(**x)
+            outs = [w(**x) for _ in range(5)]
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            outs += [w(**x) for _ in range(2)]  # a new region: nothing freed is read
+            expected2 = ref(**x)
+    assert torch.equal(expected, expected2) and expected.dtype == torch.bfloat16
+    assert all(torch.equal(o, expected) for o in outs), [float((o.float() - expected.float()).abs().max()) for o in outs]
+    msgs = [str(c.message) for c in caught if "cuda_graphs" in str(c.message)]
+    assert len(msgs) == 1 and "cache_enabled=False" in msgs[0], msgs
+    assert w.graphs.counts["capture"] == 0 and not w.graphs.graphs
+
+
 # -- pytest entry points ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -192,6 +349,12 @@ def case_debug_addresses():
         "case_several_signatures_alive",
         "case_disable_releases_graph_memory",
         "case_debug_addresses",
+        "case_early_exit_capture_falls_back",
+        "case_early_exit_capture_falls_back_in_graph",
+        "case_repeated_pass_capture_falls_back",
+        "case_unregistered_output_container_runs_eager",
+        "case_modes_get_their_own_graphs",
+        "case_autocast_with_its_cache_runs_eager",
     ],
 )
 def test_graphs(case):

@@ -3,7 +3,15 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
-from weightstream.graphs.policy import Action, GraphPolicy, UnsupportedInput, signature
+from weightstream.graphs.policy import (
+    Action,
+    GraphPolicy,
+    UnsupportedInput,
+    autocast_problem,
+    output_problem,
+    signature,
+    step_problem,
+)
 from weightstream.graphs.runner import CapturePreconditionError
 from weightstream.models import ToyDiT, toy_inputs
 
@@ -20,6 +28,97 @@ def test_signature_keys_shapes_dtypes_and_values():
     nested = signature((), {"kw": {"x": a, "scale": 1.0}})
     assert nested != signature((), {"kw": {"x": a, "scale": 2.0}})
     hash(base), hash(nested)
+
+
+def test_signature_keys_requires_grad_and_device():
+    a = torch.zeros(2, 3)
+    base = signature((a,), {})
+    assert base != signature((torch.zeros(2, 3, requires_grad=True),), {})
+    assert base != signature((torch.zeros(2, 3, device="meta"),), {})
+    assert base == signature((torch.zeros(2, 3, device="cpu"),), {})
+
+
+def _cuda_autocast(enabled, dtype):
+    """Set CUDA autocast state directly (torch.autocast('cuda') refuses on a CPU-only build)."""
+    torch.set_autocast_enabled("cuda", enabled)
+    torch.set_autocast_dtype("cuda", dtype)
+
+
+def test_signature_keys_grad_inference_and_autocast_modes():
+    a = torch.zeros(2, 3)
+    sig = lambda: signature((a,), {"flag": True})  # noqa: E731
+    with torch.no_grad():
+        plain = sig()
+        assert plain == sig()  # the same mode twice: the same key
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cpu_bf16 = sig()
+        with torch.autocast("cpu", dtype=torch.float16):
+            cpu_f16 = sig()
+    with torch.enable_grad():
+        grad = sig()
+    with torch.inference_mode():
+        inference = sig()
+    dtype_before = torch.get_autocast_dtype("cuda")
+    try:
+        with torch.no_grad():
+            _cuda_autocast(True, torch.bfloat16)
+            cuda_bf16 = sig()
+            _cuda_autocast(True, torch.float16)
+            cuda_f16 = sig()
+            _cuda_autocast(False, torch.bfloat16)  # a dtype without autocast changes nothing
+            cuda_off = sig()
+    finally:
+        _cuda_autocast(False, dtype_before)
+    keys = [plain, cpu_bf16, cpu_f16, grad, inference, cuda_bf16, cuda_f16]
+    assert len(set(keys)) == len(keys)
+    assert cuda_off == plain
+
+
+def test_autocast_cache_flag_is_keyed_and_refused():
+    a = torch.zeros(2, 3)
+    with torch.no_grad():
+        assert autocast_problem("cpu") is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cached = signature((a,), {})
+            why = autocast_problem("cpu")
+            assert why is not None and "cache_enabled=False" in why
+            assert autocast_problem("cuda") is None  # another device type's autocast is off
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            assert autocast_problem("cpu") is None
+            uncached = signature((a,), {})
+    assert cached != uncached
+
+
+class _Unregistered:
+    """An output container torch's pytree does not know."""
+
+    def __init__(self, sample):
+        self.sample = sample
+
+
+def test_outputs_whose_containers_pytree_does_not_know_are_refused():
+    from weightstream.models import flux_inputs, tiny_flux
+
+    model = tiny_flux()
+    x = flux_inputs(model)
+    with torch.no_grad():
+        out = model(**{**x, "return_dict": True})  # diffusers' BaseOutput: registered with pytree
+        tup = model(**{**x, "return_dict": False})
+    assert type(out).__name__ == "Transformer2DModelOutput" and isinstance(tup, tuple)
+    t = torch.zeros(2)
+    for ok in (t, out, tup, (t, None, 3), {"a": t, "b": [t, 1.5]}):
+        assert output_problem(ok) is None, ok
+    for bad in (_Unregistered(t), (t, _Unregistered(t)), {"x": [_Unregistered(t)]}, [object()]):
+        why = output_problem(bad)
+        assert why is not None and "pytree" in why, bad
+    assert "_Unregistered" in output_problem((t, _Unregistered(t)))
+
+
+def test_a_capture_that_did_not_run_exactly_one_step_is_named():
+    assert step_problem(7, 7) is None
+    assert "ran 3 of the 7 streamed block" in step_problem(3, 7)
+    assert "ran 14 of the 7 streamed block" in step_problem(14, 7)
+    assert step_problem(0, 7) is not None
 
 
 def test_unhashable_leaf_is_rejected():
