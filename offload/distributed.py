@@ -947,7 +947,7 @@ class _DLOStreamedBlocks(StreamedBlocks):
         errors += digest_mismatches([d for d in digests]) if not errors else []
         if errors:
             raise ValueError(
-                f"distributed layerwise offload (DLO, {self.dlo.transfer}) over {self.control.world} ranks: "
+                f"distributed layerwise offload (DLO) over {self.control.world} ranks: "
                 "the ranks disagree at setup: " + "; ".join(errors)
                 + ". Every rank of the sharding group needs the same config, model and weights"
             )
