@@ -32,10 +32,40 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
     DLO collective. TP-local or HSDP-local tensors stream as they are.
 
 Both prime their first loads at the first forward (in the same order on every
-rank). In AllGather mode an exception part-way (from a collective, a copy, or
-a forward that stopped between streamed blocks) marks the backend unusable:
-the ranks may be out of step in their collectives, so later forwards raise a
-``RuntimeError`` naming the original failure instead of hanging.
+rank).
+
+Trust (DESIGN.md: nothing lost, no hang; every rank learns of a failure):
+
+- Setup: before anything is packed, one bounded collective compares every
+  rank's config (weight_transfer, num_slots, resident_layers, cuda_graphs,
+  graph_boundary_loads), block layout, dtypes and, with ``dlo_verify_weights``
+  (default), a digest of a few KB sampled from every block's weights; a
+  difference raises the same ``ValueError`` on every rank, naming both values
+  ("rank 1 num_slots=3, rank 0 num_slots=2", or the block). Rank-local DLO
+  takes part too when its sharding group is initialised.
+- Every DLO wait is bounded by ``dlo_timeout_s`` (default 60 s): gloo waits
+  with ``Work.wait(timeout)``, NCCL control collectives poll
+  ``Work.is_completed()``. A timeout raises :class:`DLOCollectiveError`.
+- AllGather, an exception inside the model (the same on every rank or on one):
+  the rank that stopped issues the rest of the step's gathers from its intact
+  host shards (no compute), so every rank issued the same collectives; then
+  one small agreement at the end of every eager step tells each rank whether
+  any rank failed in it, and the ranks that did not raise a ``RuntimeError``
+  naming the failed rank and its error. The ring stays in step: the next
+  forward runs normally, and ``gather_state_dict()`` / ``disable()`` work.
+  (On NCCL the agreement waits on the host for the step's work: one
+  synchronisation per eager step.)
+- A failed or timed-out collective marks the backend unusable: no further
+  collective is issued (a timed-out gloo operation stays pending and would
+  pair with the next one; a size mismatch aborts the process; an NCCL one
+  blocks its communicator). Forwards, ``gather_state_dict()`` and
+  ``disable()`` then raise at once, naming the way out:
+  ``local_state_dict()`` on every rank (no collective: tensors wholly in this
+  rank's share, :class:`ShardPiece` for the rest) and :func:`merge_shards` of
+  them is the full state dict.
+- A CUDA-graph capture is kept only when it succeeded on every rank (one
+  small agreement per capture); otherwise every rank resets to the captured
+  step's start and runs it eagerly.
 
 Request waves: with AllGather and ``dp > 1`` every DP rank computes its own
 request in lock-step collectives, so a wave needs an explicit, equal
@@ -44,6 +74,7 @@ request in lock-step collectives, so a wave needs an explicit, equal
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -1154,9 +1185,13 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         where = {id(t): (k, spec) for k, ts in enumerate(self.tensors)
                  for (_, _, t), spec in zip(ts, self.layouts[k].tensors)}
         out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            loc = where.get(id(t))
-            out[name] = t.detach().to("cpu", copy=True) if loc is None else self._local_piece(name, *loc)
+        # resident tensors are read on a stream of their own: after a timed-out
+        # gather the compute stream may wait forever on the stuck collective
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                loc = where.get(id(t))
+                out[name] = t.detach().to("cpu", copy=True) if loc is None else self._local_piece(name, *loc)
         return out
 
     def _local_piece(self, name: str, k: int, spec: TensorSpec):

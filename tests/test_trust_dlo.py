@@ -71,13 +71,16 @@ def _same_weights(sd, ref_sd):
 
 
 # --------------------------------------------------------------------------- checks (inside ranks)
-def check_block_failure(parallel, rank, *, transfer, failing, block="single", forwards=4, fail_at=1):
+def check_block_failure(parallel, rank, *, transfer, failing, block="single", forwards=4, fail_at=1,
+                        device="cpu"):
     """Forward ``fail_at`` raises inside a block on the ranks in ``failing``; every
     forward's error (or equality with the resident model) and the weights after."""
     model, inputs, ref_model = _toy(rank)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    ref_model = ref_model.to(device)
     with torch.no_grad():
         ref = ref_model(**inputs)
-    om = OffloadedTransformer(model, _cfg(weight_transfer=transfer), device="cpu", parallel=parallel)
+    om = OffloadedTransformer(model, _cfg(weight_transfer=transfer), device=device, parallel=parallel)
     when = _Counter(fail_at, rank, failing)
     target = model.single_blocks[2] if block == "single" else model
     handle = _raise_in(target, when)
@@ -93,7 +96,7 @@ def check_block_failure(parallel, rank, *, transfer, failing, block="single", fo
             errors.append(f"{type(e).__name__}: {e}")
         elapsed.append(time.monotonic() - t0)
     handle.remove()
-    ref_sd = ref_model.state_dict()
+    ref_sd = {k: v.cpu() for k, v in ref_model.state_dict().items()}
     out = dict(errors=errors, equal=equal, elapsed=elapsed, usable=om._streamed.usable,
                failure=om.stats()["failure"])
     if transfer == "allgather":
@@ -103,7 +106,7 @@ def check_block_failure(parallel, rank, *, transfer, failing, block="single", fo
     else:
         out["state_dict"] = _same_weights(om.state_dict(), ref_sd)
     plain = om.disable()
-    out["restored"] = _same_weights(plain.state_dict(), ref_sd)
+    out["restored"] = _same_weights({k: v.cpu() for k, v in plain.state_dict().items()}, ref_sd)
     with torch.no_grad():
         out["restored_equal"] = torch.equal(plain(**inputs), ref)
     return out
