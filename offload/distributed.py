@@ -522,7 +522,9 @@ def _control_for(parallel: ParallelConfig, dlo: "DLOPlan", config: OffloadConfig
         dim = parallel.shard_dim
         if dim is None or not (dist.is_available() and dist.is_initialized()):
             return None
-        group, size, _ = _resolve_group(parallel, dim)
+        group, size = getattr(parallel, f"{dim}_group"), getattr(parallel, dim)
+        if dist.get_world_size(group) != size or dist.get_rank(group) < 0:
+            return None  # rank-local never needed this group; it does not check against it either
         backend = str(dist.get_backend(group))
     nccl = backend == "nccl"
     return _Control(group, size, device if nccl else torch.device("cpu"), config.dlo_timeout_s, nccl)
@@ -579,6 +581,17 @@ def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayou
 
 
 _PER_BLOCK = ("block_layouts", "block_weights")
+
+
+def fit_digest(d: dict, cap: int = _CONTROL_CAP // 2) -> dict:
+    """``d`` with its per-block lists folded into one hash each when it is too long to send."""
+    if len(json.dumps(d)) <= cap:
+        return d
+    d = dict(d)
+    for key in ("block_names", *_PER_BLOCK):
+        if key in d:
+            d[key] = _short(hashlib.sha1(json.dumps(d[key]).encode()))
+    return d
 
 
 def digest_mismatches(digests: list[dict]) -> list[str]:
@@ -970,7 +983,7 @@ class _DLOStreamedBlocks(StreamedBlocks):
         if self.control is None:
             return
         try:
-            mine = setup_digest(self.config, self.dlo, layouts, tensors, len(self.blocks))
+            mine = fit_digest(setup_digest(self.config, self.dlo, layouts, tensors, len(self.blocks)))
         except Exception as e:  # tell the peers rather than leave them waiting
             mine = {"error": f"{type(e).__name__}: {e}"}
         digests = self.control.gather_json(mine, "the DLO setup check")
@@ -1252,12 +1265,25 @@ def _wave_summary(request: Any, path_keys) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _json_safe(v):
+    """Tuples as lists, anything else JSON cannot carry as its repr (compared as such on every rank)."""
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and abs(v) != float("inf") else repr(v)
+    return repr(v)
+
+
 def _show(v) -> str:
     return "missing" if v is None else repr(v)
 
 
 def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str | None = None,
-                  path_keys=DEFAULT_PATH_KEYS) -> int | None:
+                  path_keys=DEFAULT_PATH_KEYS, timeout_s: float = 60.0) -> int | None:
     """Check that a DP request wave can run DLO AllGather in lock-step.
 
     Call on every rank of the DP group, with this rank's request (the
@@ -1271,6 +1297,7 @@ def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str |
 
     ``transfer``: "allgather" | "rank-local" | None (the DLO default for
     ``parallel``: allgather when the sharding group has more than one rank).
+    ``timeout_s``: bound of the wait for the other ranks (DLOCollectiveError after it).
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
@@ -1282,15 +1309,17 @@ def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str |
         return None
     group, size, _ = _resolve_group(parallel, "dp")
     path_keys = tuple(path_keys)
-    gathered: list = [None] * size
-    dist.all_gather_object(gathered, _wave_summary(request, path_keys), group=group)
+    nccl = str(dist.get_backend(group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    control = _Control(group, size, device, timeout_s, nccl)
+    gathered = control.gather_json(_json_safe(_wave_summary(request, path_keys)), "the request-wave check")
     errors = []
     broken = [(r, s["error"]) for r, s in enumerate(gathered) if "error" in s]
     for r, msg in broken:
         errors.append(f"dp rank {r}: {msg}")
     good = [(r, s) for r, s in enumerate(gathered) if "error" not in s]
     missing = [r for r, s in good if s["steps"] is None]
-    invalid = [(r, s["steps"][1]) for r, s in good if isinstance(s["steps"], tuple)]
+    invalid = [(r, s["steps"][1]) for r, s in good if isinstance(s["steps"], (tuple, list))]
     if missing:
         errors.append(f"num_inference_steps is missing (or None) on dp rank(s) {missing}")
     for r, v in invalid:

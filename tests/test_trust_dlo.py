@@ -219,6 +219,20 @@ def check_setup_one_rank_fails(rank, world):
     return dict(error=error, elapsed=time.monotonic() - t0)
 
 
+def check_wave_timeout(rank, world):
+    """validate_wave on rank 0 only: bounded by its timeout_s."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2.0)
+        return {}
+    t0 = time.monotonic()
+    error = _run(lambda: dlo.validate_wave({"num_inference_steps": 4}, parallel, timeout_s=TIMEOUT_S))
+    return dict(error=error, elapsed=time.monotonic() - t0)
+
+
 MISMATCHES = ["num_slots", "weight_transfer", "resident_layers", "cuda_graphs", "dtype", "layout", "weights",
               "weights_unchecked"]
 
@@ -241,6 +255,7 @@ def scenario(rank, world):
     # these time out on purpose, each in a group of its own: last
     c.run("setup_one_rank_fails", check_setup_one_rank_fails, rank, world)
     c.run("peer_stays_alive", check_peer_stays_alive, rank, world)
+    c.run("wave_timeout", check_wave_timeout, rank, world)
     return c.report
 
 
@@ -369,3 +384,50 @@ def test_dlo_rank_local_schedule_is_not_next_step():
     sb = dlo.build_streamed(ToyDiT(), rl, torch.device("cpu"), None, ParallelConfig(dp=2))
     assert type(sb).__name__ == "RankLocalStreamedBlocks" and sb.schedule.defer_last is False
     sb.restore()
+
+
+def test_request_wave_check_is_bounded(two):
+    rep = get(two, "wave_timeout")[0]
+    assert rep["error"] and "DLOCollectiveError" in rep["error"] and "request-wave" in rep["error"], rep
+    assert rep["elapsed"] < TIMEOUT_S + SLACK_S
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_digest_mismatches_name_the_values_and_the_block():
+    base = {"num_slots": 2, "block_names": ["a", "b"], "block_weights": ["x", "y"], "dtypes": ["torch.float32"]}
+    other = {**base, "num_slots": 3, "block_weights": ["x", "z"]}
+    errs = dlo.digest_mismatches([base, other, base])
+    assert "rank 1 num_slots=3, rank 0 num_slots=2" in errs
+    assert "block 'b' weights (sampled digest) differ: rank 1 z, rank 0 y" in errs
+    assert len(errs) == 2
+    assert dlo.digest_mismatches([base, dict(base)]) == []
+
+
+def test_fit_digest_folds_long_block_lists():
+    d = {"num_slots": 2, "block_names": [f"blocks.{i}" for i in range(4000)],
+         "block_layouts": ["0123456789abcdef"] * 4000}
+    small = dlo.fit_digest(d)
+    assert small["num_slots"] == 2 and isinstance(small["block_layouts"], str)
+    assert len(dlo.json.dumps(small)) < 1000
+    changed = dlo.fit_digest({**d, "block_layouts": ["0123456789abcdef"] * 3999 + ["x"]})
+    assert changed["block_layouts"] != small["block_layouts"]
+
+
+def test_weight_digest_sees_a_changed_element():
+    t = [torch.randn(300, 200), torch.randn(7).to(torch.bfloat16)]
+    d = dlo._weight_digest(t)
+    t2 = [t[0].clone(), t[1].clone()]
+    t2[0][-1, -1] += 1  # the last element is always sampled
+    assert dlo._weight_digest(t2) != d and dlo._weight_digest([x.clone() for x in t]) == d
+
+
+@pytest.mark.parametrize("kw,match", [(dict(dlo_timeout_s=0), "dlo_timeout_s=0"),
+                                      (dict(dlo_timeout_s=float("nan")), "dlo_timeout_s=nan"),
+                                      (dict(dlo_timeout_s="5"), "dlo_timeout_s='5'"),
+                                      (dict(dlo_verify_weights=1), "dlo_verify_weights=1")])
+def test_dlo_config_keys_are_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.layerwise(**kw)
+    cfg = OffloadConfig.layerwise(dlo_timeout_s=3, dlo_verify_weights=False)
+    assert cfg.dlo_timeout_s == 3.0 and OffloadConfig.from_dict(cfg.to_dict()) == cfg
+    assert OffloadConfig.layerwise().dlo_timeout_s == 60.0 and OffloadConfig.layerwise().dlo_verify_weights
