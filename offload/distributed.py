@@ -870,7 +870,11 @@ class AllGatherExecutor(GuardedExecutor):
     def agree_capture(self, ok: bool) -> bool:
         """Capture succeeded on every rank? One small collective per capture; when it did
         not everywhere, every rank resets to the captured step's start and runs it eagerly."""
-        rows = self._agree(not ok, "a CUDA-graph capture")
+        try:
+            rows = self._agree(not ok, "a CUDA-graph capture")
+        except DLOCollectiveError as e:
+            self.mark_failed(str(e))
+            raise
         agreed = not any(r["flag"] for r in rows)
         if not agreed:
             self._reset_to = self._capture_start
