@@ -136,7 +136,7 @@ class GraphRunner:
         self._captures += 1
         ex.capture_tag = self._captures
         prev = torch.cuda.current_stream(ex.device)
-        first_error = None
+        first_error = failed = None
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 try:
@@ -150,10 +150,12 @@ class GraphRunner:
         except Exception as e:  # data-dependent shapes, host syncs, unsupported ops
             # a failed capture_end leaves torch's capture stream current: restore ours
             torch.cuda.set_stream(prev)
+            failed = first_error if first_error is not None else e
+        if not ex.agree_capture(failed is None):  # DLO: one small collective, so every rank falls back alike
             ex.capture_tag = None
             ex.reset()
-            cause = first_error if first_error is not None else e
-            return self._fail(sig, args, kwargs, f"{type(cause).__name__}: {cause}")
+            cause = f"{type(failed).__name__}: {failed}" if failed is not None else "the capture failed on a peer rank"
+            return self._fail(sig, args, kwargs, cause)
         ex.capture_tag = None
         # Capture ran the hooks (position advanced by one step) but executed
         # nothing; the replay below executes that step.

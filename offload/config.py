@@ -83,6 +83,14 @@ def _check_int(path: str, value: Any, minimum: int) -> None:
         raise _reject(path, value, f"expected an int >= {minimum}")
 
 
+def _check_timeout(path: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(path, value, "a number of seconds > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise _reject(path, value, "expected a finite number of seconds > 0")
+    return float(value)
+
+
 def _check_budget(path: str, value: Any) -> float | None:
     if value is None:
         return None
@@ -180,6 +188,13 @@ class OffloadConfig:
     progress: print progress while pinning large host stores.
     debug_graph_addresses: CUDA-graph debug mode; at each replay check that
         static input addresses did not move.
+    dlo_timeout_s: number > 0, default 60. Distributed layerwise offload (DLO):
+        bound, in seconds, of every wait on a DLO collective (setup checks,
+        gathers, agreements); a failure on any rank becomes an error on every
+        rank within it instead of the process group's own timeout.
+    dlo_verify_weights: bool, default true. DLO: at setup compare a sampled
+        digest of every block's weights across the ranks (one collective; a
+        few KB read per block); a mismatch names the block and the ranks.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -202,11 +217,13 @@ class OffloadConfig:
     record_events: bool = False
     progress: bool = True
     debug_graph_addresses: bool = False
+    dlo_timeout_s: float = 60.0
+    dlo_verify_weights: bool = True
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
         for name in ("pin_memory", "enable_cpu_offload", "record_events", "progress",
-                     "debug_graph_addresses"):
+                     "debug_graph_addresses", "dlo_verify_weights"):
             _check_bool(name, getattr(self, name))
         mode, components = self._check_mode_components()
         object.__setattr__(self, "mode", mode)
@@ -230,6 +247,7 @@ class OffloadConfig:
         _check_int("num_slots", self.num_slots, 2)
         for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
             object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
+        object.__setattr__(self, "dlo_timeout_s", _check_timeout("dlo_timeout_s", self.dlo_timeout_s))
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

@@ -32,10 +32,40 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
     DLO collective. TP-local or HSDP-local tensors stream as they are.
 
 Both prime their first loads at the first forward (in the same order on every
-rank). In AllGather mode an exception part-way (from a collective, a copy, or
-a forward that stopped between streamed blocks) marks the backend unusable:
-the ranks may be out of step in their collectives, so later forwards raise a
-``RuntimeError`` naming the original failure instead of hanging.
+rank).
+
+Trust (DESIGN.md: nothing lost, no hang; every rank learns of a failure):
+
+- Setup: before anything is packed, one bounded collective compares every
+  rank's config (weight_transfer, num_slots, resident_layers, cuda_graphs,
+  graph_boundary_loads), block layout, dtypes and, with ``dlo_verify_weights``
+  (default), a digest of a few KB sampled from every block's weights; a
+  difference raises the same ``ValueError`` on every rank, naming both values
+  ("rank 1 num_slots=3, rank 0 num_slots=2", or the block). Rank-local DLO
+  takes part too when its sharding group is initialised.
+- Every DLO wait is bounded by ``dlo_timeout_s`` (default 60 s): gloo waits
+  with ``Work.wait(timeout)``, NCCL control collectives poll
+  ``Work.is_completed()``. A timeout raises :class:`DLOCollectiveError`.
+- AllGather, an exception inside the model (the same on every rank or on one):
+  the rank that stopped issues the rest of the step's gathers from its intact
+  host shards (no compute), so every rank issued the same collectives; then
+  one small agreement at the end of every eager step tells each rank whether
+  any rank failed in it, and the ranks that did not raise a ``RuntimeError``
+  naming the failed rank and its error. The ring stays in step: the next
+  forward runs normally, and ``gather_state_dict()`` / ``disable()`` work.
+  (On NCCL the agreement waits on the host for the step's work: one
+  synchronisation per eager step.)
+- A failed or timed-out collective marks the backend unusable: no further
+  collective is issued (a timed-out gloo operation stays pending and would
+  pair with the next one; a size mismatch aborts the process; an NCCL one
+  blocks its communicator). Forwards, ``gather_state_dict()`` and
+  ``disable()`` then raise at once, naming the way out:
+  ``local_state_dict()`` on every rank (no collective: tensors wholly in this
+  rank's share, :class:`ShardPiece` for the rest) and :func:`merge_shards` of
+  them is the full state dict.
+- A CUDA-graph capture is kept only when it succeeded on every rank (one
+  small agreement per capture); otherwise every rank resets to the captured
+  step's start and runs it eagerly.
 
 Request waves: with AllGather and ``dp > 1`` every DP rank computes its own
 request in lock-step collectives, so a wave needs an explicit, equal
@@ -44,8 +74,13 @@ request in lock-step collectives, so a wave needs an explicit, equal
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import hashlib
+import json
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +107,9 @@ __all__ = [
     "AllGatherStreamedBlocks",
     "RankLocalStreamedBlocks",
     "DEFAULT_PATH_KEYS",
+    "DLOCollectiveError",
+    "ShardPiece",
+    "merge_shards",
 ]
 
 _DIMS = ("dp", "sp", "tp", "hsdp")
@@ -368,8 +406,8 @@ class ShardedHostViews(Mapping):
         if key in self._ids:
             raise RuntimeError(
                 f"this rank holds only 1/{self._world} of each streamed tensor (DLO AllGather); "
-                "call .gather_state_dict() on every rank of the sharding group (a collective), or "
-                "disable() first"
+                "call .gather_state_dict() on every rank of the sharding group (a collective), "
+                "local_state_dict() (this rank's share, no collective), or disable() first"
             )
         raise KeyError(key)
 
@@ -385,6 +423,251 @@ class ShardedHostViews(Mapping):
     def clear(self) -> None:
         self._ids.clear()
 
+
+
+# --------------------------------------------------------------------------- bounded collectives
+class DLOCollectiveError(RuntimeError):
+    """A DLO collective failed, or did not complete within ``dlo_timeout_s``."""
+
+
+def bounded_wait(work, timeout_s: float, what: str, *, poll: bool = False) -> None:
+    """Wait for ``work`` at most ``timeout_s`` seconds; DLOCollectiveError otherwise.
+
+    ``poll``: NCCL work, whose plain ``wait()`` only makes the current stream
+    wait: poll ``is_completed()`` (a query of the collective's CUDA event) on
+    the host until the deadline, then ``wait()`` for its error, if any. Gloo
+    work: ``wait(timeout=...)``.
+    """
+    try:
+        if poll:
+            deadline, pause = time.monotonic() + timeout_s, 1e-4
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the collective did not complete")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise DLOCollectiveError(
+            f"{what} failed or did not complete within dlo_timeout_s={timeout_s:g}: {type(e).__name__}: {e} "
+            "(a peer failed, is out of step, or runs different code)"
+        ) from e
+
+
+_CONTROL_CAP = 1 << 16  # bytes per rank of a setup digest
+_AGREE_MAGIC = 0x57534C4F  # marks an agreement row
+_STATUS_BYTES = 1000  # bytes per rank of an agreement row
+_STATUS_INTS = 6
+
+
+class _Control:
+    """Small bounded control collectives of one DLO backend over the sharding group."""
+
+    def __init__(self, group, world: int, device: torch.device, timeout_s: float, nccl: bool):
+        self.group, self.world, self.device, self.timeout_s, self.nccl = group, world, device, timeout_s, nccl
+
+    def gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``row`` (same shape everywhere), stacked rank-major, on the CPU."""
+        row = row.to(self.device)
+        out = torch.empty((self.world, *row.shape), dtype=row.dtype, device=self.device)
+        work = dist.all_gather(list(out.unbind(0)), row, group=self.group, async_op=True)
+        bounded_wait(work, self.timeout_s, what, poll=self.nccl)
+        return out.cpu()
+
+    def status(self, ints: list[int], note: str, what: str) -> list[tuple[list[int], str]]:
+        """Every rank's few ints and a short note, in one fixed-size row
+        (_STATUS_BYTES: never the size of a gather, which is a multiple of 512)."""
+        raw = note.encode()[: _STATUS_BYTES - 8 * (2 + _STATUS_INTS)]
+        head = torch.zeros(2 + _STATUS_INTS, dtype=torch.int64)
+        head[0], head[1] = _AGREE_MAGIC, len(raw)
+        head[2 : 2 + len(ints)] = torch.tensor(ints, dtype=torch.int64)
+        row = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
+        row[: head.numel() * 8] = head.view(torch.uint8)
+        row[head.numel() * 8 : head.numel() * 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        rows = self.gather(row, what)
+        out = []
+        for r in range(self.world):
+            h = rows[r, : head.numel() * 8].view(torch.int64)
+            if int(h[0]) != _AGREE_MAGIC:
+                raise DLOCollectiveError(f"{what}: rank {r} sent something else (the ranks are out of step)")
+            start = head.numel() * 8
+            text = bytes(rows[r, start : start + int(h[1])].tolist()).decode(errors="replace")
+            out.append((h[2 : 2 + len(ints)].tolist(), text))
+        return out
+
+    def gather_json(self, obj, what: str) -> list:
+        raw = json.dumps(obj, sort_keys=True).encode()
+        if len(raw) + 8 > _CONTROL_CAP:
+            raise ValueError(f"{what}: the digest is {len(raw)} bytes, over {_CONTROL_CAP - 8}")
+        buf = torch.zeros(_CONTROL_CAP, dtype=torch.uint8)
+        buf[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+        buf[8 : 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        rows = self.gather(buf, what)
+        out = []
+        for r in range(self.world):
+            n = int(rows[r, :8].view(torch.int64)[0])
+            out.append(json.loads(bytes(rows[r, 8 : 8 + n].tolist()).decode()))
+        return out
+
+
+def _control_for(parallel: ParallelConfig, dlo: "DLOPlan", config: OffloadConfig,
+                 device: torch.device) -> _Control | None:
+    """The control channel of a DLO backend, or None where no rank shares its weights
+    (rank-local without an initialised group of more than one rank)."""
+    if dlo.transfer == "allgather":
+        group, size, backend = dlo.group, dlo.group_size, dlo.backend
+    else:
+        dim = parallel.shard_dim
+        if dim is None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        group, size = getattr(parallel, f"{dim}_group"), getattr(parallel, dim)
+        if dist.get_world_size(group) != size or dist.get_rank(group) < 0:
+            return None  # rank-local never needed this group; it does not check against it either
+        backend = str(dist.get_backend(group))
+    nccl = backend == "nccl"
+    return _Control(group, size, device if nccl else torch.device("cpu"), config.dlo_timeout_s, nccl)
+
+
+# --------------------------------------------------------------------------- setup digest
+_DIGEST_SAMPLE_BYTES = 4096  # bytes sampled per block for dlo_verify_weights
+
+
+def _short(h) -> str:
+    return h.hexdigest()[:16]
+
+
+def _layout_digest(lay: BlockLayout) -> str:
+    h = hashlib.sha1()
+    for sp in lay.tensors:
+        h.update(repr((sp.name, sp.kind, str(sp.dtype), sp.shape, sp.stride, sp.offset, sp.nbytes)).encode())
+    h.update(repr(lay.nbytes).encode())
+    return _short(h)
+
+
+def _weight_digest(tensors: list[torch.Tensor]) -> str:
+    """A digest of a few KB sampled evenly from every tensor of a block (first and last element included)."""
+    h = hashlib.sha1()
+    per = max(1, _DIGEST_SAMPLE_BYTES // max(1, len(tensors)))
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            n = flat.numel()
+            if n == 0:
+                continue
+            m = max(1, min(n, per // max(1, flat.element_size())))
+            idx = torch.linspace(0, n - 1, m, device=flat.device).round().long()
+            sample = flat.index_select(0, idx).contiguous().cpu()
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    return _short(h)
+
+
+def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayout], tensors,
+                 num_blocks: int) -> dict:
+    """What every rank of a DLO group must agree on before its first collective."""
+    dtypes = sorted({str(sp.dtype) for lay in layouts for sp in lay.tensors})
+    d = {
+        "weight_transfer": dlo.transfer, "num_slots": config.num_slots,
+        "resident_layers": config.resident_layers, "cuda_graphs": config.cuda_graphs,
+        "graph_boundary_loads": config.graph_boundary_loads, "dlo_verify_weights": config.dlo_verify_weights,
+        "blocks": num_blocks, "streamed_blocks": len(layouts), "dtypes": dtypes,
+        "block_names": [lay.name for lay in layouts],
+        "block_layouts": [_layout_digest(lay) for lay in layouts],
+    }
+    if config.dlo_verify_weights:
+        d["block_weights"] = [_weight_digest([t for _, _, t in ts]) for ts in tensors]
+    return d
+
+
+_PER_BLOCK = ("block_layouts", "block_weights")
+
+
+def fit_digest(d: dict, cap: int = _CONTROL_CAP // 2) -> dict:
+    """``d`` with its per-block lists folded into one hash each when it is too long to send."""
+    if len(json.dumps(d)) <= cap:
+        return d
+    d = dict(d)
+    for key in ("block_names", *_PER_BLOCK):
+        if key in d:
+            d[key] = _short(hashlib.sha1(json.dumps(d[key]).encode()))
+    return d
+
+
+def digest_mismatches(digests: list[dict]) -> list[str]:
+    """Human-readable differences of every rank's setup digest from rank 0's."""
+    errors = []
+    base = digests[0]
+    for key in sorted(set().union(*digests)):
+        for r, d in enumerate(digests[1:], start=1):
+            a, b = d.get(key), base.get(key)
+            if a == b:
+                continue
+            if key in _PER_BLOCK and isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+                names = base.get("block_names") or [str(i) for i in range(len(b))]
+                bad = [i for i in range(len(b)) if a[i] != b[i]]
+                what = "layout" if key == "block_layouts" else "weights (sampled digest)"
+                errors.append(f"block {names[bad[0]]!r} {what} differ: rank {r} {a[bad[0]]}, rank 0 {b[bad[0]]}"
+                              + (f" (and {len(bad) - 1} more blocks)" if len(bad) > 1 else ""))
+            elif key in _PER_BLOCK:
+                continue  # a block-count difference is reported by "blocks" / "block_names"
+            else:
+                errors.append(f"rank {r} {key}={_show_digest(a)}, rank 0 {key}={_show_digest(b)}")
+            break
+    return errors
+
+
+def _show_digest(v) -> str:
+    if isinstance(v, list) and len(v) > 6:
+        return f"[{len(v)} entries: {', '.join(map(repr, v[:3]))}, ...]"
+    return repr(v)
+
+
+# --------------------------------------------------------------------------- rank-local reads
+@dataclasses.dataclass(frozen=True)
+class ShardPiece:
+    """The part of a streamed tensor one AllGather rank holds (see ``local_state_dict``).
+
+    ``spec``: the tensor's dtype, shape and stride (offset 0, ``nbytes`` its byte
+    span); ``start``: offset of ``data`` (uint8, on the CPU) in those bytes.
+    :func:`merge_shards` joins the pieces of every rank into the tensor.
+    """
+
+    name: str
+    spec: TensorSpec
+    start: int
+    data: torch.Tensor
+
+    def __repr__(self) -> str:
+        return (f"ShardPiece({self.name!r}, bytes [{self.start}, {self.start + self.data.numel()}) of "
+                f"{self.spec.nbytes}: the rest is held by other ranks)")
+
+
+def merge_shards(local_state_dicts: list[Mapping]) -> dict[str, torch.Tensor]:
+    """The full state dict from every rank's ``local_state_dict()`` (any order; no collective)."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[ShardPiece]] = {}
+    for sd in local_state_dicts:
+        for name, v in sd.items():
+            if isinstance(v, ShardPiece):
+                pieces.setdefault(name, []).append(v)
+            else:
+                out.setdefault(name, v)
+    for name, ps in pieces.items():
+        if name in out:
+            continue
+        spec = ps[0].spec
+        buf = torch.zeros(spec.nbytes, dtype=torch.uint8)
+        have = torch.zeros(spec.nbytes, dtype=torch.bool)
+        for p in ps:
+            buf[p.start : p.start + p.data.numel()] = p.data
+            have[p.start : p.start + p.data.numel()] = True
+        if not bool(have.all()):
+            miss = int((~have).nonzero()[0])
+            raise ValueError(f"merge_shards: {name!r} misses bytes from {miss} of {spec.nbytes}: "
+                             "pass the local_state_dict() of every rank of the sharding group")
+        out[name] = spec.view_of(buf).clone()
+    return out
 
 # --------------------------------------------------------------------------- executors
 def _all_gather_tensor_fn():
@@ -439,10 +722,16 @@ class AllGatherExecutor(GuardedExecutor):
     mode = "allgather"
 
     def __init__(self, blocks, store: ShardedStore, schedule, device, *, group, world: int,
-                 gather: str = "tensor", record_events: bool = False):
+                 gather: str = "tensor", record_events: bool = False, control: _Control | None = None,
+                 timeout_s: float = 60.0):
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
         self.group, self.world, self.gather = group, world, gather
+        self.control, self.timeout_s = control, timeout_s
+        self.ncoll = 0  # DLO collectives this rank issued eagerly on the group (compared to recover)
+        self._reset_to: int | None = None  # step start every rank agreed to reset to (a capture failed somewhere)
+        self._capture_start = 0
+        self._forward_start = 0  # position when the current forward began
         super().__init__(blocks, store, schedule, device, record_events=record_events)
         self.shard_slots = [torch.empty(store.max_shard, dtype=torch.uint8, device=self.device)
                             for _ in self.slots]
@@ -455,6 +744,17 @@ class AllGatherExecutor(GuardedExecutor):
             self.shard_loaded = [torch.cuda.Event() for _ in self.slots]
             self.shard_read = [torch.cuda.Event() for _ in self.slots]
             self._read_tag = [None] * len(self.slots)  # capture context of shard_read (see executor)
+
+    @property
+    def capture_tag(self):
+        return self._capture_tag
+
+    @capture_tag.setter
+    def capture_tag(self, tag) -> None:
+        # a capture starts at a step boundary: where every rank resets to if it fails on any
+        if tag is not None and getattr(self, "_capture_tag", None) is None:
+            self._capture_start = self.position
+        self._capture_tag = tag
 
     def _slot_size(self) -> int:
         # a gathered image is world * shard bytes: the block image plus the last share's padding
@@ -485,7 +785,9 @@ class AllGatherExecutor(GuardedExecutor):
             copy_from_image(shard, src)
             if rec_copy is not None:
                 rec_copy.end = rec_gather.start = self.log.mark()
-            self.all_gather(full, shard)
+            work = self.all_gather(full, shard, async_op=True)
+            self.ncoll += 1
+            bounded_wait(work, self.timeout_s, f"the gather of block {self.blocks[load.block].name!r}")
             if rec_gather is not None:
                 rec_gather.end = self.log.mark()
             return
@@ -512,6 +814,7 @@ class AllGatherExecutor(GuardedExecutor):
                 rec_gather.start = self.log.mark(comm)
             work = self.all_gather(full, shard, async_op=True)
             work.wait()  # the comm stream waits for the collective's stream (no host block)
+            self.ncoll += self.capture_tag is None  # a captured gather runs at replay, on every rank alike
             self.loaded[slot].record(comm)
             self.shard_read[slot].record(comm)
             self._load_tag[slot] = self._read_tag[slot] = self.capture_tag
@@ -544,20 +847,95 @@ class AllGatherExecutor(GuardedExecutor):
         return super().side_streams() + ([self.comm_stream] if self.cuda else [])
 
     def reset(self) -> None:
-        # Re-priming on one rank alone (e.g. after a capture failed there) would
-        # issue gathers its peers do not: stop instead of desynchronising them.
-        self.mark_failed(f"the ring had to be reset at position {self.position} (a failed graph capture "
-                         "or an interrupted step); under AllGather every rank must reset together")
-        self.check_usable()
+        # Re-priming on one rank alone would issue gathers its peers do not: only a
+        # reset every rank agreed to (agree_capture) runs; anything else stops.
+        if self._reset_to is None:
+            self.mark_failed(f"the ring had to be reset at position {self.position} (a failed graph capture "
+                             "or an interrupted step); under AllGather every rank must reset together")
+            self.check_usable()
+        target, self._reset_to = self._reset_to, None
+        self.synchronize()
+        self._to_step_boundary()
+        self.position = target
+        self.capture_tag = None
+        self.reload_pending()  # the same gathers, in the same order, on every rank
 
-    def step_interrupted(self, exc: BaseException | None) -> None:
-        """Called after the model's forward; marks the backend unusable when it
-        stopped between streamed blocks."""
-        if self.position % self.schedule.n == 0:
-            return
-        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "the forward returned early"
-        self.mark_failed(f"{cause} (the forward stopped after {self.position % self.schedule.n} of "
-                         f"{self.schedule.n} streamed blocks)")
+    # -- decisions every rank takes together (bounded by dlo_timeout_s) --------------
+    def _agree(self, flag: bool, what: str, note: str = "") -> list[dict]:
+        """Every rank's position, collectives issued, ``flag`` and ``note``: one small collective."""
+        rows = self.control.status([self.position, self.ncoll, int(flag)], note, f"the DLO agreement on {what}")
+        self.ncoll += 1
+        return [{"position": r[0], "ncoll": r[1], "flag": bool(r[2]), "note": n} for r, n in rows]
+
+    def agree_capture(self, ok: bool) -> bool:
+        """Capture succeeded on every rank? One small collective per capture; when it did
+        not everywhere, every rank resets to the captured step's start and runs it eagerly."""
+        try:
+            rows = self._agree(not ok, "a CUDA-graph capture")
+        except DLOCollectiveError as e:
+            self.mark_failed(str(e))
+            raise
+        agreed = not any(r["flag"] for r in rows)
+        if not agreed:
+            self._reset_to = self._capture_start
+        return agreed
+
+    def begin_forward(self) -> None:
+        self._forward_start = self.position
+
+    def end_forward(self, exc: BaseException | None) -> None:
+        """After every eager forward: a rank that stopped part-way first issues the
+        step's remaining gathers (its host shards are intact), so every rank issued
+        the same collectives; then one small agreement: when any rank raised in
+        this step, every rank that did not raises too. The ring stays in step and
+        usable. A failed collective instead marks the backend unusable."""
+        if self.capture_tag is not None or self.failure is not None:
+            return  # a capture (agree_capture decides) or no collective may run any more
+        stopped = exc is not None or self.position % self.schedule.n != 0 or self.position == self._forward_start
+        note = ""
+        if stopped:
+            note = (f"{type(exc).__name__}: {exc}" if exc is not None else "the forward returned early") + (
+                f" (after {self.position - self._forward_start} of {self.schedule.n} streamed blocks)")
+            try:
+                self._drain()
+            except Exception as e:
+                self.mark_failed(f"{type(e).__name__}: {e} (completing the step's gathers after: {note})")
+                raise
+        try:
+            rows = self._agree(stopped, "the end of a step", note)
+        except DLOCollectiveError as e:
+            self.mark_failed(str(e))
+            raise
+        if len({(r["position"], r["ncoll"]) for r in rows}) > 1:
+            self.mark_failed("the ranks are out of step after a step (" + ", ".join(
+                f"rank {i}: position {r['position']}, {r['ncoll']} collectives" for i, r in enumerate(rows)) + ")")
+            self.check_usable()
+        failed = [(i, r["note"]) for i, r in enumerate(rows) if r["flag"]]
+        if failed and exc is None:
+            raise RuntimeError(
+                "weightstream DLO (allgather): this step failed on " + "; ".join(
+                    f"rank {i}: {n}" for i, n in failed)
+                + ". This rank's output of the step is discarded; every rank completed the step's gathers, "
+                "so the next forward runs normally"
+            )
+
+    def _drain(self) -> None:
+        """Issue the gathers the rest of this step would have issued (no compute)."""
+        n, p = self.schedule.n, self.position
+        end = p + n if p == self._forward_start else -(-p // n) * n
+        if not self._primed:
+            self._prime()
+        if self._bound is not None:
+            self._unbind(self._bound)
+        self._late = None
+        if self.cuda:  # after whatever compute the step did launch
+            for side in self.side_streams():
+                side.wait_stream(torch.cuda.current_stream(self.device))
+        for q in range(p, end):
+            nxt = self.schedule.after_compute(q)
+            if nxt is not None:
+                self._issue(nxt, wait_free=False)
+        self.position = end
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -570,7 +948,9 @@ class AllGatherExecutor(GuardedExecutor):
         full = torch.empty(self.world * sb, dtype=torch.uint8, device=self.device)
         shard = torch.empty(sb, dtype=torch.uint8, device=self.device)
         copy_from_image(shard, self.store.image(k))  # the gather below is ordered after it
-        self.all_gather(full, shard)
+        work = self.all_gather(full, shard, async_op=True)
+        self.ncoll += 1
+        bounded_wait(work, self.timeout_s, f"the gather of block {self.store.layouts[k].name!r}", poll=self.cuda)
         return full
 
     def remove(self) -> None:
@@ -594,11 +974,31 @@ class _DLOStreamedBlocks(StreamedBlocks):
                 "layerwise offload (DLO); choose: auto (in-graph under DLO), in-graph"
             )
         self.parallel, self.dlo = parallel, dlo
+        self.control = _control_for(parallel, dlo, config, device)
         super().__init__(module, config, device, plan)
         self._root_hooks = [module.register_forward_pre_hook(self._before_forward)]
 
     def _before_forward(self, module, args):
         self.executor.check_usable()
+
+    def _check_peers(self, layouts, tensors) -> None:
+        """One bounded collective before anything is packed: every rank of the group must
+        agree on the config, the block layout and (dlo_verify_weights) sampled weights."""
+        if self.control is None:
+            return
+        try:
+            mine = fit_digest(setup_digest(self.config, self.dlo, layouts, tensors, len(self.blocks)))
+        except Exception as e:  # tell the peers rather than leave them waiting
+            mine = {"error": f"{type(e).__name__}: {e}"}
+        digests = self.control.gather_json(mine, "the DLO setup check")
+        errors = [f"rank {r}: {d['error']}" for r, d in enumerate(digests) if "error" in d]
+        errors += digest_mismatches([d for d in digests]) if not errors else []
+        if errors:
+            raise ValueError(
+                f"distributed layerwise offload (DLO) over {self.control.world} ranks: "
+                "the ranks disagree at setup: " + "; ".join(errors)
+                + ". Every rank of the sharding group needs the same config, model and weights"
+            )
 
     @property
     def transfer(self) -> str:
@@ -638,6 +1038,10 @@ class _DLOStreamedBlocks(StreamedBlocks):
 class RankLocalStreamedBlocks(_DLOStreamedBlocks):
     """DLO without a weight collective: full blocks per rank, ordinary streaming."""
 
+    def _build_store(self, layouts, tensors):
+        self._check_peers(layouts, tensors)
+        return super()._build_store(layouts, tensors)
+
     def _build_executor(self) -> GuardedExecutor:
         return GuardedExecutor(self.blocks, self.store, self.schedule, self.device,
                                record_events=self.config.record_events)
@@ -654,10 +1058,15 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         super().__init__(module, config, device, plan, parallel, dlo)
         self._root_hooks.append(module.register_forward_hook(self._after_forward, always_call=True))
 
+    def _before_forward(self, module, args):
+        super()._before_forward(module, args)
+        self.executor.begin_forward()
+
     def _after_forward(self, module, args, output):
-        self.executor.step_interrupted(sys.exc_info()[1])
+        self.executor.end_forward(sys.exc_info()[1])
 
     def _build_store(self, layouts, tensors) -> ShardedStore:
+        self._check_peers(layouts, tensors)
         cfg, device, dlo = self.config, self.device, self.dlo
         pin_budget = cfg.pinned_memory_budget_gb
         store = ShardedStore(
@@ -694,15 +1103,17 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         probe_out = torch.empty(self.dlo.group_size * TENSOR_ALIGN, dtype=torch.uint8, device=self.device)
         probe_in = torch.zeros(TENSOR_ALIGN, dtype=torch.uint8, device=self.device)
         try:
-            _all_gather_tensor_fn()(probe_out, probe_in, group=self.dlo.group)
-            return "tensor"
+            work = _all_gather_tensor_fn()(probe_out, probe_in, group=self.dlo.group, async_op=True)
         except (RuntimeError, NotImplementedError):
             return "list"
+        bounded_wait(work, self.config.dlo_timeout_s, "the DLO gather probe")
+        return "tensor"
 
     def _build_executor(self) -> AllGatherExecutor:
         return AllGatherExecutor(
             self.blocks, self.store, self.schedule, self.device, group=self.dlo.group,
             world=self.dlo.group_size, gather=self._gather_mode(), record_events=self.config.record_events,
+            control=self.control, timeout_s=self.config.dlo_timeout_s,
         )
 
     def _h2d_bytes_per_step(self) -> int:
@@ -746,33 +1157,83 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         ex.reload_pending()  # a collective: slots prefetched before the update hold old weights
         return written
 
-    def gather_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict on CPU (a collective: call on every rank of the sharding group)."""
+    def _ready_to_gather(self, what: str) -> None:
+        """After a failed collective no further one is issued: a timed-out gloo
+        operation stays pending and would pair with the next collective (a size
+        mismatch aborts the process), an NCCL one blocks its communicator. The
+        host shards are intact, so the way out is rank-local."""
         ex = self.executor
-        ex.check_usable("gather_state_dict()")
+        if ex.failure is not None:
+            raise RuntimeError(
+                f"{what} is a collective, and this rank's DLO collectives stopped after a failure "
+                f"({ex.failure}). The host shards are intact: call local_state_dict() on every rank (no "
+                "collective) and join them with weightstream.offload.distributed.merge_shards([...])"
+            )
+
+    def _gather_images(self, what: str) -> list[torch.Tensor]:
+        self._ready_to_gather(what)
+        ex = self.executor
         ex.synchronize()
+        return [ex.gather_image(k) for k in range(len(self.tensors))]
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU (a collective: call on every rank of the sharding group).
+
+        Also after a failure: when every rank calls it and the ranks issued the
+        same collectives, it gathers the host shards; otherwise it raises and
+        names :meth:`local_state_dict`."""
         names = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
         out = {name: t.detach().to("cpu", copy=True) for name, t in self.module.state_dict(keep_vars=True).items()}
+        fulls = self._gather_images("gather_state_dict()")
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
-                full = ex.gather_image(k)
                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
                     if id(t) in names:
-                        out[names[id(t)]] = spec.view_of(full).to("cpu", copy=True)
+                        out[names[id(t)]] = spec.view_of(fulls[k]).to("cpu", copy=True)
         return out
 
+    def local_state_dict(self) -> dict:
+        """This rank's weights with no collective (usable after any failure).
+
+        Non-streamed tensors as in ``state_dict()``; a streamed tensor that lies
+        wholly in this rank's share of its block is a CPU tensor; any other is a
+        :class:`ShardPiece` holding the bytes this rank has (possibly none).
+        ``merge_shards`` of every rank's result is the full state dict."""
+        where = {id(t): (k, spec) for k, ts in enumerate(self.tensors)
+                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors)}
+        out = {}
+        # resident tensors are read on a stream of their own: after a timed-out
+        # gather the compute stream may wait forever on the stuck collective
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                loc = where.get(id(t))
+                out[name] = t.detach().to("cpu", copy=True) if loc is None else self._local_piece(name, *loc)
+        return out
+
+    def _local_piece(self, name: str, k: int, spec: TensorSpec):
+        lo, hi = self.store.range(k)
+        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
+        whole = dataclasses.replace(spec, offset=0)
+        if a == spec.offset and b == spec.offset + spec.nbytes:
+            return dataclasses.replace(spec, offset=spec.offset - lo).view_of(self.store.image(k)).clone()
+        data = self.store.image(k)[a - lo : b - lo].clone() if a < b else torch.empty(0, dtype=torch.uint8)
+        return ShardPiece(name, whole, max(0, a - spec.offset), data)
+
     def restore(self) -> nn.Module:
-        """Full weights back on every rank's device (a collective: every rank gathers each block once)."""
+        """Full weights back on every rank's device (a collective: every rank gathers each block once).
+
+        Also after a failure, under the rule of :meth:`gather_state_dict`; every
+        block is gathered before any tensor changes, so a failure part-way
+        leaves the backend as it was."""
         ex = self.executor
-        ex.check_usable("disable()")
+        fulls = self._gather_images("disable()")
         self._remove_root_hooks()
-        ex.synchronize()
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
-                full = ex.gather_image(k)
                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
-                    t.data = spec.view_of(full).clone()
-                del full
+                    t.data = spec.view_of(fulls[k]).clone()
+        del fulls
         ex.remove()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
@@ -808,12 +1269,25 @@ def _wave_summary(request: Any, path_keys) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _json_safe(v):
+    """Tuples as lists, anything else JSON cannot carry as its repr (compared as such on every rank)."""
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and abs(v) != float("inf") else repr(v)
+    return repr(v)
+
+
 def _show(v) -> str:
     return "missing" if v is None else repr(v)
 
 
 def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str | None = None,
-                  path_keys=DEFAULT_PATH_KEYS) -> int | None:
+                  path_keys=DEFAULT_PATH_KEYS, timeout_s: float = 60.0) -> int | None:
     """Check that a DP request wave can run DLO AllGather in lock-step.
 
     Call on every rank of the DP group, with this rank's request (the
@@ -827,6 +1301,7 @@ def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str |
 
     ``transfer``: "allgather" | "rank-local" | None (the DLO default for
     ``parallel``: allgather when the sharding group has more than one rank).
+    ``timeout_s``: bound of the wait for the other ranks (DLOCollectiveError after it).
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
@@ -838,15 +1313,17 @@ def validate_wave(request: Mapping, parallel: ParallelConfig, *, transfer: str |
         return None
     group, size, _ = _resolve_group(parallel, "dp")
     path_keys = tuple(path_keys)
-    gathered: list = [None] * size
-    dist.all_gather_object(gathered, _wave_summary(request, path_keys), group=group)
+    nccl = str(dist.get_backend(group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    control = _Control(group, size, device, timeout_s, nccl)
+    gathered = control.gather_json(_json_safe(_wave_summary(request, path_keys)), "the request-wave check")
     errors = []
     broken = [(r, s["error"]) for r, s in enumerate(gathered) if "error" in s]
     for r, msg in broken:
         errors.append(f"dp rank {r}: {msg}")
     good = [(r, s) for r, s in enumerate(gathered) if "error" not in s]
     missing = [r for r, s in good if s["steps"] is None]
-    invalid = [(r, s["steps"][1]) for r, s in good if isinstance(s["steps"], tuple)]
+    invalid = [(r, s["steps"][1]) for r, s in good if isinstance(s["steps"], (tuple, list))]
     if missing:
         errors.append(f"num_inference_steps is missing (or None) on dp rank(s) {missing}")
     for r, v in invalid:

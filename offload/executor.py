@@ -382,6 +382,10 @@ class LayerwiseExecutor:
             if self._load_tag[slot] is None:
                 stream.wait_event(self.loaded[slot])
 
+    def agree_capture(self, ok: bool) -> bool:
+        """Whether a CUDA-graph capture succeeded; collective executors decide it with their peers."""
+        return ok
+
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
         Used after a failed capture; not on the normal path."""

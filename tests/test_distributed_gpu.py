@@ -16,6 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from test_distributed import Checks, check_equal, check_waves, get, run_ranks  # noqa: E402
+from test_trust_dlo import SLACK_S, TIMEOUT_S, _same_weights, check_block_failure  # noqa: E402
+from weightstream.models import ToyDiT  # noqa: E402
+from weightstream.offload import distributed as dlo  # noqa: E402
 from weightstream.offload.distributed import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
@@ -41,7 +44,75 @@ def scenario_gpu(rank, world):
     c.run("waves", check_waves, dp, rank, world)
     c.run("weights", _weights_gpu, dp, rank, device)
     c.run("graphs", _graphs_gpu, dp, rank, device)
+    # DLO trust (tests/test_trust_dlo.py on NCCL)
+    c.run("same_exception", check_block_failure, dp, rank, transfer="allgather", failing=(0, 1), device=device)
+    c.run("one_rank_fails", check_block_failure, dp, rank, transfer="allgather", failing=(1,), device=device)
+    c.run("capture_fails_on_one_rank", _capture_fails_on_one_rank, dp, rank, device)
+    c.run("peer_stays_alive", _peer_stays_alive, rank, world, device)  # last: leaves its NCCL group stuck
     return c.report
+
+
+def _capture_fails_on_one_rank(parallel, rank, device):
+    """A capture that fails on rank 1 only: every rank falls back to eager (one agreement),
+    outputs stay bit-exact, DLO stays usable."""
+    import copy
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import flux_inputs, tiny_flux
+
+    model = tiny_flux(dtype=torch.bfloat16)
+    inputs = flux_inputs(model, device=device, seed=1 + rank)
+    ref_model = copy.deepcopy(model).to(device)
+    with torch.no_grad():
+        ref = ref_model(**inputs)[0]
+    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", progress=False, dlo_timeout_s=30.0)
+    om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
+
+    def fail_in_capture(module, args):
+        if rank == 1 and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure on rank 1")
+
+    target = model.single_transformer_blocks[1]
+    handle = target.register_forward_pre_hook(fail_in_capture)
+    with torch.no_grad():
+        equal = [torch.equal(om(**inputs)[0], ref) for _ in range(6)]
+    handle.remove()
+    counts, usable = dict(om.graphs.counts), om._streamed.usable
+    om.disable()
+    return dict(equal=equal, counts=counts, usable=usable)
+
+
+def _peer_stays_alive(rank, world, device):
+    """Rank 1 skips a forward but stays alive: rank 0's forward raises within dlo_timeout_s."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import ToyDiT, toy_inputs
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=120))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, inputs = ToyDiT(), toy_inputs(seed=1 + rank, device=device)
+    cfg = OffloadConfig.layerwise(progress=False, dlo_timeout_s=TIMEOUT_S)
+    om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)
+    out = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            with torch.no_grad():
+                om(**inputs)
+            out["error"] = None
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["elapsed"] = time.monotonic() - t0
+    else:
+        time.sleep(TIMEOUT_S + 5.0)
+    out["local"] = om._streamed.local_state_dict()
+    return out
 
 
 def _graphs_gpu(parallel, rank, device):
@@ -155,3 +226,36 @@ def test_nccl_update_weights(gpu2):
     for rep in get(gpu2, "weights"):
         assert all(rep["equal"]) and rep["gathered_ok"]
 
+
+
+# --------------------------------------------------------------------------- DLO trust on NCCL
+def test_nccl_same_exception_on_every_rank_leaves_dlo_usable(gpu2):
+    for r, rep in enumerate(get(gpu2, "same_exception")):
+        assert rep["errors"][1].startswith("ValueError: injected failure inside a block"), rep["errors"]
+        assert rep["errors"][2:] == [None, None] and rep["equal"][2:] == [True, True], (r, rep)
+        assert rep["usable"] and rep["gathered"] and rep["restored"] and rep["restored_equal"]
+
+
+def test_nccl_one_rank_failure_errors_everywhere_then_bit_exact(gpu2):
+    r0, r1 = get(gpu2, "one_rank_fails")
+    assert r1["errors"][1].startswith("ValueError: injected failure inside a block")
+    assert r0["errors"][1] and "rank 1: ValueError: injected failure" in r0["errors"][1], r0["errors"]
+    assert r0["elapsed"][1] < 5.0
+    for rep in (r0, r1):
+        assert rep["errors"][2:] == [None, None] and rep["equal"][2:] == [True, True], rep
+        assert rep["usable"] and rep["gathered"] and rep["restored"] and rep["restored_equal"]
+
+
+def test_nccl_capture_failure_on_one_rank_is_eager_on_all(gpu2):
+    for r, rep in enumerate(get(gpu2, "capture_fails_on_one_rank")):
+        assert all(rep["equal"]), (r, rep)
+        assert rep["usable"] is True, (r, rep)
+        assert rep["counts"]["capture"] == 0 and rep["counts"]["eager-fallback"] >= 1, (r, rep["counts"])
+
+
+def test_nccl_peer_that_stays_alive_fails_within_the_timeout(gpu2):
+    r0, r1 = get(gpu2, "peer_stays_alive")
+    assert r0["error"] and "DLOCollectiveError" in r0["error"], r0["error"]
+    assert r0["elapsed"] < TIMEOUT_S + SLACK_S, r0["elapsed"]
+    full = dlo.merge_shards([r0["local"], r1["local"]])
+    assert _same_weights(full, ToyDiT().state_dict())

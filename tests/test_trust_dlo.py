@@ -1,0 +1,433 @@
+"""DLO never loses weights and never hangs (gloo, 2 ranks on CPU).
+
+One launch runs every check in the same two processes (the launcher of
+tests/test_distributed.py). Checks whose collectives time out on purpose use a
+group of their own and run last: a timed-out gloo operation stays pending in
+its group until the group's own timeout. Every DLO wait here is bounded by a
+dlo_timeout_s of a few seconds.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+
+import pytest
+import torch
+
+from test_distributed import Checks, get, run_ranks
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import ToyDiT, toy_inputs
+from weightstream.offload import distributed as dlo
+from weightstream.offload.distributed import ParallelConfig
+from weightstream.offload.transformer import StreamedBlocks
+
+TIMEOUT_S = 2.0  # dlo_timeout_s of the checks that time out on purpose
+SLACK_S = 4.0  # two shared CPU cores: scheduling delay on top of it
+
+
+def _cfg(**kw):
+    kw.setdefault("dlo_timeout_s", 5.0)
+    return OffloadConfig.layerwise(progress=False, **kw)
+
+
+def _toy(rank):
+    model = ToyDiT()
+    return model, toy_inputs(seed=1 + rank), copy.deepcopy(model)
+
+
+def _run(fn):
+    try:
+        fn()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _forward(om, inputs):
+    with torch.no_grad():
+        return om(**inputs)
+
+
+def _raise_in(block, when):
+    """A pre-hook on ``block`` that raises while ``when()`` is true (a user error inside the model)."""
+    def hook(module, args):
+        if when():
+            raise ValueError(f"injected failure inside a block (forward {when.state['n']})")
+    return block.register_forward_pre_hook(hook)
+
+
+class _Counter:
+    def __init__(self, fail_at, rank, ranks):
+        self.state = {"n": 0}
+        self.fail_at, self.rank, self.ranks = fail_at, rank, ranks
+
+    def __call__(self):
+        return self.state["n"] == self.fail_at and self.rank in self.ranks
+
+
+def _same_weights(sd, ref_sd):
+    return sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
+# --------------------------------------------------------------------------- checks (inside ranks)
+def check_block_failure(parallel, rank, *, transfer, failing, block="single", forwards=4, fail_at=1,
+                        device="cpu"):
+    """Forward ``fail_at`` raises inside a block on the ranks in ``failing``; every
+    forward's error (or equality with the resident model) and the weights after."""
+    model, inputs, ref_model = _toy(rank)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    ref_model = ref_model.to(device)
+    with torch.no_grad():
+        ref = ref_model(**inputs)
+    om = OffloadedTransformer(model, _cfg(weight_transfer=transfer), device=device, parallel=parallel)
+    when = _Counter(fail_at, rank, failing)
+    target = model.single_blocks[2] if block == "single" else model
+    handle = _raise_in(target, when)
+    errors, equal, elapsed = [], [], []
+    for i in range(forwards):
+        when.state["n"] = i
+        t0 = time.monotonic()
+        try:
+            equal.append(torch.equal(_forward(om, inputs), ref))
+            errors.append(None)
+        except Exception as e:
+            equal.append(None)
+            errors.append(f"{type(e).__name__}: {e}")
+        elapsed.append(time.monotonic() - t0)
+    handle.remove()
+    ref_sd = {k: v.cpu() for k, v in ref_model.state_dict().items()}
+    out = dict(errors=errors, equal=equal, elapsed=elapsed, usable=om._streamed.usable,
+               failure=om.stats()["failure"])
+    if transfer == "allgather":
+        out["gathered"] = _same_weights(om.gather_state_dict(), ref_sd)
+        out["local"] = om._streamed.local_state_dict()
+        out["state_dict_error"] = _run(om.state_dict)
+    else:
+        out["state_dict"] = _same_weights(om.state_dict(), ref_sd)
+    plain = om.disable()
+    out["restored"] = _same_weights({k: v.cpu() for k, v in plain.state_dict().items()}, ref_sd)
+    with torch.no_grad():
+        out["restored_equal"] = torch.equal(plain(**inputs), ref)
+    return out
+
+
+def check_mismatch(parallel, rank, case):
+    """Ranks that disagree at setup: the same ValueError on every rank, the model untouched."""
+    model, inputs, ref_model = _toy(rank)
+    kw = {}
+    if case == "num_slots":
+        kw = dict(num_slots=3 if rank == 1 else 2)
+    elif case == "weight_transfer":
+        kw = dict(weight_transfer="rank-local" if rank == 1 else "allgather")
+    elif case == "resident_layers":
+        kw = dict(weight_transfer="rank-local", resident_layers=1 if rank == 1 else 2)
+    elif case == "cuda_graphs":
+        kw = dict(cuda_graphs="on" if rank == 1 else "off")
+    elif case == "dtype":
+        if rank == 1:
+            model.double_blocks[0].to(torch.float64)
+            ref_model = copy.deepcopy(model)
+    elif case == "layout":
+        if rank == 1:
+            model = ToyDiT(width=48)
+            ref_model = copy.deepcopy(model)
+    elif case in ("weights", "weights_unchecked"):
+        if rank == 1:
+            with torch.no_grad():
+                model.single_blocks[3].up.weight[0, 0] += 1.0
+            ref_model = copy.deepcopy(model)
+        if case == "weights_unchecked":
+            kw = dict(dlo_verify_weights=False)
+    else:
+        raise ValueError(case)
+    error = _run(lambda: OffloadedTransformer(model, _cfg(**kw), device="cpu", parallel=parallel))
+    if case == "weights_unchecked":
+        return dict(error=error)
+    intact = _same_weights(model.state_dict(), ref_model.state_dict())
+    return dict(error=error, intact=intact, hooks=len(model._forward_pre_hooks) + len(model._forward_hooks))
+
+
+def check_agree_capture(parallel, rank):
+    """The capture decision is collective: one rank's failure makes every rank reset
+    to the captured step's start (the same gathers on each) and run it eagerly."""
+    model, inputs, ref_model = _toy(rank)
+    with torch.no_grad():
+        ref = ref_model(**inputs)
+    om = OffloadedTransformer(model, _cfg(), device="cpu", parallel=parallel)
+    ex = om.executor
+    _forward(om, inputs)
+    results = []
+    for ok in (rank == 0, True):
+        ex.capture_tag = 1  # what GraphRunner sets while it captures
+        agreed = ex.agree_capture(ok)
+        ex.capture_tag = None
+        if not agreed:
+            ex.reset()
+        results.append(agreed)
+    equal = [torch.equal(_forward(om, inputs), ref) for _ in range(3)]
+    usable = om._streamed.usable
+    om.disable()
+    return dict(results=results, equal=equal, usable=usable)
+
+
+def check_dlo_schedule(parallel, rank):
+    """graph_boundary_loads='auto' under DLO AllGather keeps the in-graph schedule."""
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", progress=False, dlo_timeout_s=5.0)
+    sb = dlo.build_streamed(ToyDiT(), cfg, torch.device("cpu"), None, parallel)
+    defer_last = sb.schedule.defer_last
+    sb.restore()
+    return dict(defer_last=defer_last, cls=type(sb).__name__)
+
+
+def check_peer_stays_alive(rank, world):
+    """Rank 1 skips a forward but stays alive: rank 0's forward fails within
+    dlo_timeout_s, later calls on it fail at once, and both ranks still give
+    back their share of the weights without a collective."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, inputs, _ = _toy(rank)
+    om = OffloadedTransformer(model, _cfg(dlo_timeout_s=TIMEOUT_S), device="cpu", parallel=parallel)
+    _forward(om, inputs)
+    out = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        out["error"] = _run(lambda: _forward(om, inputs))
+        out["elapsed"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        out["later"] = [_run(lambda: _forward(om, inputs)), _run(om.gather_state_dict), _run(om.disable)]
+        out["later_elapsed"] = time.monotonic() - t0
+    else:
+        time.sleep(TIMEOUT_S + 2.0)  # alive, but not in the forward
+    out["local"] = om._streamed.local_state_dict()
+    return out
+
+
+def check_setup_one_rank_fails(rank, world):
+    """Rank 1 rejects its config before the setup collective: rank 0's setup fails within dlo_timeout_s."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, _, _ = _toy(rank)
+    kw = dict(device_memory_budget_gb=1e-9) if rank == 1 else {}
+    t0 = time.monotonic()
+    error = _run(lambda: OffloadedTransformer(model, _cfg(dlo_timeout_s=TIMEOUT_S, **kw), device="cpu",
+                                              parallel=parallel))
+    return dict(error=error, elapsed=time.monotonic() - t0)
+
+
+def check_wave_timeout(rank, world):
+    """validate_wave on rank 0 only: bounded by its timeout_s."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2.0)
+        return {}
+    t0 = time.monotonic()
+    error = _run(lambda: dlo.validate_wave({"num_inference_steps": 4}, parallel, timeout_s=TIMEOUT_S))
+    return dict(error=error, elapsed=time.monotonic() - t0)
+
+
+MISMATCHES = ["num_slots", "weight_transfer", "resident_layers", "cuda_graphs", "dtype", "layout", "weights",
+              "weights_unchecked"]
+
+
+def scenario(rank, world):
+    dp = ParallelConfig(dp=world)
+    c = Checks()
+    c.run("same_exception_allgather", check_block_failure, dp, rank, transfer="allgather", failing=(0, 1))
+    c.run("same_exception_rank_local", check_block_failure, dp, rank, transfer="rank-local", failing=(0, 1))
+    c.run("one_rank_allgather", check_block_failure, dp, rank, transfer="allgather", failing=(1,))
+    c.run("one_rank_first_forward", check_block_failure, dp, rank, transfer="allgather", failing=(0,),
+          fail_at=0)
+    c.run("one_rank_before_blocks", check_block_failure, dp, rank, transfer="allgather", failing=(1,),
+          block="root")
+    c.run("one_rank_rank_local", check_block_failure, dp, rank, transfer="rank-local", failing=(1,))
+    for case in MISMATCHES:
+        c.run(f"mismatch_{case}", check_mismatch, dp, rank, case)
+    c.run("agree_capture", check_agree_capture, dp, rank)
+    c.run("dlo_schedule", check_dlo_schedule, dp, rank)
+    # these time out on purpose, each in a group of its own: last
+    c.run("setup_one_rank_fails", check_setup_one_rank_fails, rank, world)
+    c.run("peer_stays_alive", check_peer_stays_alive, rank, world)
+    c.run("wave_timeout", check_wave_timeout, rank, world)
+    return c.report
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_trust"), "test_trust_dlo:scenario", timeout=300)
+
+
+# --------------------------------------------------------------------------- item 1: nothing lost, usable after
+@pytest.mark.parametrize("name", ["same_exception_allgather", "same_exception_rank_local"])
+def test_same_exception_on_every_rank_leaves_dlo_usable(two, name):
+    for r, rep in enumerate(get(two, name)):
+        assert rep["errors"][0] is None and rep["equal"][0] is True
+        assert rep["errors"][1].startswith("ValueError: injected failure inside a block"), rep["errors"]
+        # the next forwards on every rank run, bit-exact against the resident model
+        assert rep["errors"][2:] == [None, None] and rep["equal"][2:] == [True, True], (r, rep)
+        assert rep["usable"] is True and rep["failure"] is None
+        assert rep["restored"] and rep["restored_equal"]
+        if "allgather" in name:
+            assert rep["gathered"] is True
+            assert "local_state_dict()" in rep["state_dict_error"]
+        else:
+            assert rep["state_dict"] is True
+
+
+@pytest.mark.parametrize("name", ["one_rank_allgather", "one_rank_first_forward", "one_rank_before_blocks"])
+def test_one_rank_fails_every_rank_errors_then_usable(two, name):
+    reps = get(two, name)
+    fail_at = 0 if name == "one_rank_first_forward" else 1
+    bad = 0 if name == "one_rank_first_forward" else 1
+    good = 1 - bad
+    assert reps[bad]["errors"][fail_at].startswith("ValueError: injected failure inside a block")
+    err = reps[good]["errors"][fail_at]
+    assert err and err.startswith("RuntimeError") and f"rank {bad}: ValueError: injected failure" in err, err
+    assert reps[good]["elapsed"][fail_at] < 5.0, "the healthy rank waited for a timeout"
+    for rep in reps:
+        others = [i for i in range(len(rep["errors"])) if i != fail_at]
+        assert all(rep["errors"][i] is None and rep["equal"][i] is True for i in others), rep
+        assert rep["usable"] is True and rep["gathered"] is True and rep["restored"] and rep["restored_equal"]
+
+
+def test_one_rank_fails_rank_local_is_rank_local(two):
+    """Rank-local has no collective: only the failing rank sees its error; both stay exact."""
+    r0, r1 = get(two, "one_rank_rank_local")
+    assert r1["errors"][1].startswith("ValueError: injected failure inside a block")
+    assert r0["errors"] == [None] * 4 and all(r0["equal"])
+    assert r1["equal"][2:] == [True, True] and r1["state_dict"] and r1["restored"]
+
+
+def test_local_state_dicts_merge_into_the_weights(two):
+    full = dlo.merge_shards([rep["local"] for rep in get(two, "same_exception_allgather")])
+    assert _same_weights(full, ToyDiT().state_dict())
+    pieces = [v for rep in get(two, "one_rank_allgather") for v in rep["local"].values()
+              if isinstance(v, dlo.ShardPiece)]
+    assert pieces, "no tensor spans both ranks' shares: the merge of pieces is untested"
+    with pytest.raises(ValueError, match="misses bytes"):
+        dlo.merge_shards([get(two, "one_rank_allgather")[0]["local"]])
+
+
+# --------------------------------------------------------------------------- item 2: no hangs
+def test_peer_that_stays_alive_fails_within_the_timeout(two):
+    r0, r1 = get(two, "peer_stays_alive")
+    assert r0["error"] and "DLOCollectiveError" in r0["error"] and "dlo_timeout_s=2" in r0["error"], r0["error"]
+    assert TIMEOUT_S * 0.9 <= r0["elapsed"] < TIMEOUT_S + SLACK_S, r0["elapsed"]
+    later = r0["later"]
+    assert "unusable" in later[0]
+    assert "local_state_dict()" in later[1] and "local_state_dict()" in later[2]
+    assert r0["later_elapsed"] < 1.0, "a call after the failure waited on a collective"
+    assert _same_weights(dlo.merge_shards([r0["local"], r1["local"]]), ToyDiT().state_dict())
+
+
+def test_setup_failure_on_one_rank_is_an_error_within_the_timeout(two):
+    r0, r1 = get(two, "setup_one_rank_fails")
+    assert r1["error"] and "device_memory_budget_gb" in r1["error"]
+    assert r0["error"] and "DLOCollectiveError" in r0["error"] and "setup check" in r0["error"], r0["error"]
+    assert r0["elapsed"] < TIMEOUT_S + SLACK_S
+
+
+MISMATCH_TEXT = {
+    "num_slots": "rank 1 num_slots=3, rank 0 num_slots=2",
+    "weight_transfer": "rank 1 weight_transfer='rank-local', rank 0 weight_transfer='allgather'",
+    "resident_layers": "rank 1 resident_layers=1, rank 0 resident_layers=2",
+    "cuda_graphs": "rank 1 cuda_graphs='on', rank 0 cuda_graphs='off'",
+    "dtype": "rank 1 dtypes=['torch.bfloat16', 'torch.float32', 'torch.float64'], rank 0 dtypes=['torch.bfloat16', "
+             "'torch.float32']",
+    "layout": "layout differ: rank 1",
+    "weights": "block 'single_blocks.3' weights (sampled digest) differ: rank 1",
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCH_TEXT))
+def test_setup_mismatch_names_both_values_on_every_rank(two, case):
+    reps = get(two, f"mismatch_{case}")
+    assert reps[0]["error"] == reps[1]["error"], "the ranks report different errors"
+    err = reps[0]["error"]
+    assert err and err.startswith("ValueError") and "disagree at setup" in err, err
+    assert MISMATCH_TEXT[case] in err, err
+    for rep in reps:
+        assert rep["intact"] and rep["hooks"] == 0, "a rejected setup changed the model"
+
+
+def test_weight_check_is_opt_out(two):
+    assert [rep["error"] for rep in get(two, "mismatch_weights_unchecked")] == [None, None]
+
+
+# --------------------------------------------------------------------------- capture decision, schedule
+def test_capture_decision_is_collective(two):
+    for rep in get(two, "agree_capture"):
+        assert rep["results"] == [False, True], rep
+        assert all(rep["equal"]) and rep["usable"], rep
+
+
+def test_dlo_allgather_schedule_is_not_next_step(two):
+    assert [rep["defer_last"] for rep in get(two, "dlo_schedule")] == [False, False]
+    assert {rep["cls"] for rep in get(two, "dlo_schedule")} == {"AllGatherStreamedBlocks"}
+
+
+def test_dlo_rank_local_schedule_is_not_next_step():
+    """graph_boundary_loads='auto' picks the next-step boundary (Schedule.defer_last) for
+    plain layerwise graphs, never for DLO (supports_next_step=False)."""
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", progress=False)
+    plain = StreamedBlocks(ToyDiT(), cfg, torch.device("cpu"), None)
+    assert plain.schedule.defer_last is True  # the same config outside DLO: the check can fail
+    plain.restore()
+    rl = OffloadConfig.layerwise(cuda_graphs="on", weight_transfer="rank-local", progress=False)
+    sb = dlo.build_streamed(ToyDiT(), rl, torch.device("cpu"), None, ParallelConfig(dp=2))
+    assert type(sb).__name__ == "RankLocalStreamedBlocks" and sb.schedule.defer_last is False
+    sb.restore()
+
+
+def test_request_wave_check_is_bounded(two):
+    rep = get(two, "wave_timeout")[0]
+    assert rep["error"] and "DLOCollectiveError" in rep["error"] and "request-wave" in rep["error"], rep
+    assert rep["elapsed"] < TIMEOUT_S + SLACK_S
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_digest_mismatches_name_the_values_and_the_block():
+    base = {"num_slots": 2, "block_names": ["a", "b"], "block_weights": ["x", "y"], "dtypes": ["torch.float32"]}
+    other = {**base, "num_slots": 3, "block_weights": ["x", "z"]}
+    errs = dlo.digest_mismatches([base, other, base])
+    assert "rank 1 num_slots=3, rank 0 num_slots=2" in errs
+    assert "block 'b' weights (sampled digest) differ: rank 1 z, rank 0 y" in errs
+    assert len(errs) == 2
+    assert dlo.digest_mismatches([base, dict(base)]) == []
+
+
+def test_fit_digest_folds_long_block_lists():
+    d = {"num_slots": 2, "block_names": [f"blocks.{i}" for i in range(4000)],
+         "block_layouts": ["0123456789abcdef"] * 4000}
+    small = dlo.fit_digest(d)
+    assert small["num_slots"] == 2 and isinstance(small["block_layouts"], str)
+    assert len(dlo.json.dumps(small)) < 1000
+    changed = dlo.fit_digest({**d, "block_layouts": ["0123456789abcdef"] * 3999 + ["x"]})
+    assert changed["block_layouts"] != small["block_layouts"]
+
+
+def test_weight_digest_sees_a_changed_element():
+    t = [torch.randn(300, 200), torch.randn(7).to(torch.bfloat16)]
+    d = dlo._weight_digest(t)
+    t2 = [t[0].clone(), t[1].clone()]
+    t2[0][-1, -1] += 1  # the last element is always sampled
+    assert dlo._weight_digest(t2) != d and dlo._weight_digest([x.clone() for x in t]) == d
+
+
+@pytest.mark.parametrize("kw,match", [(dict(dlo_timeout_s=0), "dlo_timeout_s=0"),
+                                      (dict(dlo_timeout_s=float("nan")), "dlo_timeout_s=nan"),
+                                      (dict(dlo_timeout_s="5"), "dlo_timeout_s='5'"),
+                                      (dict(dlo_verify_weights=1), "dlo_verify_weights=1")])
+def test_dlo_config_keys_are_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.layerwise(**kw)
+    cfg = OffloadConfig.layerwise(dlo_timeout_s=3, dlo_verify_weights=False)
+    assert cfg.dlo_timeout_s == 3.0 and OffloadConfig.from_dict(cfg.to_dict()) == cfg
+    assert OffloadConfig.layerwise().dlo_timeout_s == 60.0 and OffloadConfig.layerwise().dlo_verify_weights
