@@ -151,19 +151,22 @@ class GraphRunner:
             # a failed capture_end leaves torch's capture stream current: restore ours
             torch.cuda.set_stream(prev)
             failed = first_error if first_error is not None else e
-        if not ex.agree_capture(failed is None):  # DLO: one small collective, so every rank falls back alike
+        # Capture ran the hooks but executed nothing (the replay below executes the
+        # step): it must have advanced exactly one step and produced outputs we can copy
+        problem = None
+        if failed is None:
+            problem = step_problem(ex.position - start, ex.schedule.n) or output_problem(out)
+        # DLO: one small collective, so every rank keeps or drops its graph alike
+        if not ex.agree_capture(failed is None and problem is None):
             ex.capture_tag = None
-            ex.reset()
-            cause = f"{type(failed).__name__}: {failed}" if failed is not None else "the capture failed on a peer rank"
+            graph = out = None  # never replayed
+            ex.reset()  # the ring is re-primed at a step boundary; eager runs the step
+            if failed is not None:
+                cause = f"{type(failed).__name__}: {failed}"
+            else:
+                cause = problem or "the capture failed on a peer rank"
             return self._fail(sig, args, kwargs, cause)
         ex.capture_tag = None
-        # Capture ran the hooks (position advanced by one step) but executed
-        # nothing; the replay below executes that step.
-        problem = step_problem(ex.position - start, ex.schedule.n) or output_problem(out)
-        if problem is not None:  # never replayed: the ring is re-primed at a step boundary, eager runs the step
-            del graph, out
-            ex.reset()
-            return self._fail(sig, args, kwargs, problem)
         tensors = [x for x in static if isinstance(x, torch.Tensor)]
         g = _Graph(graph, tensors, out, [t.data_ptr() for t in tensors])
         for key in self.policy.captured(sig, phase):
