@@ -398,9 +398,10 @@ class GuardedExecutor(LayerwiseExecutor):
 
     mode = "rank-local"
 
-    def __init__(self, blocks, store, schedule, device, *, record_events: bool = False):
+    def __init__(self, blocks, store, schedule, device, *, record_events: bool = False, streams=None):
         self.failure: str | None = None
-        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward")
+        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward",
+                         streams=streams)
 
     def check_usable(self, what: str = "this forward") -> None:
         if self.failure is not None:
@@ -439,21 +440,21 @@ class AllGatherExecutor(GuardedExecutor):
     mode = "allgather"
 
     def __init__(self, blocks, store: ShardedStore, schedule, device, *, group, world: int,
-                 gather: str = "tensor", record_events: bool = False):
+                 gather: str = "tensor", record_events: bool = False, streams=None):
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
         self.group, self.world, self.gather = group, world, gather
-        super().__init__(blocks, store, schedule, device, record_events=record_events)
+        super().__init__(blocks, store, schedule, device, record_events=record_events, streams=streams)
         self.shard_slots = [torch.empty(store.max_shard, dtype=torch.uint8, device=self.device)
                             for _ in self.slots]
-        if self.cuda:
-            self.comm_stream = torch.cuda.Stream(self.device)
-            for t in self.shard_slots:
+        if self.streams is not None:
+            self.comm_stream = self.streams.new_stream(self.device)
+            for t in self.shard_slots if self.cuda else ():
                 t.record_stream(self.copy_stream)
-            for t in self.slots:
+            for t in self.slots if self.cuda else ():
                 t.record_stream(self.comm_stream)
-            self.shard_loaded = [torch.cuda.Event() for _ in self.slots]
-            self.shard_read = [torch.cuda.Event() for _ in self.slots]
+            self.shard_loaded = [self.streams.new_event() for _ in self.slots]
+            self.shard_read = [self.streams.new_event() for _ in self.slots]
             self._read_tag = [None] * len(self.slots)  # capture context of shard_read (see executor)
 
     def _slot_size(self) -> int:
@@ -479,7 +480,7 @@ class AllGatherExecutor(GuardedExecutor):
             rec_copy = _Record(step, load.block, "copy")
             rec_gather = _Record(step, load.block, "gather")
             self.log.records += [rec_copy, rec_gather]
-        if not self.cuda:
+        if self.streams is None:
             if rec_copy is not None:
                 rec_copy.start = self.log.mark()
             copy_from_image(shard, src)
@@ -497,21 +498,25 @@ class AllGatherExecutor(GuardedExecutor):
             # inside a capture whose shard_read was recorded elsewhere: join the copy
             # stream to the capture through this capture's slot-free event
             cs.wait_event(self.freed[slot])
-        with torch.cuda.stream(cs):
+        with self.streams.stream(cs):
             if rec_copy is not None:
                 rec_copy.start = self.log.mark(cs)
             copy_from_image(shard, src)  # a shard over one registration chunk is split
+            self.streams.access("write", ("shard", slot), load.block)
             self.shard_loaded[slot].record(cs)
             if rec_copy is not None:
                 rec_copy.end = self.log.mark(cs)
         comm.wait_event(self.shard_loaded[slot])
         if wait_free and load.after_position is not None:
             comm.wait_event(self.freed[slot])  # compute no longer reads this block slot
-        with torch.cuda.stream(comm):
+        with self.streams.stream(comm):
             if rec_gather is not None:
                 rec_gather.start = self.log.mark(comm)
+            self.streams.access("read_begin", ("shard", slot), load.block)
             work = self.all_gather(full, shard, async_op=True)
             work.wait()  # the comm stream waits for the collective's stream (no host block)
+            self.streams.access("write", slot, load.block)
+            self.streams.access("read_end", ("shard", slot), load.block)
             self.loaded[slot].record(comm)
             self.shard_read[slot].record(comm)
             self._load_tag[slot] = self._read_tag[slot] = self.capture_tag
@@ -541,7 +546,7 @@ class AllGatherExecutor(GuardedExecutor):
         self.check_usable()
 
     def side_streams(self) -> list:
-        return super().side_streams() + ([self.comm_stream] if self.cuda else [])
+        return super().side_streams() + ([self.comm_stream] if self.streams is not None else [])
 
     def reset(self) -> None:
         # Re-priming on one rank alone (e.g. after a capture failed there) would
@@ -560,7 +565,7 @@ class AllGatherExecutor(GuardedExecutor):
                          f"{self.schedule.n} streamed blocks)")
 
     def synchronize(self) -> None:
-        if self.cuda:
+        if self.streams is not None:
             self.comm_stream.synchronize()
         super().synchronize()
 
@@ -640,7 +645,7 @@ class RankLocalStreamedBlocks(_DLOStreamedBlocks):
 
     def _build_executor(self) -> GuardedExecutor:
         return GuardedExecutor(self.blocks, self.store, self.schedule, self.device,
-                               record_events=self.config.record_events)
+                               record_events=self.config.record_events, streams=self.streams)
 
     def restore(self) -> nn.Module:
         self._remove_root_hooks()
@@ -703,6 +708,7 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         return AllGatherExecutor(
             self.blocks, self.store, self.schedule, self.device, group=self.dlo.group,
             world=self.dlo.group_size, gather=self._gather_mode(), record_events=self.config.record_events,
+            streams=self.streams,
         )
 
     def _h2d_bytes_per_step(self) -> int:
