@@ -10,7 +10,9 @@ Forward lifecycle of a streamed block (DESIGN.md section 3):
 
 Correctness comes from these stream/event dependencies only: there is no
 global synchronize on this path. On ``device="cpu"`` the same mechanism runs
-with synchronous copies and no streams.
+with synchronous copies and no streams. Every stream/event operation goes
+through ``self.streams`` (:mod:`streams`): torch's own on CUDA; in tests,
+``RecordingStreams`` runs this CUDA code path with CPU tensors and records it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from .discovery import Block
 from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .schedule import Load, Schedule
-from .streams import default_streams
+from .streams import resolve_streams
 
 
 class BlockHook:
@@ -134,7 +136,7 @@ class LayerwiseExecutor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"  # tensors on CUDA (non-blocking copies, record_stream)
         # stream/event backend (streams.py): CUDA streams on CUDA, None (no streams) on the CPU
-        self.streams = default_streams(self.device) if streams is None else streams
+        self.streams = resolve_streams(streams, self.device)
         streamed = [blocks[i] for i in schedule.streamed]
         self.slot_bytes = self._slot_size()
         self.slots = [

@@ -75,6 +75,24 @@ def default_streams(device: torch.device) -> CudaStreams | None:
     return CudaStreams() if torch.device(device).type == "cuda" else None
 
 
+def resolve_streams(streams, device: torch.device):
+    """``streams`` checked against ``device`` (None: :func:`default_streams`).
+
+    CUDA tensors need :class:`CudaStreams` (their copies really are
+    asynchronous); CPU tensors take :class:`RecordingStreams` or none.
+    """
+    device = torch.device(device)
+    if streams is None:
+        return default_streams(device)
+    cuda = device.type == "cuda"
+    if cuda and not isinstance(streams, CudaStreams):
+        raise ValueError(f"streams={streams!r} is not allowed on device={str(device)!r}; allowed: CudaStreams() or None")
+    if not cuda and not isinstance(streams, RecordingStreams):
+        raise ValueError(
+            f"streams={streams!r} is not allowed on device={str(device)!r}; allowed: RecordingStreams() or None")
+    return streams
+
+
 @dataclass(frozen=True)
 class Op:
     """One recorded stream operation, in issue order.
