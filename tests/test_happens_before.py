@@ -173,6 +173,34 @@ def test_dlo_allgather_ring_is_ordered(slots):
     assert shards, "the gathers note their reads of the shard slots"
 
 
+def gloo_trace_rank(rank: int, world: int) -> dict:
+    """One rank of a real gloo group: DLO AllGather traced over three forwards."""
+    from weightstream.offload.distributed import plan_dlo
+
+    rec = RecordingStreams()
+    model = ToyDiT()
+    ref = copy.deepcopy(model)
+    x = toy_inputs(seed=1 + rank)
+    cfg = OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    par = ParallelConfig.data_parallel()
+    cls = _traced(AllGatherStreamedBlocks, rec, 2, "ring")
+    streamed = cls(model, cfg, DEV, None, par, plan_dlo(cfg, par, DEV))
+    wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=streamed)
+    with torch.no_grad():
+        expected = ref(**x)
+        equal = [torch.equal(wrapped(**x), expected) for _ in range(3)]
+    return {"equal": equal, "world": wrapped.stats()["shard_group_size"], "counts": counts(rec.trace),
+            "violations": {r: v[:3] for r, v in check(rec.trace).items() if v}}
+
+
+def test_dlo_allgather_gloo_world_of_two_is_ordered(tmp_path):
+    from test_distributed import run_ranks
+
+    for rep in run_ranks(2, tmp_path, "test_happens_before:gloo_trace_rank"):
+        assert rep["equal"] == [True] * 3 and rep["world"] == 2
+        assert rep["counts"]["reads"] >= 3 * 7 and rep["violations"] == {}, rep
+
+
 @pytest.mark.parametrize("mode", ["ring", "defer_last"])
 @pytest.mark.parametrize("copy_path", ["direct", "staging"])
 @pytest.mark.parametrize("slots", [2, 3])
