@@ -83,7 +83,7 @@ class Case:
         self.ref = copy.deepcopy(model)
         self.x = toy_inputs()
         self.expected = None
-        cfg = OffloadConfig.layerwise(resident_layers=resident)
+        cfg = OffloadConfig.layerwise(resident_layers=resident, record_events=True, progress=False)
         if source == "host":
             cls = _traced(StreamedBlocks, self.rec, slots, mode, executor_cls)
             streamed = cls(model, cfg, DEV, None)
@@ -161,6 +161,7 @@ def test_host_store_schedules_are_ordered(slots, resident, mode):
     case.wrapped.update_weights(case.ref.state_dict())
     case.forward()
     _assert_clean(case, min_reads=3 * n)
+    assert {e["lane"] for e in case.wrapped.events()} == {"copy", "compute"}  # the CPU event log still works
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 4])
