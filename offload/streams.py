@@ -86,7 +86,8 @@ def resolve_streams(streams, device: torch.device):
         return default_streams(device)
     cuda = device.type == "cuda"
     if cuda and not isinstance(streams, CudaStreams):
-        raise ValueError(f"streams={streams!r} is not allowed on device={str(device)!r}; allowed: CudaStreams() or None")
+        raise ValueError(
+            f"streams={streams!r} is not allowed on device={str(device)!r}; allowed: CudaStreams() or None")
     if not cuda and not isinstance(streams, RecordingStreams):
         raise ValueError(
             f"streams={streams!r} is not allowed on device={str(device)!r}; allowed: RecordingStreams() or None")

@@ -309,9 +309,9 @@ def test_recording_backend_validates():
 
 
 def test_streams_must_match_the_device():
-    with pytest.raises(ValueError, match="streams=RecordingStreams.* is not allowed on device='cuda:0'; allowed: CudaStreams"):
+    with pytest.raises(ValueError, match="streams=RecordingStreams.* not allowed on device='cuda:0'; allowed: CudaStreams"):
         resolve_streams(RecordingStreams(), torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="streams=CudaStreams.* is not allowed on device='cpu'; allowed: RecordingStreams"):
+    with pytest.raises(ValueError, match="streams=CudaStreams.* not allowed on device='cpu'; allowed: RecordingStreams"):
         resolve_streams(CudaStreams(), DEV)
     rec = RecordingStreams()
     assert resolve_streams(rec, DEV) is rec and resolve_streams(None, DEV) is None
@@ -368,11 +368,11 @@ MUTATIONS = {
                      {"write_after_previous_read", "no_concurrent_write"}, "host", "defer_last", 0),
     # the DLO gather does not wait for the block slot to be free
     "dlo-gather-no-wait-freed": (FakeGatherExecutor, "_load",
-                                 "comm.wait_event(self.freed[slot])  # compute no longer reads this block slot",
+                                 "comm.wait_event(self.freed[slot])",
                                  {"write_after_previous_read", "no_concurrent_write"}, "dlo", "ring", 0),
     # the DLO shard copy does not wait for the gather that last read the shard slot
     "dlo-shard-no-wait-read": (FakeGatherExecutor, "_load",
-                               "cs.wait_event(self.shard_read[slot])  # the gather that last read this shard slot is done",
+                               "cs.wait_event(self.shard_read[slot])",
                                {"no_concurrent_write"}, "dlo", "ring", 0),
     # the DLO gather does not wait for its shard's copy
     "dlo-gather-no-wait-shard": (FakeGatherExecutor, "_load", "comm.wait_event(self.shard_loaded[slot])",
