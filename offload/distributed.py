@@ -681,9 +681,10 @@ class GuardedExecutor(LayerwiseExecutor):
 
     mode = "rank-local"
 
-    def __init__(self, blocks, store, schedule, device, *, record_events: bool = False):
+    def __init__(self, blocks, store, schedule, device, *, record_events: bool = False, streams=None):
         self.failure: str | None = None
-        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward")
+        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward",
+                         streams=streams)
 
     def check_usable(self, what: str = "this forward") -> None:
         if self.failure is not None:
@@ -723,7 +724,7 @@ class AllGatherExecutor(GuardedExecutor):
 
     def __init__(self, blocks, store: ShardedStore, schedule, device, *, group, world: int,
                  gather: str = "tensor", record_events: bool = False, control: _Control | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, streams=None):
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
         self.group, self.world, self.gather = group, world, gather
@@ -732,17 +733,17 @@ class AllGatherExecutor(GuardedExecutor):
         self._reset_to: int | None = None  # step start every rank agreed to reset to (a capture failed somewhere)
         self._capture_start = 0
         self._forward_start = 0  # position when the current forward began
-        super().__init__(blocks, store, schedule, device, record_events=record_events)
+        super().__init__(blocks, store, schedule, device, record_events=record_events, streams=streams)
         self.shard_slots = [torch.empty(store.max_shard, dtype=torch.uint8, device=self.device)
                             for _ in self.slots]
-        if self.cuda:
-            self.comm_stream = torch.cuda.Stream(self.device)
-            for t in self.shard_slots:
+        if self.streams is not None:
+            self.comm_stream = self.streams.new_stream(self.device)
+            for t in self.shard_slots if self.cuda else ():
                 t.record_stream(self.copy_stream)
-            for t in self.slots:
+            for t in self.slots if self.cuda else ():
                 t.record_stream(self.comm_stream)
-            self.shard_loaded = [torch.cuda.Event() for _ in self.slots]
-            self.shard_read = [torch.cuda.Event() for _ in self.slots]
+            self.shard_loaded = [self.streams.new_event() for _ in self.slots]
+            self.shard_read = [self.streams.new_event() for _ in self.slots]
             self._read_tag = [None] * len(self.slots)  # capture context of shard_read (see executor)
 
     @property
@@ -779,7 +780,7 @@ class AllGatherExecutor(GuardedExecutor):
             rec_copy = _Record(step, load.block, "copy")
             rec_gather = _Record(step, load.block, "gather")
             self.log.records += [rec_copy, rec_gather]
-        if not self.cuda:
+        if self.streams is None:
             if rec_copy is not None:
                 rec_copy.start = self.log.mark()
             copy_from_image(shard, src)
@@ -799,22 +800,26 @@ class AllGatherExecutor(GuardedExecutor):
             # inside a capture whose shard_read was recorded elsewhere: join the copy
             # stream to the capture through this capture's slot-free event
             cs.wait_event(self.freed[slot])
-        with torch.cuda.stream(cs):
+        with self.streams.stream(cs):
             if rec_copy is not None:
                 rec_copy.start = self.log.mark(cs)
             copy_from_image(shard, src)  # a shard over one registration chunk is split
+            self.streams.access("write", ("shard", slot), load.block)
             self.shard_loaded[slot].record(cs)
             if rec_copy is not None:
                 rec_copy.end = self.log.mark(cs)
         comm.wait_event(self.shard_loaded[slot])
         if wait_free and load.after_position is not None:
             comm.wait_event(self.freed[slot])  # compute no longer reads this block slot
-        with torch.cuda.stream(comm):
+        with self.streams.stream(comm):
             if rec_gather is not None:
                 rec_gather.start = self.log.mark(comm)
+            self.streams.access("read_begin", ("shard", slot), load.block)
             work = self.all_gather(full, shard, async_op=True)
             work.wait()  # the comm stream waits for the collective's stream (no host block)
             self.ncoll += self.capture_tag is None  # a captured gather runs at replay, on every rank alike
+            self.streams.access("write", slot, load.block)
+            self.streams.access("read_end", ("shard", slot), load.block)
             self.loaded[slot].record(comm)
             self.shard_read[slot].record(comm)
             self._load_tag[slot] = self._read_tag[slot] = self.capture_tag
@@ -844,7 +849,7 @@ class AllGatherExecutor(GuardedExecutor):
         self.check_usable()
 
     def side_streams(self) -> list:
-        return super().side_streams() + ([self.comm_stream] if self.cuda else [])
+        return super().side_streams() + ([self.comm_stream] if self.streams is not None else [])
 
     def reset(self) -> None:
         # Re-priming on one rank alone would issue gathers its peers do not: only a
@@ -928,9 +933,9 @@ class AllGatherExecutor(GuardedExecutor):
         if self._bound is not None:
             self._unbind(self._bound)
         self._late = None
-        if self.cuda:  # after whatever compute the step did launch
+        if self.streams is not None:  # after whatever compute the step did launch
             for side in self.side_streams():
-                side.wait_stream(torch.cuda.current_stream(self.device))
+                side.wait_stream(self.streams.current_stream(self.device))
         for q in range(p, end):
             nxt = self.schedule.after_compute(q)
             if nxt is not None:
@@ -938,7 +943,7 @@ class AllGatherExecutor(GuardedExecutor):
         self.position = end
 
     def synchronize(self) -> None:
-        if self.cuda:
+        if self.streams is not None:
             self.comm_stream.synchronize()
         super().synchronize()
 
@@ -1044,7 +1049,7 @@ class RankLocalStreamedBlocks(_DLOStreamedBlocks):
 
     def _build_executor(self) -> GuardedExecutor:
         return GuardedExecutor(self.blocks, self.store, self.schedule, self.device,
-                               record_events=self.config.record_events)
+                               record_events=self.config.record_events, streams=self.streams)
 
     def restore(self) -> nn.Module:
         self._remove_root_hooks()
@@ -1113,7 +1118,7 @@ class AllGatherStreamedBlocks(_DLOStreamedBlocks):
         return AllGatherExecutor(
             self.blocks, self.store, self.schedule, self.device, group=self.dlo.group,
             world=self.dlo.group_size, gather=self._gather_mode(), record_events=self.config.record_events,
-            control=self.control, timeout_s=self.config.dlo_timeout_s,
+            control=self.control, timeout_s=self.config.dlo_timeout_s, streams=self.streams,
         )
 
     def _h2d_bytes_per_step(self) -> int:

@@ -10,7 +10,9 @@ Forward lifecycle of a streamed block (DESIGN.md section 3):
 
 Correctness comes from these stream/event dependencies only: there is no
 global synchronize on this path. On ``device="cpu"`` the same mechanism runs
-with synchronous copies and no streams.
+with synchronous copies and no streams. Every stream/event operation goes
+through ``self.streams`` (:mod:`streams`): torch's own on CUDA; in tests,
+``RecordingStreams`` runs this CUDA code path with CPU tensors and records it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .discovery import Block
 from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .schedule import Load, Schedule
+from .streams import resolve_streams
 from .tracing import not_traced
 
 
@@ -131,25 +134,28 @@ class LayerwiseExecutor:
         *,
         record_events: bool = False,
         prime: str = "now",
+        streams=None,
     ):
         self.blocks = blocks
         self.store = store
         self.schedule = schedule
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda"  # tensors on CUDA (non-blocking copies, record_stream)
+        # stream/event backend (streams.py): CUDA streams on CUDA, None (no streams) on the CPU
+        self.streams = resolve_streams(streams, self.device)
         streamed = [blocks[i] for i in schedule.streamed]
         self.slot_bytes = self._slot_size()
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.slots)
         ]
-        if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
-            for slot in self.slots:
+        if self.streams is not None:
+            self.copy_stream = self.streams.new_stream(self.device)
+            for slot in self.slots if self.cuda else ():
                 # freed without disable() while a prefetch is in flight, the memory
                 # is not handed out again before the copy stream's work is done
                 slot.record_stream(self.copy_stream)
-            self.loaded = [torch.cuda.Event() for _ in self.slots]
-            self.freed = [torch.cuda.Event() for _ in self.slots]
+            self.loaded = [self.streams.new_event() for _ in self.slots]
+            self.freed = [self.streams.new_event() for _ in self.slots]
         # targets[k]: tensor objects of streamed block k in layout order;
         # views[k][s]: their views in slot s; placeholders[k]: empty stand-ins.
         self.targets = []
@@ -227,13 +233,13 @@ class LayerwiseExecutor:
             return
         if self.schedule.defer_last and self.position % self.schedule.n == 0:
             ev = None
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
+            if self.streams is not None:
+                ev = self.streams.new_event()
+                ev.record(self.streams.current_stream(self.device))
             self._late = (ev, loads)
             return
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
+        if self.streams is not None:
+            compute = self.streams.current_stream(self.device)
             for side in self.side_streams():
                 side.wait_stream(compute)
         for load in loads:
@@ -255,7 +261,7 @@ class LayerwiseExecutor:
         if self.log is not None:
             rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
             self.log.records.append(rec)
-        if not self.cuda:
+        if self.streams is None:
             if rec is not None:
                 rec.start = self.log.mark()
             self._copy(load)
@@ -265,10 +271,11 @@ class LayerwiseExecutor:
         cs = self.copy_stream
         if wait_free and load.after_position is not None:
             cs.wait_event(self.freed[load.slot])
-        with torch.cuda.stream(cs):
+        with self.streams.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
             self._copy(load)
+            self.streams.access("write", load.slot, load.block)
             self.loaded[load.slot].record(cs)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
@@ -313,11 +320,12 @@ class LayerwiseExecutor:
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
         slot = self.schedule.slot_at(p)
-        if self.cuda:
-            cs = torch.cuda.current_stream(self.device)
+        if self.streams is not None:
+            cs = self.streams.current_stream(self.device)
             if self._load_tag[slot] == self.capture_tag:
                 cs.wait_event(self.loaded[slot])
             self._compute_stream = cs
+            self.streams.access("read_begin", slot, block)
         self._bind(block - self.schedule.resident, slot)
         if self.log is not None:
             self._compute_rec = _Record(self.schedule.step_of(p), block, "compute")
@@ -329,7 +337,8 @@ class LayerwiseExecutor:
         slot = self.schedule.slot_at(p)
         if self.log is not None:
             self._compute_rec.end = self.log.mark(self._compute_stream)
-        if self.cuda:
+        if self.streams is not None:
+            self.streams.access("read_end", slot, block)
             self.freed[slot].record(self._compute_stream)
         self._unbind(block - self.schedule.resident)
         self.position = p + 1
@@ -360,14 +369,14 @@ class LayerwiseExecutor:
     # -- lifecycle -------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for in-flight copies (used outside the hot path: teardown, weight updates)."""
-        if self.cuda:
+        if self.streams is not None:
             self.copy_stream.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+            self.streams.current_stream(self.device).synchronize()
 
     def side_streams(self) -> list:
         """Streams besides the compute stream that a step issues work on (a graph
         capture joins each back into the capturing stream)."""
-        return [self.copy_stream] if self.cuda else []
+        return [self.copy_stream] if self.streams is not None else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
         """(position, slot) of the loads already issued for the next step's first

@@ -928,8 +928,9 @@ class MmapExecutor(LayerwiseExecutor):
     """LayerwiseExecutor whose copies come from the checkpoint mapping (direct) or the stager."""
 
     def __init__(self, blocks, store: MmapStore, schedule: Schedule, device, *, record_events: bool = False,
-                 staging_threads: int | None = None):
-        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward")
+                 staging_threads: int | None = None, streams=None):
+        super().__init__(blocks, store, schedule, device, record_events=record_events, prime="first_forward",
+                         streams=streams)
         plans = store.plans
         wire = max((p.wire_nbytes for p in plans if p.direct), default=0)
         self.wire = [torch.empty(wire, dtype=torch.uint8, device=self.device) for _ in self.slots] if wire else []
@@ -997,7 +998,7 @@ class MmapExecutor(LayerwiseExecutor):
         slot = self.slots[load.slot]
         copy_from_image(slot[:n], src)  # one registration per copy
         if self.cuda:
-            self.stager.h2d_done[b].record(torch.cuda.current_stream(self.device))
+            self.stager.h2d_done[b].record(self.streams.current_stream(self.device))
         self.stager.release(b, load.position)
 
     def _copy_direct(self, k: int, s: int, plan: BlockPlan) -> None:
@@ -1139,7 +1140,8 @@ class MmapStreamedBlocks(StreamedBlocks):
                     if t.device.type == "meta":
                         _give_data(t, torch.empty(0, dtype=t.dtype, device=self.device))
         return MmapExecutor(self.blocks, self.store, self.schedule, self.device,
-                            record_events=self.config.record_events, staging_threads=self.staging_threads)
+                            record_events=self.config.record_events, staging_threads=self.staging_threads,
+                            streams=self.streams)
 
     def restore(self) -> nn.Module:
         """Give every streamed tensor a private device copy of its weights; tear down.

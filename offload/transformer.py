@@ -48,6 +48,8 @@ class StreamedBlocks:
 
     # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
     supports_next_step = True
+    # stream/event backend handed to the executor (streams.py); None: the device's default
+    streams = None
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
         t0 = time.perf_counter()
@@ -151,7 +153,8 @@ class StreamedBlocks:
 
     def _build_executor(self) -> LayerwiseExecutor:
         return LayerwiseExecutor(
-            self.blocks, self.store, self.schedule, self.device, record_events=self.config.record_events
+            self.blocks, self.store, self.schedule, self.device, record_events=self.config.record_events,
+            streams=self.streams,
         )
 
     def stats(self) -> dict:
