@@ -470,6 +470,8 @@ class _Control:
 
     def gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's ``row`` (same shape everywhere), stacked rank-major, on the CPU."""
+        if self.world == 1:  # a group of one agrees with itself: no collective
+            return row.cpu().unsqueeze(0).clone()
         row = row.to(self.device)
         out = torch.empty((self.world, *row.shape), dtype=row.dtype, device=self.device)
         work = dist.all_gather(list(out.unbind(0)), row, group=self.group, async_op=True)

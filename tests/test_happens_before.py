@@ -64,7 +64,7 @@ def _traced(base, rec, slots, mode, executor_cls=None):
     if executor_cls is not None and issubclass(executor_cls, AllGatherExecutor):
         def _build_executor(self):
             return executor_cls(self.blocks, self.store, self.schedule, self.device, group=None, world=1,
-                                streams=self.streams)
+                                control=self.control, streams=self.streams)
         attrs["_build_executor"] = _build_executor
     elif executor_cls is not None:
         def _build_executor(self):
