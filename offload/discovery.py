@@ -2,52 +2,97 @@
 
 Pure: nothing here moves, copies or changes a tensor.
 
-Precedence: an explicit :class:`OffloadPlan`, else the DiT class attribute
-``_layerwise_offload_blocks_attrs`` (dotted container names), else the known
-diffusers block containers present on the module, in registration order.
+Precedence:
+
+1. an explicit :class:`OffloadPlan` (containers, or single blocks, in execution
+   order; :func:`trace_plan` records one from a real forward);
+2. the DiT class attribute ``_layerwise_offload_blocks_attrs`` (dotted
+   container names, in execution order);
+3. automatic: candidate blocks are, at any depth, the outermost modules whose
+   class is named in diffusers' ``_repeated_blocks``, or in
+   ``_no_split_modules`` (classes with two or more instances), or the
+   block-like items of a ``ModuleList`` named like a known block container
+   (:data:`KNOWN_BLOCK_CONTAINERS`). Candidates are grouped by the list they
+   are items of (blocks run in index order inside a list). With several lists
+   their order is read from the ``forward`` source (see
+   :func:`order_groups`); where it cannot be read exactly, or where a list
+   runs only under a condition (so a step may run it zero times), discovery
+   raises :class:`BlockOrderError`, naming the lists and pointing to
+   :func:`trace_plan` and :class:`OffloadPlan`. Nothing is skipped silently.
 """
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import itertools
+import textwrap
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-# Container names diffusers DiTs use for their repeated blocks. Order here does
-# not matter: present containers are taken in the module's registration order,
-# which is the execution order for every diffusers DiT we know of.
+# Container names diffusers DiTs use for their repeated blocks; found at any
+# depth (``token_refiner.refiner_blocks``), as the name of the list that holds
+# the blocks.
 KNOWN_BLOCK_CONTAINERS = (
     "transformer_blocks",
     "single_transformer_blocks",
+    "joint_transformer_blocks",
+    "temporal_transformer_blocks",
     "blocks",
     "layers",
     "double_blocks",
     "single_blocks",
     "joint_blocks",
     "transformer_layers",
+    "double_stream_blocks",
+    "single_stream_blocks",
+    "noise_refiner",
+    "context_refiner",
+    "siglip_refiner",
+    "refiner_blocks",
+    "vace_blocks",
+    "text_transformer_blocks",
+    "visual_transformer_blocks",
+    "txt_mode_blocks",
 )
 
 MIN_STREAMED_BLOCKS = 2
+_LISTS = (nn.ModuleList, nn.Sequential)
+# An `if` whose test names this is diffusers' training path; the else branch is
+# what runs in inference (and both run the blocks in the same order).
+_CKPT_MARK = "gradient_checkpointing"
 
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """Explicit list of block containers (dotted attribute paths) in execution order."""
+    """Explicit block containers or single blocks (dotted paths) in execution order.
+
+    ``OffloadPlan(["transformer_blocks", "single_transformer_blocks"])`` streams
+    two lists one after the other; ``OffloadPlan(["blocks.0", "vace_blocks.0",
+    "blocks.1"])`` gives an explicit block order (a path to a single module is
+    one block). ``not_run`` is informational: candidate blocks a
+    :func:`trace_plan` forward did not run (they are not streamed).
+    """
 
     block_containers: tuple[str, ...] = field(default=())
+    not_run: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
-        if isinstance(self.block_containers, str):
-            raise TypeError(
-                f"OffloadPlan.block_containers={self.block_containers!r} must be a list of dotted "
-                "names, not one string"
-            )
-        names = tuple(self.block_containers)
-        if not names:
+        for key in ("block_containers", "not_run"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                raise TypeError(f"OffloadPlan.{key}={value!r} must be a list of dotted names, not one string")
+            names = tuple(value)
+            for name in names:
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"OffloadPlan.{key} item {name!r} must be a non-empty string")
+            object.__setattr__(self, key, names)
+        if not self.block_containers:
             raise ValueError("OffloadPlan.block_containers=() is empty; name at least one container")
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"OffloadPlan.block_containers item {name!r} must be a non-empty string")
-        object.__setattr__(self, "block_containers", names)
 
 
 @dataclass(frozen=True)
@@ -57,6 +102,10 @@ class Block:
     index: int
     name: str
     module: nn.Module
+
+
+class BlockOrderError(ValueError):
+    """Discovery found blocks whose execution order (or whether they run) it cannot know."""
 
 
 def resolve_path(root: nn.Module, dotted: str, *, what: str = "attribute") -> object:
@@ -73,62 +122,581 @@ def resolve_path(root: nn.Module, dotted: str, *, what: str = "attribute") -> ob
     return obj
 
 
-def _container_names(module: nn.Module, plan: OffloadPlan | None) -> tuple[tuple[str, ...], str]:
+# --------------------------------------------------------------------------- explicit containers
+def _declared_containers(module: nn.Module, plan: OffloadPlan | None) -> tuple[tuple[str, ...], str] | None:
     if plan is not None:
         if not isinstance(plan, OffloadPlan):
             raise TypeError(f"plan={plan!r} must be an OffloadPlan or None")
         return plan.block_containers, "OffloadPlan"
     declared = getattr(type(module), "_layerwise_offload_blocks_attrs", None)
-    if declared is not None:
-        if isinstance(declared, str) or not declared:
-            raise ValueError(
-                f"{type(module).__name__}._layerwise_offload_blocks_attrs={declared!r} must be a "
-                "non-empty list of dotted container names"
-            )
-        return tuple(declared), "_layerwise_offload_blocks_attrs"
-    present = [n for n in module._modules if n in KNOWN_BLOCK_CONTAINERS]
-    if not present:
+    if declared is None:
+        return None
+    if isinstance(declared, str) or not declared:
         raise ValueError(
-            f"no block containers found on {type(module).__name__}: none of "
-            f"{', '.join(KNOWN_BLOCK_CONTAINERS)} is a child module; declare "
-            "_layerwise_offload_blocks_attrs on the class or pass an OffloadPlan"
+            f"{type(module).__name__}._layerwise_offload_blocks_attrs={declared!r} must be a "
+            "non-empty list of dotted container names"
         )
-    return tuple(present), "known diffusers containers"
+    return tuple(declared), "_layerwise_offload_blocks_attrs"
+
+
+def _container_items(module: nn.Module, names: tuple[str, ...], source: str) -> list[tuple[str, object]]:
+    items: list[tuple[str, object]] = []
+    for cname in names:
+        container = resolve_path(module, cname, what=f"block container (from {source})")
+        if isinstance(container, nn.Module) and not isinstance(container, _LISTS):
+            items.append((cname, container))
+        elif isinstance(container, (*_LISTS, list, tuple)):
+            items.extend((f"{cname}.{i}", m) for i, m in enumerate(container))
+        else:
+            raise ValueError(
+                f"block container {cname!r} (from {source}) is a {type(container).__name__}; "
+                "expected an nn.ModuleList, nn.Sequential, list of modules or a single nn.Module"
+            )
+    return items
+
+
+# --------------------------------------------------------------------------- automatic candidates
+def _declared_names(cls: type, attr: str) -> set[str]:
+    names = getattr(cls, attr, None) or ()
+    return {n for n in names if isinstance(n, str)}
+
+
+def _block_like(m: nn.Module) -> bool:
+    """A model's own block class with weights (not a bare torch.nn layer or list)."""
+    return not type(m).__module__.startswith("torch.") and next(m.parameters(), None) is not None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module automatic discovery would stream, and why."""
+
+    name: str
+    module: nn.Module
+    reason: str
+
+
+def find_candidates(root: nn.Module) -> list[Candidate]:
+    """Outermost candidate blocks of ``root`` at any depth, in registration order (pure)."""
+    cls = type(root)
+    repeated = _declared_names(cls, "_repeated_blocks")
+    no_split = _declared_names(cls, "_no_split_modules")
+    modules = dict(root.named_modules())
+    counts = Counter(type(m).__name__ for m in modules.values())
+    found: list[Candidate] = []
+    for path, m in modules.items():
+        if not path or any(path.startswith(c.name + ".") for c in found):
+            continue
+        kind = type(m).__name__
+        parent_path, _, _ = path.rpartition(".")
+        parent = modules[parent_path]
+        if kind in repeated:
+            reason = "_repeated_blocks"
+        elif kind in no_split and counts[kind] >= 2:
+            reason = "_no_split_modules"
+        elif (isinstance(parent, _LISTS) and parent_path.rpartition(".")[2] in KNOWN_BLOCK_CONTAINERS
+              and _block_like(m)):
+            reason = "container name"
+        else:
+            continue
+        found.append(Candidate(path, m, reason))
+    return found
+
+
+@dataclass(frozen=True)
+class Group:
+    """Candidates that are items of one list (or one lone candidate), in index order."""
+
+    path: str
+    blocks: tuple[Candidate, ...]
+
+
+def _list_position(modules: dict, path: str) -> tuple[str, int]:
+    """(deepest list the module is an item of, or itself; index there)."""
+    parts = path.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        if isinstance(modules[".".join(parts[:k])], _LISTS) and parts[k].isdigit():
+            return ".".join(parts[:k]), int(parts[k])
+    return path, 0
+
+
+def group_candidates(root: nn.Module, candidates: list[Candidate]) -> list[Group]:
+    modules = dict(root.named_modules())
+    slots: dict[str, dict[int, Candidate]] = {}
+    for c in candidates:
+        gpath, index = _list_position(modules, c.name)
+        items = slots.setdefault(gpath, {})
+        if index in items:
+            raise BlockOrderError(
+                f"blocks {items[index].name!r} and {c.name!r} of {type(root).__name__} lie in the same item of "
+                f"{gpath!r}; their order cannot be known. Call weightstream.trace_plan(model, *inputs) once "
+                "or pass an OffloadPlan naming the blocks in execution order"
+            )
+        items[index] = c
+    return [Group(g, tuple(items[i] for i in sorted(items))) for g, items in slots.items()]
+
+
+# --------------------------------------------------------------------------- forward source
+@dataclass(frozen=True)
+class _Cond:
+    """The test of an enclosing ``if`` (``negate``: in its else branch)."""
+
+    test: ast.expr
+    negate: bool = False
+
+    def __str__(self) -> str:
+        src = ast.unparse(self.test)
+        return f"not ({src})" if self.negate else src
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One reference to ``self.<path>`` in a forward, in source order."""
+
+    path: tuple[str, ...]
+    pos: int
+    kind: str  # "loop" (iterated in order), "zip" (iterated with others), "call", "other"
+    conds: tuple[_Cond, ...]  # tests of the enclosing ifs (training-path ifs excluded)
+    loops: tuple[tuple[str, ...], ...]  # paths iterated by the enclosing for statements
+    rank: int = 0  # zip: order of this list's first block call in the loop body
+    src: str = ""
+
+
+def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
+    """``self.a.b["k"]`` -> ("a", "b", "k"); None when not such a chain."""
+    parts = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+              and isinstance(node.slice.value, str)):
+            parts.append(node.slice.value)
+            node = node.value
+        else:
+            break
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return tuple(reversed(parts))
+    return None
+
+
+def _is_ckpt_if(node: ast.AST) -> bool:
+    return isinstance(node, (ast.If, ast.IfExp)) and _CKPT_MARK in ast.unparse(node.test)
+
+
+def _function_ast(cls: type, name: str) -> ast.FunctionDef | None:
+    fn = inspect.getattr_static(cls, name, None) if isinstance(cls, type) else None
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    if not inspect.isfunction(fn):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+class _UseCollector:
+    """Walks a class's ``forward`` (inlining ``self.<method>()`` helpers) and
+    records every ``self.<chain>`` reference with its conditions and loops."""
+
+    MAX_INLINE = 4
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.uses: list[_Use] = []
+        self._inlining: list[str] = []
+
+    def run(self, method: str = "forward") -> list[_Use]:
+        fn = _function_ast(self.cls, method)
+        if fn is not None:
+            self._inlining.append(method)
+            self._body(fn.body, (), ())
+        return self.uses
+
+    def _add(self, path, kind, conds, loops, rank=0, node=None):
+        src = ast.unparse(node) if node is not None else ".".join(path)
+        self.uses.append(_Use(path, len(self.uses), kind, conds, loops, rank, src))
+
+    def _body(self, stmts, conds, loops):
+        for s in stmts:
+            self._stmt(s, conds, loops)
+
+    def _stmt(self, node, conds, loops):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return  # nested definitions: not executed here
+        if _is_ckpt_if(node):
+            self._body(node.orelse, conds, loops)
+        elif isinstance(node, ast.If):
+            self._expr(node.test, conds, loops)
+            self._body(node.body, conds + (_Cond(node.test),), loops)
+            self._body(node.orelse, conds + (_Cond(node.test, True),), loops)
+        elif isinstance(node, ast.While):
+            self._expr(node.test, conds, loops)
+            self._body(node.body + node.orelse, conds + (_Cond(node.test),), loops)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            self._for(node, conds, loops)
+        elif isinstance(node, ast.Try):
+            self._body(node.body, conds, loops)
+            for h in node.handlers:
+                self._body(h.body, conds + (_Cond(ast.Name("an exception is raised")),), loops)
+            self._body(node.orelse + node.finalbody, conds, loops)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    self._stmt(child, conds, loops)
+                else:
+                    self._expr(child, conds, loops)
+
+    def _expr(self, node, conds, loops):
+        if node is None:
+            return
+        if _is_ckpt_if(node):
+            return self._expr(node.orelse, conds, loops)
+        if isinstance(node, ast.IfExp):
+            self._expr(node.test, conds, loops)
+            self._expr(node.body, conds + (_Cond(node.test),), loops)
+            return self._expr(node.orelse, conds + (_Cond(node.test, True),), loops)
+        if isinstance(node, ast.Call):
+            return self._call(node, conds, loops)
+        chain = _self_chain(node)
+        if chain is not None:
+            return self._add(chain, "other", conds, loops, node=node)
+        for child in ast.iter_child_nodes(node):
+            self._expr(child, conds, loops)
+
+    def _call(self, node, conds, loops):
+        if isinstance(node.func, ast.Name) and node.func.id == "len":
+            return  # len(self.blocks) runs no block
+        chain = _self_chain(node.func)
+        if chain is not None and len(chain) == 1 and self._inline(chain[0], conds, loops):
+            pass
+        elif chain is not None:
+            self._add(chain, "call", conds, loops, node=node.func)
+        else:
+            self._expr(node.func, conds, loops)
+        for a in node.args:
+            self._expr(a, conds, loops)
+        for k in node.keywords:
+            self._expr(k.value, conds, loops)
+
+    def _inline(self, name, conds, loops) -> bool:
+        if name in self._inlining or len(self._inlining) > self.MAX_INLINE:
+            return False
+        fn = _function_ast(self.cls, name)
+        if fn is None:
+            return False
+        self._inlining.append(name)
+        try:
+            self._body(fn.body, conds, loops)
+        finally:
+            self._inlining.pop()
+        return True
+
+    def _for(self, node, conds, loops):
+        it, target = node.iter, node.target
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+            it = it.args[0]
+            target = target.elts[1] if isinstance(target, ast.Tuple) and len(target.elts) == 2 else None
+        chain = _self_chain(it)
+        iterated: tuple[tuple[str, ...], ...] = ()
+        if chain is not None:
+            self._add(chain, "loop", conds, loops, node=it)
+            iterated = (chain,)
+        else:
+            iterated = self._zip(it, target, node.body, conds, loops)
+            if not iterated:
+                self._expr(node.iter, conds, loops)
+        self._body(node.body, conds, loops + iterated)
+        self._body(node.orelse, conds, loops)
+
+    def _zip(self, it, target, body, conds, loops) -> tuple[tuple[str, ...], ...]:
+        """``for a, b in zip(self.x, self.y)``: lists interleaved in the order their
+        loop variables are first used in the body."""
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip"
+                and isinstance(target, ast.Tuple) and len(target.elts) == len(it.args) >= 2):
+            return ()
+        chains = [_self_chain(a) for a in it.args]
+        names = [t.id if isinstance(t, ast.Name) else None for t in target.elts]
+        if None in chains or None in names:
+            return ()
+        first = _first_uses(body, set(names))
+        if set(first) != set(names):
+            return ()
+        order = sorted(names, key=first.__getitem__)
+        for chain, name in zip(chains, names):
+            self._add(chain, "zip", conds, loops, rank=order.index(name), node=it)
+        return tuple(chains)
+
+
+def _first_uses(body: list[ast.stmt], names: set[str]) -> dict[str, tuple[int, int]]:
+    """Source position of the first reference to each of ``names`` (training-path ifs skipped)."""
+    seen: dict[str, tuple[int, int]] = {}
+    stack = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        if _is_ckpt_if(node):
+            stack.extend(reversed(node.orelse if isinstance(node.orelse, list) else [node.orelse]))
+            continue
+        if isinstance(node, ast.Name) and node.id in names:
+            pos = (node.lineno, node.col_offset)
+            seen[node.id] = min(seen.get(node.id, pos), pos)
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    return seen
+
+
+@functools.lru_cache(maxsize=256)
+def _class_uses(cls: type) -> tuple[_Use, ...]:
+    """The ``self`` references of ``cls.forward`` (a class's source does not change)."""
+    return tuple(_UseCollector(cls).run())
+
+
+# --------------------------------------------------------------------------- ordering
+@dataclass(frozen=True)
+class _Where:
+    """Where a group runs, read from the forward sources down the module path."""
+
+    key: tuple[tuple[int, int], ...]
+    conds: tuple[str, ...]
+    loops: tuple[tuple[str, ...], ...]  # absolute dotted paths of enclosing loops
+    kind: str
+
+
+_UNKNOWN = object()
+_COMPARE = {
+    ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+    ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}
+
+
+def _static(node: ast.AST, module: nn.Module):
+    """Value of a test that reads only ``self`` (attributes, config, constant keys,
+    ``len``, comparisons, and/or/not); ``_UNKNOWN`` for anything else (locals,
+    other calls). Reads attributes, runs no model code of its own."""
+    try:
+        return _static_value(node, module)
+    except Exception:  # a test this model cannot evaluate statically: treat as unknown
+        return _UNKNOWN
+
+
+def _static_value(node, module):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return module if node.id == "self" else _UNKNOWN
+    if isinstance(node, (ast.Attribute, ast.Subscript)):
+        base = _static_value(node.value, module)
+        if base is _UNKNOWN:
+            return _UNKNOWN
+        if isinstance(node, ast.Attribute):
+            return getattr(base, node.attr)
+        key = _static_value(node.slice, module) if isinstance(node.slice, ast.Constant) else _UNKNOWN
+        return _UNKNOWN if key is _UNKNOWN else base[key]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1:
+        arg = _static_value(node.args[0], module)
+        return _UNKNOWN if arg is _UNKNOWN else len(arg)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        v = _static_value(node.operand, module)
+        return _UNKNOWN if v is _UNKNOWN else not v
+    if isinstance(node, ast.BoolOp):
+        return _static_boolop(node, module)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+        a, b = _static_value(node.left, module), _static_value(node.comparators[0], module)
+        return _UNKNOWN if _UNKNOWN in (a, b) else _COMPARE[type(node.ops[0])](a, b)
+    return _UNKNOWN
+
+
+def _static_boolop(node: ast.BoolOp, module):
+    values = [_static_value(v, module) for v in node.values]
+    decisive = isinstance(node.op, ast.Or)  # Or: any true decides; And: any false decides
+    if any(v is not _UNKNOWN and bool(v) is decisive for v in values):
+        return decisive
+    return _UNKNOWN if any(v is _UNKNOWN for v in values) else not decisive
+
+
+def _truth(cond: _Cond, module: nn.Module) -> bool | None:
+    v = _static(cond.test, module)
+    return None if v is _UNKNOWN else bool(v) != cond.negate
+
+
+@dataclass(frozen=True)
+class _Never:
+    """A group the forward reaches only under conditions false for this model."""
+
+    why: str
+
+
+def _reachable(uses: list[_Use], module: nn.Module) -> list[tuple[_Use, tuple[_Cond, ...]]]:
+    """Uses whose conditions are not statically false, with the conditions left unknown."""
+    out = []
+    for u in uses:
+        truth = [_truth(c, module) for c in u.conds]
+        if False not in truth:
+            out.append((u, tuple(c for c, t in zip(u.conds, truth) if t is None)))
+    return out
+
+
+def _locate(root: nn.Module, path: str) -> _Where | _Never | str:
+    """Where the list ``path`` is iterated (or the lone block called); a str says why unknown."""
+    parts, module, prefix = tuple(path.split(".")), root, ()
+    key, conds, loops = (), (), ()
+    while True:
+        cls = type(module)
+        uses = [u for u in _class_uses(cls) if u.path == parts[: len(u.path)]]
+        if not uses:
+            return f"{cls.__name__}.forward does not use self.{'.'.join(parts)} (or a module above it)"
+        live = _reachable(uses, module)
+        if not live:
+            false = "; ".join(sorted({" and ".join(map(str, u.conds)) for u in uses}))
+            return _Never(f"{cls.__name__}.forward uses self.{'.'.join(parts)} only when {false}, "
+                          "which is false for this model")
+        longest = max(len(u.path) for u, _ in live)
+        live = [(u, c) for u, c in live if len(u.path) == longest]
+        if len(live) > 1:
+            srcs = "; ".join(sorted({u.src for u, _ in live}))
+            return f"{cls.__name__}.forward uses self.{'.'.join(parts[:longest])} {len(live)} times ({srcs})"
+        u, unknown = live[0]
+        key += ((u.pos, u.rank),)
+        conds += tuple(f"{cls.__name__}: {c}" for c in unknown)
+        loops += tuple(".".join(prefix + lp) for lp in u.loops)
+        if longest == len(parts):
+            return _Where(key, conds, loops, u.kind) if u.kind != "other" else (
+                f"{cls.__name__}.forward uses self.{'.'.join(parts)} as `{u.src}`, not in a plain for loop")
+        if u.kind != "call":
+            return f"{cls.__name__}.forward uses self.{'.'.join(parts[:longest])} as `{u.src}`, not as a call"
+        module = resolve_path(module, ".".join(parts[:longest]))
+        prefix, parts = prefix + parts[:longest], parts[longest:]
+
+
+def _describe(groups: list[Group]) -> str:
+    return ", ".join(f"{g.path!r} ({len(g.blocks)} blocks)" for g in groups)
+
+
+def _hint(root: nn.Module) -> str:
+    return (f"Call weightstream.trace_plan(model, *inputs, **kwargs) once with the inputs you will run "
+            f"(it records the real order from one forward), or pass OffloadPlan([...]) naming the "
+            f"containers or blocks of {type(root).__name__} in execution order")
+
+
+def _check_conditional(root: nn.Module, groups: list[Group], where: dict[str, _Where]) -> None:
+    cond = [(g, where[g.path]) for g in groups if g.path in where and where[g.path].conds]
+    if cond:
+        what = "; ".join(f"{g.path!r} ({len(g.blocks)} blocks) only when {' and '.join(w.conds)}" for g, w in cond)
+        raise BlockOrderError(
+            f"{type(root).__name__} runs {what}. A step where the condition is false runs those blocks zero "
+            f"times, and layerwise offload needs every streamed block to run once per step, in discovery "
+            f"order. {_hint(root)}; trace_plan streams the blocks that ran and leaves the others resident"
+        )
+
+
+def _drop_never(root: nn.Module, groups: list[Group], where: dict) -> list[Group]:
+    never = [g for g in groups if isinstance(where[g.path], _Never)]
+    if never:
+        warnings.warn(
+            f"{type(root).__name__}: {_describe(never)} never run with this configuration "
+            f"({'; '.join(where[g.path].why for g in never)}); they are not streamed and stay resident",
+            stacklevel=4,
+        )
+    return [g for g in groups if g not in never]
+
+
+def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
+    """Blocks of ``groups`` in execution order, read from the forward sources.
+
+    Exact for what it accepts: every list is iterated by exactly one plain
+    ``for`` (or ``enumerate``) over ``self.<path>`` or reached through exactly
+    one call of the submodule above it; lists iterated together by one
+    ``zip`` are interleaved in the order the body first names their loop
+    variables. ``if`` tests that read only ``self`` (config, attributes,
+    ``len``) are evaluated: a list reached only under a false one never runs
+    and is left resident (one warning). Anything else (a list indexed inside
+    another list's loop, used twice, under an ``if`` on an input) raises
+    :class:`BlockOrderError`.
+    """
+    where = {g.path: _locate(root, g.path) for g in groups}
+    groups = _drop_never(root, groups, where)
+    known = {p: w for p, w in where.items() if isinstance(w, _Where)}
+    _check_conditional(root, groups, known)
+    if len(groups) <= 1:
+        return list(groups[0].blocks) if groups else []
+    unknown = [f"{g.path!r}: {where[g.path]}" for g in groups if isinstance(where[g.path], str)]
+    for p, w in known.items():
+        inside = [q for q in w.loops if any(q == g.path or g.path.startswith(q + ".") for g in groups if g.path != p)]
+        if inside:
+            unknown.append(f"{p!r} runs inside the loop over {inside[0]!r} (interleaved)")
+    if unknown:
+        raise BlockOrderError(
+            f"cannot tell the execution order of the blocks of {type(root).__name__} (found {_describe(groups)}): "
+            f"{'; '.join(unknown)}. {_hint(root)}"
+        )
+    ordered = sorted(groups, key=lambda g: known[g.path].key)
+    # lists of one zip share their key but for the last rank: interleave them
+    same_loop = itertools.groupby(ordered, key=lambda g: known[g.path].key[:-1] + (known[g.path].key[-1][0],))
+    return [c for _, zipped in same_loop for c in _interleave(root, list(zipped))]
+
+
+def _interleave(root: nn.Module, zipped: list[Group]) -> list[Candidate]:
+    if len(zipped) == 1:
+        return list(zipped[0].blocks)
+    lengths = {len(g.blocks) for g in zipped}
+    if len(lengths) != 1:
+        raise BlockOrderError(
+            f"{type(root).__name__} zips {_describe(zipped)} of different lengths: zip stops at the shortest, "
+            f"so some blocks never run. {_hint(root)}"
+        )
+    return [c for row in zip(*(g.blocks for g in zipped)) for c in row]
+
+
+# --------------------------------------------------------------------------- public
+def _auto_items(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    candidates = find_candidates(module)
+    if not candidates:
+        raise ValueError(
+            f"no block containers found on {type(module).__name__}: no module of its _repeated_blocks / "
+            f"_no_split_modules classes and no list named {', '.join(KNOWN_BLOCK_CONTAINERS)} holds blocks; "
+            "declare _layerwise_offload_blocks_attrs on the class or pass an OffloadPlan"
+        )
+    blocks = order_groups(module, group_candidates(module, candidates))
+    return [(c.name, c.module) for c in blocks]
 
 
 def discover_blocks(module: nn.Module, plan: OffloadPlan | None = None) -> list[Block]:
     """Return the streamable blocks of ``module`` in execution order.
 
     Raises ``ValueError`` for a named container that does not exist, an item
-    that is not an ``nn.Module``, fewer than two blocks, or a block claimed
-    twice (the same module in two containers, or one block inside another).
+    that is not an ``nn.Module``, fewer than two blocks, a block claimed
+    twice (the same module in two containers, or one block inside another),
+    and :class:`BlockOrderError` (a ``ValueError``) where automatic discovery
+    cannot know the order of the blocks it found, or whether they run.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    names, source = _container_names(module, plan)
+    declared = _declared_containers(module, plan)
+    if declared is not None:
+        names, source = declared
+        items = _container_items(module, names, source)
+    else:
+        items = _auto_items(module)
+        names = tuple(dict.fromkeys(n.rpartition(".")[0] or n for n, _ in items))
+    return _checked_blocks(items, names)
+
+
+def _checked_blocks(items: list[tuple[str, object]], names: tuple[str, ...]) -> list[Block]:
     blocks: list[Block] = []
     owner: dict[int, str] = {}
-    for cname in names:
-        container = resolve_path(module, cname, what=f"block container (from {source})")
-        if isinstance(container, nn.Module) and not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            items = [(cname, container)]
-        elif isinstance(container, (nn.ModuleList, nn.Sequential, list, tuple)):
-            items = [(f"{cname}.{i}", m) for i, m in enumerate(container)]
-        else:
+    for name, item in items:
+        if not isinstance(item, nn.Module):
             raise ValueError(
-                f"block container {cname!r} (from {source}) is a {type(container).__name__}; "
-                "expected an nn.ModuleList, nn.Sequential, list of modules or a single nn.Module"
+                f"block {name!r} is a {type(item).__name__}, not an nn.Module; every item of a "
+                "block container must be an executable module"
             )
-        for name, item in items:
-            if not isinstance(item, nn.Module):
-                raise ValueError(
-                    f"block {name!r} is a {type(item).__name__}, not an nn.Module; every item of a "
-                    "block container must be an executable module"
-                )
-            if id(item) in owner:
-                raise ValueError(f"block {name!r} is claimed twice: it is the same module as {owner[id(item)]!r}")
-            owner[id(item)] = name
-            blocks.append(Block(index=len(blocks), name=name, module=item))
+        if id(item) in owner:
+            raise ValueError(f"block {name!r} is claimed twice: it is the same module as {owner[id(item)]!r}")
+        owner[id(item)] = name
+        blocks.append(Block(index=len(blocks), name=name, module=item))
     for b in blocks:
         for sub in b.module.modules():
             if sub is not b.module and id(sub) in owner:
@@ -139,3 +707,55 @@ def discover_blocks(module: nn.Module, plan: OffloadPlan | None = None) -> list[
             f"at least {MIN_STREAMED_BLOCKS}"
         )
     return blocks
+
+
+def trace_plan(model: nn.Module, *args, **kwargs) -> OffloadPlan:
+    """Run ONE forward of ``model(*args, **kwargs)`` (under ``torch.no_grad``)
+    and return an :class:`OffloadPlan` of the candidate blocks in the order
+    they ran.
+
+    Forward-pre-hooks on the candidates (see :func:`find_candidates`) record
+    the order; they are removed afterwards, whatever happens. Nothing is moved
+    or changed. A candidate the forward did not run is left out of the plan
+    (it is not streamed, so it works whichever branch runs later) and named in
+    ``plan.not_run`` and in one warning. A candidate that runs more than once
+    in the forward raises ``ValueError``: a streamed block runs once per step.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    candidates = find_candidates(model)
+    if not candidates:
+        raise ValueError(f"trace_plan found no candidate blocks on {type(model).__name__}; pass an OffloadPlan")
+    ran: list[str] = []
+    handles = [c.module.register_forward_pre_hook(functools.partial(_record, ran, c.name)) for c in candidates]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return _traced(model, candidates, ran)
+
+
+def _record(ran: list[str], name: str, module, args) -> None:
+    ran.append(name)
+
+
+def _traced(model: nn.Module, candidates: list[Candidate], ran: list[str]) -> OffloadPlan:
+    twice = [f"{n!r} ({c} times)" for n, c in Counter(ran).items() if c > 1]
+    if twice:
+        raise ValueError(
+            f"trace_plan: blocks of {type(model).__name__} ran more than once in one forward: "
+            f"{', '.join(twice)}; layerwise offload streams each block once per step. Pass an OffloadPlan "
+            "naming only blocks that run once"
+        )
+    not_run = tuple(c.name for c in candidates if c.name not in set(ran))
+    if not ran:
+        raise ValueError(f"trace_plan: none of the {len(candidates)} candidate blocks of {type(model).__name__} ran")
+    if not_run:
+        warnings.warn(
+            f"trace_plan: {len(not_run)} candidate block(s) of {type(model).__name__} did not run in the traced "
+            f"forward and will not be streamed (they stay resident): {', '.join(not_run)}",
+            stacklevel=3,
+        )
+    return OffloadPlan(tuple(ran), not_run=not_run)
