@@ -315,9 +315,10 @@ class _UseCollector:
             self._body(fn.body, (), ())
         return self.uses
 
-    def _add(self, path, kind, conds, loops, rank=0, node=None):
+    def _add(self, path, kind, conds, loops, rank=0, node=None, pos=None):
         src = ast.unparse(node) if node is not None else ".".join(path)
-        self.uses.append(_Use(path, len(self.uses), kind, conds, loops, rank, src))
+        pos = len(self.uses) if pos is None else pos
+        self.uses.append(_Use(path, pos, kind, conds, loops, rank, src))
 
     def _body(self, stmts, conds, loops):
         for s in stmts:
@@ -424,26 +425,41 @@ class _UseCollector:
         first = _first_uses(body, set(names))
         if set(first) != set(names):
             return ()
-        order = sorted(names, key=first.__getitem__)
+        order = sorted(names, key=lambda n: first[n][0])
+        pos = len(self.uses)
         for chain, name in zip(chains, names):
-            self._add(chain, "zip", conds, loops, rank=order.index(name), node=it)
+            # a loop variable called under an `if` may skip its block: a condition of that list
+            self._add(chain, "zip", conds + first[name][1], loops, rank=order.index(name), node=it, pos=pos)
         return tuple(chains)
 
 
-def _first_uses(body: list[ast.stmt], names: set[str]) -> dict[str, tuple[int, int]]:
-    """Source position of the first reference to each of ``names`` (training-path ifs skipped)."""
-    seen: dict[str, tuple[int, int]] = {}
-    stack = list(reversed(body))
+def _first_uses(body: list[ast.stmt], names: set[str]) -> dict[str, tuple[tuple[int, int], tuple[_Cond, ...]]]:
+    """Source position of the first reference to each of ``names``, and the ``if``
+    tests it sits under (training-path ifs skipped)."""
+    seen: dict[str, tuple[tuple[int, int], tuple[_Cond, ...]]] = {}
+    stack: list[tuple[ast.AST, tuple[_Cond, ...]]] = [(n, ()) for n in reversed(body)]
     while stack:
-        node = stack.pop()
+        node, conds = stack.pop()
         if _is_ckpt_if(node):
-            stack.extend(reversed(node.orelse if isinstance(node.orelse, list) else [node.orelse]))
+            rest = node.orelse if isinstance(node.orelse, list) else [node.orelse]
+            stack.extend((n, conds) for n in reversed(rest))
             continue
         if isinstance(node, ast.Name) and node.id in names:
             pos = (node.lineno, node.col_offset)
-            seen[node.id] = min(seen.get(node.id, pos), pos)
-        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+            if node.id not in seen or pos < seen[node.id][0]:
+                seen[node.id] = (pos, conds)
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.If, ast.IfExp)):
+            branch = {id(c): _Cond(node.test) for c in _as_list(node.body)}
+            branch.update({id(c): _Cond(node.test, True) for c in _as_list(node.orelse)})
+            stack.extend((c, conds + ((branch[id(c)],) if id(c) in branch else ())) for c in reversed(children))
+        else:
+            stack.extend((c, conds) for c in reversed(children))
     return seen
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
 
 
 @functools.lru_cache(maxsize=256)
