@@ -175,31 +175,54 @@ class Candidate:
     reason: str
 
 
+def _tier(path: str, m: nn.Module, parent_path: str, parent: nn.Module, decl: tuple) -> int | None:
+    """0: a ``_repeated_blocks`` class; 1: a repeated ``_no_split_modules`` class;
+    2: a block-like item of a list with a known container name; None: not a candidate."""
+    repeated, no_split, counts = decl
+    kind = type(m).__name__
+    if kind in repeated:
+        return 0
+    if kind in no_split and counts[kind] >= 2:
+        return 1
+    if isinstance(parent, _LISTS) and parent_path.rpartition(".")[2] in KNOWN_BLOCK_CONTAINERS and _block_like(m):
+        return 2
+    return None
+
+
+_REASONS = ("_repeated_blocks", "_no_split_modules", "container name")
+
+
+def _overlaps(path: str, taken: list[str]) -> bool:
+    return any(path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in taken)
+
+
 def find_candidates(root: nn.Module) -> list[Candidate]:
-    """Outermost candidate blocks of ``root`` at any depth, in registration order (pure)."""
+    """Candidate blocks of ``root`` at any depth, in registration order (pure).
+
+    diffusers' declarations win over names: ``_repeated_blocks`` modules first
+    (the outermost where they nest), then repeated ``_no_split_modules``
+    modules, then items of known container lists, each taken only where it
+    neither contains nor lies inside a module already taken.
+    """
     cls = type(root)
-    repeated = _declared_names(cls, "_repeated_blocks")
-    no_split = _declared_names(cls, "_no_split_modules")
     modules = dict(root.named_modules())
-    counts = Counter(type(m).__name__ for m in modules.values())
-    found: list[Candidate] = []
+    decl = (_declared_names(cls, "_repeated_blocks"), _declared_names(cls, "_no_split_modules"),
+            Counter(type(m).__name__ for m in modules.values()))
+    tiers: list[list[str]] = [[], [], []]
     for path, m in modules.items():
-        if not path or any(path.startswith(c.name + ".") for c in found):
-            continue
-        kind = type(m).__name__
-        parent_path, _, _ = path.rpartition(".")
-        parent = modules[parent_path]
-        if kind in repeated:
-            reason = "_repeated_blocks"
-        elif kind in no_split and counts[kind] >= 2:
-            reason = "_no_split_modules"
-        elif (isinstance(parent, _LISTS) and parent_path.rpartition(".")[2] in KNOWN_BLOCK_CONTAINERS
-              and _block_like(m)):
-            reason = "container name"
-        else:
-            continue
-        found.append(Candidate(path, m, reason))
-    return found
+        if path:
+            parent_path = path.rpartition(".")[0]
+            tier = _tier(path, m, parent_path, modules[parent_path], decl)
+            if tier is not None:
+                tiers[tier].append(path)
+    taken: list[str] = []
+    reason: dict[str, str] = {}
+    for tier, paths in enumerate(tiers):
+        chosen = [p for p in paths if not _overlaps(p, taken)]
+        chosen = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]  # outermost of a tier
+        taken.extend(chosen)
+        reason.update((p, _REASONS[tier]) for p in chosen)
+    return [Candidate(p, modules[p], reason[p]) for p in modules if p in reason]
 
 
 @dataclass(frozen=True)
@@ -587,8 +610,12 @@ def _locate(root: nn.Module, path: str) -> _Where | _Never | str:
         prefix, parts = prefix + parts[:longest], parts[longest:]
 
 
+def _blocks(n: int) -> str:
+    return f"{n} block{'' if n == 1 else 's'}"
+
+
 def _describe(groups: list[Group]) -> str:
-    return ", ".join(f"{g.path!r} ({len(g.blocks)} blocks)" for g in groups)
+    return ", ".join(f"{g.path!r} ({_blocks(len(g.blocks))})" for g in groups)
 
 
 def _hint(root: nn.Module) -> str:
@@ -600,7 +627,7 @@ def _hint(root: nn.Module) -> str:
 def _check_conditional(root: nn.Module, groups: list[Group], where: dict[str, _Where]) -> None:
     cond = [(g, where[g.path]) for g in groups if g.path in where and where[g.path].conds]
     if cond:
-        what = "; ".join(f"{g.path!r} ({len(g.blocks)} blocks) only when {' and '.join(w.conds)}" for g, w in cond)
+        what = "; ".join(f"{g.path!r} ({_blocks(len(g.blocks))}) only when {' and '.join(w.conds)}" for g, w in cond)
         raise BlockOrderError(
             f"{type(root).__name__} runs {what}. A step where the condition is false runs those blocks zero "
             f"times, and layerwise offload needs every streamed block to run once per step, in discovery "
