@@ -385,6 +385,11 @@ class _UseCollector:
         if isinstance(node, ast.Call):
             return self._call(node, conds, loops)
         chain = _self_chain(node)
+        if chain is None and isinstance(node, ast.Subscript):  # self.blocks[i]: name the whole expression
+            chain = _self_chain(node.value)
+            if chain is not None:
+                self._add(chain, "other", conds, loops, node=node)
+                return self._expr(node.slice, conds, loops)
         if chain is not None:
             return self._add(chain, "other", conds, loops, node=node)
         for child in ast.iter_child_nodes(node):
@@ -602,8 +607,10 @@ def _locate(root: nn.Module, path: str) -> _Where | _Never | str:
         conds += tuple(f"{cls.__name__}: {c}" for c in unknown)
         loops += tuple(".".join(prefix + lp) for lp in u.loops)
         if longest == len(parts):
-            return _Where(key, conds, loops, u.kind) if u.kind != "other" else (
-                f"{cls.__name__}.forward uses self.{'.'.join(parts)} as `{u.src}`, not in a plain for loop")
+            if u.kind != "other":
+                return _Where(key, conds, loops, u.kind)
+            inside = f" inside the loop over {loops[-1]!r}" if loops else ""
+            return f"{cls.__name__}.forward uses self.{'.'.join(parts)} as `{u.src}`{inside}, not in a plain for loop"
         if u.kind != "call":
             return f"{cls.__name__}.forward uses self.{'.'.join(parts[:longest])} as `{u.src}`, not as a call"
         module = resolve_path(module, ".".join(parts[:longest]))
@@ -641,7 +648,7 @@ def _drop_never(root: nn.Module, groups: list[Group], where: dict) -> list[Group
         warnings.warn(
             f"{type(root).__name__}: {_describe(never)} never run with this configuration "
             f"({'; '.join(where[g.path].why for g in never)}); they are not streamed and stay resident",
-            stacklevel=4,
+            stacklevel=5,
         )
     return [g for g in groups if g not in never]
 
