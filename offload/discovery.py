@@ -15,10 +15,12 @@ Precedence:
    (:data:`KNOWN_BLOCK_CONTAINERS`). Candidates are grouped by the list they
    are items of (blocks run in index order inside a list). With several lists
    their order is read from the ``forward`` source (see
-   :func:`order_groups`); where it cannot be read exactly, or where a list
-   runs only under a condition (so a step may run it zero times), discovery
-   raises :class:`BlockOrderError`, naming the lists and pointing to
-   :func:`trace_plan` and :class:`OffloadPlan`. Nothing is skipped silently.
+   :func:`order_groups`); where it cannot be read exactly, discovery raises
+   :class:`BlockOrderError`, naming the lists and pointing to
+   :func:`trace_plan` and :class:`OffloadPlan`. A list that runs only under
+   a condition on the inputs (or in a loop over data) may run zero or several
+   times in a step: it is not streamed and stays resident, with one warning
+   that says so and how to stream it. Nothing is skipped silently.
 """
 from __future__ import annotations
 
@@ -261,12 +263,20 @@ def group_candidates(root: nn.Module, candidates: list[Candidate]) -> list[Group
 # --------------------------------------------------------------------------- forward source
 @dataclass(frozen=True)
 class _Cond:
-    """The test of an enclosing ``if`` (``negate``: in its else branch)."""
+    """The test of an enclosing ``if`` (``negate``: in its else branch), or with
+    ``loop`` an enclosing loop over something other than a block list (its body
+    runs zero or more times)."""
 
-    test: ast.expr
+    test: ast.AST
     negate: bool = False
+    loop: bool = False
 
     def __str__(self) -> str:
+        if self.loop:
+            node = self.test
+            head = (f"while {ast.unparse(node.test)}" if isinstance(node, ast.While)
+                    else f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}")
+            return f"inside `{head}` (zero or more times)"
         src = ast.unparse(self.test)
         return f"not ({src})" if self.negate else src
 
@@ -358,7 +368,7 @@ class _UseCollector:
             self._body(node.orelse, conds + (_Cond(node.test, True),), loops)
         elif isinstance(node, ast.While):
             self._expr(node.test, conds, loops)
-            self._body(node.body + node.orelse, conds + (_Cond(node.test),), loops)
+            self._body(node.body + node.orelse, conds + (_Cond(node, loop=True),), loops)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             self._for(node, conds, loops)
         elif isinstance(node, ast.Try):
@@ -384,6 +394,8 @@ class _UseCollector:
             return self._expr(node.orelse, conds + (_Cond(node.test, True),), loops)
         if isinstance(node, ast.Call):
             return self._call(node, conds, loops)
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            return self._comprehension(node, conds, loops)
         chain = _self_chain(node)
         if chain is None and isinstance(node, ast.Subscript):  # self.blocks[i]: name the whole expression
             chain = _self_chain(node.value)
@@ -394,6 +406,16 @@ class _UseCollector:
             return self._add(chain, "other", conds, loops, node=node)
         for child in ast.iter_child_nodes(node):
             self._expr(child, conds, loops)
+
+    def _comprehension(self, node, conds, loops):
+        inner = conds
+        for gen in node.generators:
+            self._expr(gen.iter, inner, loops)
+            inner = inner + (_Cond(gen, loop=True),)
+            for test in gen.ifs:
+                self._expr(test, inner, loops)
+        for part in (node.key, node.value) if isinstance(node, ast.DictComp) else (node.elt,):
+            self._expr(part, inner, loops)
 
     def _call(self, node, conds, loops):
         if isinstance(node.func, ast.Name) and node.func.id == "len":
@@ -435,9 +457,11 @@ class _UseCollector:
             iterated = (chain,)
         else:
             iterated = self._zip(it, target, node.body, conds, loops)
-            if not iterated:
-                self._expr(node.iter, conds, loops)
-        self._body(node.body, conds, loops + iterated)
+        body_conds = conds
+        if not iterated:  # a loop over data: what it calls may run zero or several times
+            self._expr(node.iter, conds, loops)
+            body_conds = conds + (_Cond(node, loop=True),)
+        self._body(node.body, body_conds, loops + iterated)
         self._body(node.orelse, conds, loops)
 
     def _zip(self, it, target, body, conds, loops) -> tuple[tuple[str, ...], ...]:
@@ -562,6 +586,8 @@ def _static_boolop(node: ast.BoolOp, module):
 
 
 def _truth(cond: _Cond, module: nn.Module) -> bool | None:
+    if cond.loop:
+        return None
     v = _static(cond.test, module)
     return None if v is _UNKNOWN else bool(v) != cond.negate
 
@@ -631,15 +657,27 @@ def _hint(root: nn.Module) -> str:
             f"containers or blocks of {type(root).__name__} in execution order")
 
 
-def _check_conditional(root: nn.Module, groups: list[Group], where: dict[str, _Where]) -> None:
-    cond = [(g, where[g.path]) for g in groups if g.path in where and where[g.path].conds]
-    if cond:
-        what = "; ".join(f"{g.path!r} ({_blocks(len(g.blocks))}) only when {' and '.join(w.conds)}" for g, w in cond)
-        raise BlockOrderError(
-            f"{type(root).__name__} runs {what}. A step where the condition is false runs those blocks zero "
-            f"times, and layerwise offload needs every streamed block to run once per step, in discovery "
-            f"order. {_hint(root)}; trace_plan streams the blocks that ran and leaves the others resident"
-        )
+def _drop_conditional(root: nn.Module, groups: list[Group], where: dict) -> list[Group]:
+    """Lists that run only under a condition on the inputs (or inside a loop over
+    data) are left resident, with one warning that says why and how to stream
+    them; when nothing unconditional is left, that explanation is an error."""
+    cond = [g for g in groups if isinstance(where[g.path], _Where) and where[g.path].conds]
+    if not cond:
+        return groups
+    what = "; ".join(f"{g.path!r} ({_blocks(len(g.blocks))}) only when {' and '.join(where[g.path].conds)}"
+                     for g in cond)
+    why = (f"{type(root).__name__} runs {what}. A step where the condition is false runs those blocks zero times "
+           f"(a loop over data: zero or several times), and layerwise offload needs every streamed block to run "
+           f"once per step, in discovery order")
+    rest = [g for g in groups if g not in cond]
+    if not rest:
+        raise BlockOrderError(f"{why}. {_hint(root)}; trace_plan streams the blocks that ran and leaves the others "
+                              "resident")
+    warnings.warn(f"{why}: they are not streamed and stay resident on the device. To stream them too, call "
+                  f"weightstream.trace_plan(model, *inputs, **kwargs) with inputs that run them, or pass an "
+                  f"OffloadPlan naming them in execution order (every later call must then run them once)",
+                  stacklevel=5)
+    return rest
 
 
 def _drop_never(root: nn.Module, groups: list[Group], where: dict) -> list[Group]:
@@ -662,15 +700,17 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     ``zip`` are interleaved in the order the body first names their loop
     variables. ``if`` tests that read only ``self`` (config, attributes,
     ``len``) are evaluated: a list reached only under a false one never runs
-    and is left resident (one warning). Anything else (a list indexed inside
-    another list's loop, used twice, under an ``if`` on an input) raises
-    :class:`BlockOrderError`.
+    and is left resident (one warning). A list reached only under a test of
+    an input, or inside a loop over data, may run zero or several times in a
+    step: it is left resident with one warning that explains it (an error
+    when no other list is left). Anything else (a list indexed inside
+    another list's loop, used twice) raises :class:`BlockOrderError`.
     """
     where = {g.path: _locate(root, g.path) for g in groups}
-    groups = _drop_never(root, groups, where)
+    several = len(groups) > 1  # one list alone runs in index order, however forward reaches it
+    groups = _drop_conditional(root, _drop_never(root, groups, where), where)
     known = {p: w for p, w in where.items() if isinstance(w, _Where)}
-    _check_conditional(root, groups, known)
-    if len(groups) <= 1:
+    if not several:
         return list(groups[0].blocks) if groups else []
     unknown = [f"{g.path!r}: {where[g.path]}" for g in groups if isinstance(where[g.path], str)]
     for p, w in known.items():

@@ -103,6 +103,7 @@ def test_plan_validation():
 
 # ------------------------------------------------------------------ automatic discovery: execution order
 import copy  # noqa: E402
+import re  # noqa: E402
 import warnings  # noqa: E402
 
 from weightstream import OffloadConfig, OffloadedTransformer  # noqa: E402
@@ -310,11 +311,40 @@ def test_trace_plan_rejects_a_block_run_twice():
         trace_plan(Twice(), x_in())
 
 
-def test_conditional_on_input_is_explained():
+def test_conditional_on_input_stays_resident_and_is_explained():
     m = Conditional()
-    with pytest.raises(BlockOrderError, match=r"'layers' \(2 blocks\) only when Conditional: extra is not None.*"
-                                              r"zero times.*trace_plan"), pytest.warns(UserWarning, match="never run"):
-        discover_blocks(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert names(discover_blocks(m)) == ["blocks.0", "blocks.1"]
+    said = [str(w.message) for w in caught]
+    assert any("'noise_refiner' (2 blocks) never run" in w for w in said)
+    assert any(re.search(r"'layers' \(2 blocks\) only when Conditional: extra is not None.*zero times.*"
+                         r"stay resident.*trace_plan", w) for w in said)
+    with pytest.warns(UserWarning, match="stay resident"):
+        streams_bit_exact(m, extra=x_in(2))  # the resident layers run whichever way
+    with pytest.warns(UserWarning, match="stay resident"):
+        streams_bit_exact(Conditional())
+
+
+def test_only_conditional_lists_raise():
+    class OnlyIf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = toy_list(2)
+
+        def forward(self, x, extra=None):
+            if extra is not None:
+                for b in self.blocks:
+                    x = b(x)
+            return x
+
+    with pytest.raises(BlockOrderError, match=r"'blocks' \(2 blocks\) only when OnlyIf: extra is not None.*"
+                                              r"zero times.*trace_plan"):
+        discover_blocks(OnlyIf())
+
+
+def test_trace_plan_leaves_unrun_blocks_out():
+    m = Conditional()
     with pytest.warns(UserWarning, match=r"4 candidate block\(s\) .* did not run.*noise_refiner.0, noise_refiner.1, "
                                          r"layers.0, layers.1"):
         plan = trace_plan(m, x_in())
