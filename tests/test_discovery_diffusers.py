@@ -271,27 +271,39 @@ E2E = {
 }
 
 
-@pytest.mark.parametrize("name", list(E2E))
-def test_streams_bit_exact(name):
+def check_streams(name: str, device: str) -> None:
     make, inputs, extra, how, expected = E2E[name]
     model = make()
-    ref = copy.deepcopy(model)
-    x = inputs(model, **extra)
+    ref = copy.deepcopy(model).to(device)
     plan = None
     if how != "static":
         with pytest.warns(UserWarning, match="only when.*stay resident"):
             static = [b.name for b in discover_blocks(model)]
         assert set(static) < set(expected) if how == "trace" else static == expected
     if how == "trace":
-        plan = trace_plan(model, **x)
+        plan = trace_plan(model, **inputs(model, **extra))  # on the host model, before wrapping
+    x = inputs(model, device=device, **extra)
     warns = pytest.warns(UserWarning, match="stay resident") if how == "static-warns" else contextlib.nullcontext()
     with warns, torch.no_grad():
         assert [b.name for b in discover_blocks(model, plan)] == expected
         want = _tensors(ref(**x))
-        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", plan=plan)
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=device, plan=plan)
         outs = [_tensors(wrapped(**x)) for _ in range(2)]
     assert wrapped._streamed.executor.position == 2 * len(expected)  # every block ran, twice
     for step, got in enumerate(outs):
         assert len(got) == len(want)
         for a, b in zip(got, want):
+            assert a.device == b.device
             assert torch.equal(a, b), f"{name} step {step}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("name", list(E2E))
+def test_streams_bit_exact(name):
+    check_streams(name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["auraflow", "latte", "lumina2", "z_image", "wan_vace", "hidream", "kandinsky5",
+                                  "minimax_h3", "flux3", "flux3_image_cond"])
+def test_streams_bit_exact_on_cuda(name):
+    check_streams(name, "cuda")

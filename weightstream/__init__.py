@@ -6,7 +6,7 @@ Public surface::
     model = OffloadedTransformer(transformer, OffloadConfig.layerwise(), device="cuda")
 """
 from weightstream.offload.config import LayerOptions, OffloadConfig
-from weightstream.offload.discovery import OffloadPlan
+from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
 from weightstream.offload.distributed import ParallelConfig, validate_wave
 from weightstream.offload.mmap_source import offload_from_safetensors
 from weightstream.offload.module import offload_pipeline
@@ -14,6 +14,6 @@ from weightstream.offload.transformer import OffloadedTransformer
 
 __all__ = [
     "OffloadConfig", "LayerOptions", "OffloadPlan", "OffloadedTransformer", "offload_pipeline",
-    "ParallelConfig", "validate_wave", "offload_from_safetensors",
+    "ParallelConfig", "validate_wave", "offload_from_safetensors", "trace_plan", "BlockOrderError",
 ]
 __version__ = "0.1.0"
