@@ -177,7 +177,7 @@ class Candidate:
     reason: str
 
 
-def _tier(path: str, m: nn.Module, parent_path: str, parent: nn.Module, decl: tuple) -> int | None:
+def _tier(m: nn.Module, parent_path: str, parent: nn.Module, decl: tuple) -> int | None:
     """0: a ``_repeated_blocks`` class; 1: a repeated ``_no_split_modules`` class;
     2: a block-like item of a list with a known container name; None: not a candidate."""
     repeated, no_split, counts = decl
@@ -214,7 +214,7 @@ def find_candidates(root: nn.Module) -> list[Candidate]:
     for path, m in modules.items():
         if path:
             parent_path = path.rpartition(".")[0]
-            tier = _tier(path, m, parent_path, modules[parent_path], decl)
+            tier = _tier(m, parent_path, modules[parent_path], decl)
             if tier is not None:
                 tiers[tier].append(path)
     taken: list[str] = []
@@ -310,6 +310,10 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
     if isinstance(node, ast.Name) and node.id == "self" and parts:
         return tuple(reversed(parts))
     return None
+
+
+def _is_call_of(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
 
 
 def _is_ckpt_if(node: ast.AST) -> bool:
@@ -447,7 +451,7 @@ class _UseCollector:
 
     def _for(self, node, conds, loops):
         it, target = node.iter, node.target
-        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1:
+        if _is_call_of(it, "enumerate") and len(it.args) == 1:
             it = it.args[0]
             target = target.elts[1] if isinstance(target, ast.Tuple) and len(target.elts) == 2 else None
         chain = _self_chain(it)
@@ -467,8 +471,7 @@ class _UseCollector:
     def _zip(self, it, target, body, conds, loops) -> tuple[tuple[str, ...], ...]:
         """``for a, b in zip(self.x, self.y)``: lists interleaved in the order their
         loop variables are first used in the body."""
-        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip"
-                and isinstance(target, ast.Tuple) and len(target.elts) == len(it.args) >= 2):
+        if not (_is_call_of(it, "zip") and isinstance(target, ast.Tuple) and len(target.elts) == len(it.args) >= 2):
             return ()
         chains = [_self_chain(a) for a in it.args]
         names = [t.id if isinstance(t, ast.Name) else None for t in target.elts]
@@ -514,10 +517,11 @@ def _as_list(x) -> list:
     return x if isinstance(x, list) else [x]
 
 
-@functools.lru_cache(maxsize=256)
-def _class_uses(cls: type) -> tuple[_Use, ...]:
-    """The ``self`` references of ``cls.forward`` (a class's source does not change)."""
-    return tuple(_UseCollector(cls).run())
+def _class_uses(cls: type, cache: dict) -> tuple[_Use, ...]:
+    """The ``self`` references of ``cls.forward``, read once per discovery (``cache``)."""
+    if cls not in cache:
+        cache[cls] = tuple(_UseCollector(cls).run())
+    return cache[cls]
 
 
 # --------------------------------------------------------------------------- ordering
@@ -609,13 +613,13 @@ def _reachable(uses: list[_Use], module: nn.Module) -> list[tuple[_Use, tuple[_C
     return out
 
 
-def _locate(root: nn.Module, path: str) -> _Where | _Never | str:
+def _locate(root: nn.Module, path: str, cache: dict) -> _Where | _Never | str:
     """Where the list ``path`` is iterated (or the lone block called); a str says why unknown."""
     parts, module, prefix = tuple(path.split(".")), root, ()
     key, conds, loops = (), (), ()
     while True:
         cls = type(module)
-        uses = [u for u in _class_uses(cls) if u.path == parts[: len(u.path)]]
+        uses = [u for u in _class_uses(cls, cache) if u.path == parts[: len(u.path)]]
         if not uses:
             return f"{cls.__name__}.forward does not use self.{'.'.join(parts)} (or a module above it)"
         live = _reachable(uses, module)
@@ -706,7 +710,8 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     when no other list is left). Anything else (a list indexed inside
     another list's loop, used twice) raises :class:`BlockOrderError`.
     """
-    where = {g.path: _locate(root, g.path) for g in groups}
+    cache: dict[type, tuple[_Use, ...]] = {}
+    where = {g.path: _locate(root, g.path, cache) for g in groups}
     several = len(groups) > 1  # one list alone runs in index order, however forward reaches it
     groups = _drop_conditional(root, _drop_never(root, groups, where), where)
     known = {p: w for p, w in where.items() if isinstance(w, _Where)}

@@ -246,7 +246,8 @@ def test_execution_order_not_registration_order():
 def test_zip_interleaves_in_body_order():
     m = Zipped()
     assert names(discover_blocks(m)) == [
-        "temporal_transformer_blocks.0", "transformer_blocks.0", "temporal_transformer_blocks.1", "transformer_blocks.1",
+        "temporal_transformer_blocks.0", "transformer_blocks.0",
+        "temporal_transformer_blocks.1", "transformer_blocks.1",
     ]
     streams_bit_exact(m)
 
