@@ -60,6 +60,7 @@ KNOWN_BLOCK_CONTAINERS = (
     "text_transformer_blocks",
     "visual_transformer_blocks",
     "txt_mode_blocks",
+    "perceiver_cross_attention",
 )
 
 MIN_STREAMED_BLOCKS = 2
@@ -637,7 +638,7 @@ def _locate(root: nn.Module, path: str, cache: dict) -> _Where | _Never | str:
         conds += tuple(f"{cls.__name__}: {c}" for c in unknown)
         loops += tuple(".".join(prefix + lp) for lp in u.loops)
         if longest == len(parts):
-            if u.kind != "other":
+            if u.kind != "other" or conds:  # under a condition on the inputs: left resident whatever the use
                 return _Where(key, conds, loops, u.kind)
             inside = f" inside the loop over {loops[-1]!r}" if loops else ""
             return f"{cls.__name__}.forward uses self.{'.'.join(parts)} as `{u.src}`{inside}, not in a plain for loop"
@@ -718,7 +719,7 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     if not several:
         return list(groups[0].blocks) if groups else []
     unknown = [f"{g.path!r}: {where[g.path]}" for g in groups if isinstance(where[g.path], str)]
-    for p, w in known.items():
+    for p, w in ((g.path, known[g.path]) for g in groups if g.path in known):
         inside = [q for q in w.loops if any(q == g.path or g.path.startswith(q + ".") for g in groups if g.path != p)]
         if inside:
             unknown.append(f"{p!r} runs inside the loop over {inside[0]!r} (interleaved)")

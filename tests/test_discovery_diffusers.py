@@ -307,3 +307,18 @@ def test_streams_bit_exact(name):
                                   "minimax_h3", "flux3", "flux3_image_cond"])
 def test_streams_bit_exact_on_cuda(name):
     check_streams(name, "cuda")
+
+
+def test_consisid_face_blocks_stay_resident_with_warning():
+    """ConsisID with ``is_train_face``: the perceiver blocks are indexed inside the main loop, every
+    ``cross_attn_interval`` blocks and only with a face embedding; they are explained and left resident."""
+    from diffusers import ConsisIDTransformer3DModel
+
+    kw = {**reduced_config(ConsisIDTransformer3DModel), "is_train_face": True, "LFE_depth": 2, "LFE_num_scale": 1,
+          "LFE_num_heads": 2}
+    torch.manual_seed(0)
+    model = ConsisIDTransformer3DModel(**kw)
+    with pytest.warns(UserWarning, match=r"'perceiver_cross_attention' \(1 block\) only when ConsisIDTransformer3DModel: "
+                                         r"i % self.cross_attn_interval == 0 and valid_face_emb is not None.*resident"):
+        assert [b.name for b in discover_blocks(model)] == ["transformer_blocks.0", "transformer_blocks.1"]
+    assert "perceiver_cross_attention.0" in [c.name for c in find_candidates(model)]
