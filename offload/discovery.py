@@ -234,6 +234,7 @@ class Group:
 
     path: str
     blocks: tuple[Candidate, ...]
+    indices: tuple[int, ...] = ()  # their positions in the list
 
 
 def _list_position(modules: dict, path: str) -> tuple[str, int]:
@@ -258,7 +259,7 @@ def group_candidates(root: nn.Module, candidates: list[Candidate]) -> list[Group
                 "or pass an OffloadPlan naming the blocks in execution order"
             )
         items[index] = c
-    return [Group(g, tuple(items[i] for i in sorted(items))) for g, items in slots.items()]
+    return [Group(g, tuple(items[i] for i in sorted(items)), tuple(sorted(items))) for g, items in slots.items()]
 
 
 # --------------------------------------------------------------------------- forward source
@@ -293,6 +294,8 @@ class _Use:
     loops: tuple[tuple[str, ...], ...]  # paths iterated by the enclosing for statements
     rank: int = 0  # zip: order of this list's first block call in the loop body
     src: str = ""
+    part: ast.Slice | None = None  # loop over a slice of the list
+    env: tuple[tuple[str, tuple[str, ...]], ...] = ()  # local aliases of self chains (for the slice bounds)
 
 
 def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
@@ -345,6 +348,7 @@ class _UseCollector:
         self.cls = cls
         self.uses: list[_Use] = []
         self._inlining: list[str] = []
+        self.aliases: dict[str, tuple[str, ...]] = {}  # `blocks = self.blocks`
 
     def run(self, method: str = "forward") -> list[_Use]:
         fn = _function_ast(self.cls, method)
@@ -353,10 +357,17 @@ class _UseCollector:
             self._body(fn.body, (), ())
         return self.uses
 
-    def _add(self, path, kind, conds, loops, rank=0, node=None, pos=None):
+    def _add(self, path, kind, conds, loops, rank=0, node=None, pos=None, part=None):
         src = ast.unparse(node) if node is not None else ".".join(path)
         pos = len(self.uses) if pos is None else pos
-        self.uses.append(_Use(path, pos, kind, conds, loops, rank, src))
+        env = tuple(self.aliases.items()) if part is not None else ()
+        self.uses.append(_Use(path, pos, kind, conds, loops, rank, src, part, env))
+
+    def _chain(self, node) -> tuple[str, ...] | None:
+        """A ``self`` chain, or a local name bound to one."""
+        if isinstance(node, ast.Name) and node.id in self.aliases:
+            return self.aliases[node.id]
+        return _self_chain(node)
 
     def _body(self, stmts, conds, loops):
         for s in stmts:
@@ -376,6 +387,9 @@ class _UseCollector:
             self._body(node.body + node.orelse, conds + (_Cond(node, loop=True),), loops)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             self._for(node, conds, loops)
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+              and _self_chain(node.value) is not None):
+            self.aliases[node.targets[0].id] = _self_chain(node.value)  # runs nothing by itself
         elif isinstance(node, ast.Try):
             self._body(node.body, conds, loops)
             for h in node.handlers:
@@ -455,11 +469,15 @@ class _UseCollector:
         if _is_call_of(it, "enumerate") and len(it.args) == 1:
             it = it.args[0]
             target = target.elts[1] if isinstance(target, ast.Tuple) and len(target.elts) == 2 else None
-        chain = _self_chain(it)
+        chain = self._chain(it)
+        sliced = isinstance(it, ast.Subscript) and isinstance(it.slice, ast.Slice) and self._chain(it.value)
         iterated: tuple[tuple[str, ...], ...] = ()
         if chain is not None:
             self._add(chain, "loop", conds, loops, node=it)
             iterated = (chain,)
+        elif sliced:  # `for b in self.blocks[a:b]`: the bounds are evaluated against the model
+            self._add(sliced, "loop", conds, loops, node=it, part=it.slice)
+            iterated = (sliced,)
         else:
             iterated = self._zip(it, target, node.body, conds, loops)
         body_conds = conds
@@ -534,6 +552,7 @@ class _Where:
     conds: tuple[str, ...]
     loops: tuple[tuple[str, ...], ...]  # absolute dotted paths of enclosing loops
     kind: str
+    segments: tuple[tuple[tuple, tuple[int, ...]], ...] = ()  # (key, list indices) of sliced loops
 
 
 _UNKNOWN = object()
@@ -545,45 +564,56 @@ _COMPARE = {
 }
 
 
-def _static(node: ast.AST, module: nn.Module):
-    """Value of a test that reads only ``self`` (attributes, config, constant keys,
-    ``len``, comparisons, and/or/not); ``_UNKNOWN`` for anything else (locals,
+_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+          ast.FloorDiv: lambda a, b: a // b}
+
+
+def _static(node: ast.AST, module: nn.Module, env: dict | None = None):
+    """Value of an expression that reads only ``self`` and local aliases of its
+    attributes (``env``): attributes, config, constant keys, ``len``, integer
+    arithmetic, comparisons, and/or/not; ``_UNKNOWN`` for anything else (inputs,
     other calls). Reads attributes, runs no model code of its own."""
     try:
-        return _static_value(node, module)
-    except Exception:  # a test this model cannot evaluate statically: treat as unknown
+        return _static_value(node, module, env or {})
+    except Exception:  # an expression this model cannot evaluate statically: treat as unknown
         return _UNKNOWN
 
 
-def _static_value(node, module):
+def _static_value(node, module, env):
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        return module if node.id == "self" else _UNKNOWN
+        return module if node.id == "self" else env.get(node.id, _UNKNOWN)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        a, b = _static_value(node.left, module, env), _static_value(node.right, module, env)
+        return _UNKNOWN if _UNKNOWN in (a, b) else _ARITH[type(node.op)](a, b)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _static_value(node.operand, module, env)
+        return _UNKNOWN if v is _UNKNOWN else -v
     if isinstance(node, (ast.Attribute, ast.Subscript)):
-        base = _static_value(node.value, module)
+        base = _static_value(node.value, module, env)
         if base is _UNKNOWN:
             return _UNKNOWN
         if isinstance(node, ast.Attribute):
             return getattr(base, node.attr)
-        key = _static_value(node.slice, module) if isinstance(node.slice, ast.Constant) else _UNKNOWN
+        key = _static_value(node.slice, module, env) if isinstance(node.slice, ast.Constant) else _UNKNOWN
         return _UNKNOWN if key is _UNKNOWN else base[key]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1:
-        arg = _static_value(node.args[0], module)
+        arg = _static_value(node.args[0], module, env)
         return _UNKNOWN if arg is _UNKNOWN else len(arg)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        v = _static_value(node.operand, module)
+        v = _static_value(node.operand, module, env)
         return _UNKNOWN if v is _UNKNOWN else not v
     if isinstance(node, ast.BoolOp):
-        return _static_boolop(node, module)
+        return _static_boolop(node, module, env)
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
-        a, b = _static_value(node.left, module), _static_value(node.comparators[0], module)
+        a, b = _static_value(node.left, module, env), _static_value(node.comparators[0], module, env)
         return _UNKNOWN if _UNKNOWN in (a, b) else _COMPARE[type(node.ops[0])](a, b)
     return _UNKNOWN
 
 
-def _static_boolop(node: ast.BoolOp, module):
-    values = [_static_value(v, module) for v in node.values]
+def _static_boolop(node: ast.BoolOp, module, env):
+    values = [_static_value(v, module, env) for v in node.values]
     decisive = isinstance(node.op, ast.Or)  # Or: any true decides; And: any false decides
     if any(v is not _UNKNOWN and bool(v) is decisive for v in values):
         return decisive
@@ -630,6 +660,9 @@ def _locate(root: nn.Module, path: str, cache: dict) -> _Where | _Never | str:
                           "which is false for this model")
         longest = max(len(u.path) for u, _ in live)
         live = [(u, c) for u, c in live if len(u.path) == longest]
+        if longest == len(parts) and all(u.kind == "loop" for u, _ in live) and (
+                len(live) > 1 or live[0][0].part is not None):
+            return _segments(module, parts, live, _Where(key, conds, tuple(loops), "loop"), prefix)
         if len(live) > 1:
             srcs = "; ".join(sorted({u.src for u, _ in live}))
             return f"{cls.__name__}.forward uses self.{'.'.join(parts[:longest])} {len(live)} times ({srcs})"
@@ -650,6 +683,52 @@ def _locate(root: nn.Module, path: str, cache: dict) -> _Where | _Never | str:
 
 def _blocks(n: int) -> str:
     return f"{n} block{'' if n == 1 else 's'}"
+
+
+def _segments(module: nn.Module, parts: tuple, live: list, above: _Where, prefix: tuple) -> _Where | str:
+    """Loops over slices of one list (``blocks[:k]``, then ``blocks[k:]``): each
+    slice is evaluated against the model; together they must run every block
+    exactly once, each slice in index order."""
+    cls, path = type(module).__name__, ".".join(parts)
+    n = len(resolve_path(module, path))
+    segs, conds, loops = [], list(above.conds), list(above.loops)
+    for u, unknown in live:
+        part = slice(None) if u.part is None else _static_slice(u.part, module, u.env)
+        if part is None or part.step not in (None, 1):
+            return f"{cls}.forward iterates self.{path} as `{u.src}`, a slice it cannot evaluate in index order"
+        segs.append((above.key + ((u.pos, 0),), tuple(range(n)[part])))
+        conds += [f"{cls}: {c}" for c in unknown]
+        loops += [".".join(prefix + lp) for lp in u.loops]
+    if sorted(i for _, idx in segs for i in idx) != list(range(n)):
+        srcs = ", ".join(f"`{u.src}`" for u, _ in live)
+        return f"{cls}.forward iterates self.{path} as {srcs}, which runs some of its blocks zero or several times"
+    return _Where(above.key, tuple(conds), tuple(loops), "loop", tuple(segs))
+
+
+def _static_slice(node: ast.Slice, module: nn.Module, env: tuple) -> slice | None:
+    scope = {name: resolve_path(module, ".".join(chain)) for name, chain in env}
+    bounds = [None if b is None else _static(b, module, scope) for b in (node.lower, node.upper, node.step)]
+    if any(b is _UNKNOWN or not (b is None or isinstance(b, int)) for b in bounds):
+        return None
+    return slice(*bounds)
+
+
+def _split_segments(groups: list[Group], where: dict) -> list[Group]:
+    """A list run as several sliced loops becomes one group per slice, each with its place."""
+    out = []
+    for g in groups:
+        w = where[g.path]
+        if not (isinstance(w, _Where) and w.segments):
+            out.append(g)
+            continue
+        at = dict(zip(g.indices, g.blocks))
+        for key, idx in w.segments:
+            sub = Group(f"{g.path}[{idx[0]}:{idx[-1] + 1}]" if idx else f"{g.path}[]",
+                        tuple(at[i] for i in idx if i in at), tuple(i for i in idx if i in at))
+            where[sub.path] = _Where(key, w.conds, w.loops, "loop")
+            if sub.blocks:
+                out.append(sub)
+    return out
 
 
 def _describe(groups: list[Group]) -> str:
@@ -700,8 +779,10 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     """Blocks of ``groups`` in execution order, read from the forward sources.
 
     Exact for what it accepts: every list is iterated by exactly one plain
-    ``for`` (or ``enumerate``) over ``self.<path>`` or reached through exactly
-    one call of the submodule above it; lists iterated together by one
+    ``for`` (or ``enumerate``) over ``self.<path>`` (or a local alias of it),
+    or by loops over slices of it whose bounds evaluate against the model and
+    that together run each block once, or is reached through exactly one call
+    of the submodule above it; lists iterated together by one
     ``zip`` are interleaved in the order the body first names their loop
     variables. ``if`` tests that read only ``self`` (config, attributes,
     ``len``) are evaluated: a list reached only under a false one never runs
@@ -714,13 +795,14 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     cache: dict[type, tuple[_Use, ...]] = {}
     where = {g.path: _locate(root, g.path, cache) for g in groups}
     several = len(groups) > 1  # one list alone runs in index order, however forward reaches it
-    groups = _drop_conditional(root, _drop_never(root, groups, where), where)
+    groups = _drop_conditional(root, _split_segments(_drop_never(root, groups, where), where), where)
     known = {p: w for p, w in where.items() if isinstance(w, _Where)}
     if not several:
         return list(groups[0].blocks) if groups else []
     unknown = [f"{g.path!r}: {where[g.path]}" for g in groups if isinstance(where[g.path], str)]
     for p, w in ((g.path, known[g.path]) for g in groups if g.path in known):
-        inside = [q for q in w.loops if any(q == g.path or g.path.startswith(q + ".") for g in groups if g.path != p)]
+        inside = [q for q in w.loops
+                  if any(q == g.path or g.path.startswith((q + ".", q + "[")) for g in groups if g.path != p)]
         if inside:
             unknown.append(f"{p!r} runs inside the loop over {inside[0]!r} (interleaved)")
     if unknown:

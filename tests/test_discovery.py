@@ -392,3 +392,48 @@ def test_declared_classes_win_over_names():
 def test_plan_not_run_validation():
     with pytest.raises(TypeError, match="not_run='x' must be a list"):
         OffloadPlan(["blocks"], not_run="x")
+
+
+class Sliced(nn.Module):
+    """One list run in two slices through a local alias, another list between them (as Motif-Video)."""
+
+    def __init__(self, n_tail=1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.n_tail = n_tail
+        self.blocks = toy_list(3)
+        self.layers = toy_list(2)
+
+    def forward(self, x):
+        blocks = self.blocks
+        for b in blocks[: len(blocks) - self.n_tail]:
+            x = b(x)
+        for b in self.layers:
+            x = b(x)
+        if self.n_tail > 0:
+            for b in blocks[-self.n_tail:]:
+                x = b(x)
+        return x
+
+
+def test_sliced_list_is_split_at_its_slices():
+    m = Sliced()
+    assert names(discover_blocks(m)) == ["blocks.0", "blocks.1", "layers.0", "layers.1", "blocks.2"]
+    streams_bit_exact(m)
+    assert names(discover_blocks(Sliced(n_tail=0))) == ["blocks.0", "blocks.1", "blocks.2", "layers.0", "layers.1"]
+
+
+def test_slices_that_repeat_blocks_raise():
+    class Overlap(Sliced):
+        def forward(self, x):
+            for b in self.blocks[:2]:
+                x = b(x)
+            for b in self.layers:
+                x = b(x)
+            for b in self.blocks[1:]:
+                x = b(x)
+            return x
+
+    with pytest.raises(BlockOrderError, match=r"iterates self.blocks as `self.blocks\[:2\]`, `self.blocks\[1:\]`, "
+                                              r"which runs some of its blocks zero or several times"):
+        discover_blocks(Overlap())

@@ -56,8 +56,6 @@ CLASSES = _transformer_classes()
 UNBUILDABLE = {"T5FilmDecoder", "Transformer2DModel", "DreamLiteTransformer2DModel"}
 # class -> what the BlockOrderError must say (order unknown: trace_plan or an OffloadPlan)
 ORDER_ERRORS = {
-    "MotifVideoTransformer3DModel": "'single_transformer_blocks': MotifVideoTransformer3DModel.forward uses "
-                                    "self.single_transformer_blocks as",
     "RFD4ProteinaTransformer": "self.pair_update_layers 2 times",
 }
 # class -> what the warning must say (lists that may run zero or several times stay resident)
