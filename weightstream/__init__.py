@@ -23,6 +23,8 @@ _EXPORTS = {
     "OffloadConfig": "weightstream.offload.config",
     "LayerOptions": "weightstream.offload.config",
     "OffloadPlan": "weightstream.offload.discovery",
+    "trace_plan": "weightstream.offload.discovery",
+    "BlockOrderError": "weightstream.offload.discovery",
     "OffloadedTransformer": "weightstream.offload.transformer",
     "offload_pipeline": "weightstream.offload.module",
     "ParallelConfig": "weightstream.offload.distributed",
@@ -33,7 +35,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.config import LayerOptions, OffloadConfig
-    from weightstream.offload.discovery import OffloadPlan
+    from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
     from weightstream.offload.distributed import ParallelConfig, validate_wave
     from weightstream.offload.mmap_source import offload_from_safetensors
     from weightstream.offload.module import offload_pipeline
