@@ -265,9 +265,19 @@ def _split_chunk(v: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tenso
     return sym, raw
 
 
-def _choose(hist: torch.Tensor, numel: int, tile: int, k: int | None):
+def _given_table(counts: list[int], numel: int, k: int, table: tuple[int, ...]):
+    if k == 0 and any(c for s, c in enumerate(counts) if s != table[0]):
+        raise ValueError(f"k=0 needs every symbol to be table[0]={table[0]}")
+    exc = 0 if k == 0 else numel - sum(counts[s] for s in table)
+    window = table[0] if all(s == (table[0] + j) & 0xFF for j, s in enumerate(table)) and k else None
+    return k, table, exc, window
+
+
+def _choose(hist: torch.Tensor, numel: int, tile: int, k: int | None, table: tuple[int, ...] | None = None):
     """(k, table, num_exceptions, window_start or None) minimising the coded size."""
     counts = hist.tolist()
+    if table is not None:
+        return _given_table(counts, numel, k, table)
     order = sorted(range(256), key=lambda s: (-counts[s], s))
     distinct = sum(1 for c in counts if c)
     tiles = -(-numel // tile)
@@ -342,14 +352,31 @@ def _escapes(codes: torch.Tensor, sym: torch.Tensor, k: int, tile: int):
     return torch.from_numpy(sym.numpy()[mask.numpy()]), per_tile  # numpy's boolean index is ~5x torch's
 
 
-def encode(tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE) -> torch.Tensor:
+def _check_table(k, table) -> tuple[int, ...] | None:
+    if table is None:
+        return None
+    if k is None or k == 8:
+        raise ValueError(f"table needs k in [0, 7] to be given with it, got k={k}")
+    table = tuple(table)
+    if len(table) != _table_len(k) or len(set(table)) != len(table):
+        raise ValueError(f"table must hold {_table_len(k)} distinct symbols for k={k}, got {table}")
+    for s in table:
+        _check_int("table symbol", s, 0, 255)
+    return table
+
+
+def encode(
+    tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None
+) -> torch.Tensor:
     """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer.
 
     k: bits per symbol code (0..8, see the module doc); None picks the k that
     gives the smallest buffer. tile: elements per tile (a power of two in
     [MIN_TILE, MAX_TILE]); every tensor decoded in one launch needs the same.
-    Non-contiguous or non-CPU tensors are copied to a contiguous CPU tensor
-    first. Read the header of the result with `read_header`.
+    table: the symbol table to use (needs k in [0, 7]; 2^k - 1 distinct
+    symbols, one for k = 0), default the most frequent symbols. Non-contiguous
+    or non-CPU tensors are copied to a contiguous CPU tensor first. Read the
+    header of the result with `read_header`.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -358,6 +385,7 @@ def encode(tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TI
     if k is not None:
         _check_int("k", k, 0, 8)
     _check_tile(tile)
+    table = _check_table(k, table)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     n, bf16 = flat.numel(), tensor.dtype == torch.bfloat16
     elems = flat.view(torch.int16)
@@ -369,7 +397,7 @@ def encode(tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TI
         sym, raw = _split_chunk(elems[a:b], bf16)
         sym_all[a:b], raw_all[a:b] = sym, raw
         hist += torch.bincount(sym, minlength=256)
-    kk, table, num_exc, window = _choose(hist, n, tile, k)
+    kk, table, num_exc, window = _choose(hist, n, tile, k, table)
     head = _layout(tensor.dtype, kk, table, n, tile, num_exc)
     out = torch.zeros(head.nbytes, dtype=torch.uint8)
     out[:HEADER_BYTES + len(table)] = torch.frombuffer(bytearray(head.pack()[: HEADER_BYTES + len(table)]),
