@@ -25,14 +25,13 @@ _NUM_FIELDS = tl.constexpr(9)
 @triton.jit
 def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr):
     """The code bits held by bit plane W of a tile, shifted to their place ([TILE] int32)."""
-    PER: tl.constexpr = 8 // W
-    SPAN: tl.constexpr = TILE * W // 8
+    # PER = 8 // W elements per byte, SPAN = TILE * W // 8 bytes (inline: constexpr arithmetic)
     start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
     start = (start // 16) * 16
-    j = tl.arange(0, SPAN)
+    j = tl.arange(0, TILE * W // 8)
     present = (j * 0 + (k & W)) != 0  # a vector: the interpreter cannot AND a scalar bool into a mask
     byte = tl.load(src_ptr + start + j, mask=present, other=0).to(tl.int32)
-    slot = tl.arange(0, PER)
+    slot = tl.arange(0, 8 // W)
     bits = (byte[None, :] >> (W * slot[:, None])) & ((1 << W) - 1)
     bits = tl.reshape(bits, [TILE])  # element slot * SPAN + j
     return bits << (k & (W - 1)).to(tl.int32)
