@@ -23,24 +23,34 @@ _NUM_FIELDS = tl.constexpr(9)
 
 
 @triton.jit
-def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr):
-    """The code bits held by bit plane W of a tile, shifted to their place ([TILE] int32)."""
+def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr):
+    """The code bits held by bit plane W of a tile, shifted to their place ([TILE] int32).
+
+    GATHER: every element loads its own plane byte (addresses repeat 8 / W
+    times, served by L1) instead of loading each byte once and reshaping
+    [8 / W, SPAN] -> [TILE] (which may go through shared memory)."""
     # PER = 8 // W elements per byte, SPAN = TILE * W // 8 bytes (inline: constexpr arithmetic)
     start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
     start = (start // 16) * 16
-    j = tl.arange(0, TILE * W // 8)
-    present = (j * 0 + (k & W)) != 0  # a vector: the interpreter cannot AND a scalar bool into a mask
-    byte = tl.load(src_ptr + start + j, mask=present, other=0).to(tl.int32)
-    slot = tl.arange(0, 8 // W)
-    bits = (byte[None, :] >> (W * slot[:, None])) & ((1 << W) - 1)
-    bits = tl.reshape(bits, [TILE])  # element slot * SPAN + j
+    if GATHER:
+        offs = tl.arange(0, TILE)
+        present = (offs * 0 + (k & W)) != 0
+        byte = tl.load(src_ptr + start + offs % (TILE * W // 8), mask=present, other=0).to(tl.int32)
+        bits = (byte >> (W * (offs // (TILE * W // 8)))) & ((1 << W) - 1)
+    else:
+        j = tl.arange(0, TILE * W // 8)
+        present = (j * 0 + (k & W)) != 0  # a vector: the interpreter cannot AND a scalar bool into a mask
+        byte = tl.load(src_ptr + start + j, mask=present, other=0).to(tl.int32)
+        slot = tl.arange(0, 8 // W)
+        bits = (byte[None, :] >> (W * slot[:, None])) & ((1 << W) - 1)
+        bits = tl.reshape(bits, [TILE])  # element slot * SPAN + j
     return bits << (k & (W - 1)).to(tl.int32)
 
 
 @triton.jit
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t,
-    TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+    TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
 ):
     e0 = t * TILE
     offs = tl.arange(0, TILE)
@@ -52,10 +62,10 @@ def _decode_tile(
         raw = tl.load(raw_ptr).to(tl.int32)
 
     tile_code = code_abs + t * (TILE // 8) * k
-    code = _plane(src_ptr, tile_code, k, 8, TILE)
-    code |= _plane(src_ptr, tile_code, k, 4, TILE)
-    code |= _plane(src_ptr, tile_code, k, 2, TILE)
-    code |= _plane(src_ptr, tile_code, k, 1, TILE)
+    code = _plane(src_ptr, tile_code, k, 8, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 4, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 2, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 1, TILE, GATHER)
 
     kv = offs.to(tl.int64) * 0 + k  # per-lane copies: masks are built from vectors only
     has_table = kv < 8
@@ -89,6 +99,7 @@ def _decode_kernel(
     TILE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     DST_ALIGN: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -114,7 +125,7 @@ def _decode_kernel(
     split = tl.load(rec + 8)
     if (t + 1) * TILE <= numel:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, False)
+                     split, t, TILE, DST_ALIGN, False, GATHER)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, True)
+                     split, t, TILE, DST_ALIGN, True, GATHER)

@@ -513,12 +513,16 @@ class DecodeTable:
     """Validated, packed segments of one decode launch, with cached device copies.
 
     All non-empty segments must share one tile size; destination ranges must
-    not overlap. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
+    not overlap. num_warps and gather_planes (each element loads its own code
+    plane bytes instead of a load-once-and-reshape) are launch options that do
+    not change the result. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split].
     """
 
-    def __init__(self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    def __init__(
+        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True
+    ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
             if not isinstance(seg, CodecSegment):
@@ -527,6 +531,9 @@ class DecodeTable:
         if num_warps & (num_warps - 1):
             raise ValueError(f"num_warps must be a power of two, got {num_warps}")
         self.num_warps = num_warps
+        if not isinstance(gather_planes, bool):
+            raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
+        self.gather_planes = gather_planes
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -660,6 +667,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         TILE=table.tile,
         SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
+        GATHER=table.gather_planes,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes
@@ -736,6 +744,7 @@ def encode_block(
     tile: int = DEFAULT_TILE,
     align: int = 512,
     num_warps: int = DEFAULT_NUM_WARPS,
+    gather_planes: bool = True,
 ) -> tuple[torch.Tensor, DecodeTable]:
     """Code `tensors` into one flat uint8 CPU buffer (each at a 16-byte aligned
     offset) and return it with the `DecodeTable` that decodes them into a block
@@ -759,7 +768,7 @@ def encode_block(
         at += b.numel()  # a multiple of 16
     buf = torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)
     segs = [CodecSegment(s, d, read_header(b)) for s, d, b in zip(src_offsets, dst_offsets, blobs)]
-    return buf, DecodeTable(segs, num_warps=num_warps)
+    return buf, DecodeTable(segs, num_warps=num_warps, gather_planes=gather_planes)
 
 
 def symbol_entropy(tensor: torch.Tensor) -> float:

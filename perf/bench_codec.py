@@ -20,7 +20,7 @@ measured. Results: perf/results/codec-<gpu>-<commit>.json (codec-cpu-... on
 CPU) with the metadata keys of perf/results.py.
 
     python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
-    python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8
+    python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
     python perf/bench_codec.py --cpu --sizes tensor # coding figures only
 """
 from __future__ import annotations
@@ -112,10 +112,10 @@ def _median_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def gpu_figures(tensors, buf, table, num_warps: int, graph: bool) -> dict:
+def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) -> dict:
     from weightstream.kernels.codec import DecodeTable, decode
 
-    table = DecodeTable(table.segments, num_warps=num_warps)
+    table = DecodeTable(table.segments, num_warps=num_warps, gather_planes=gather)
     src = buf.cuda()
     dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
     decode(src, dst, table)
@@ -126,7 +126,7 @@ def gpu_figures(tensors, buf, table, num_warps: int, graph: bool) -> dict:
     n = table.decoded_nbytes
     ms = _median_ms(lambda: decode(src, dst, table))
     figs = {"step_ms": ms, "ms": ms, "gbps": n / ms / 1e6, "dram_gbps": (n + table.coded_nbytes) / ms / 1e6,
-            "num_warps": num_warps, "tiles": table.num_tiles, "tensors": table.num_segments}
+            "num_warps": num_warps, "gather_planes": gather, "tiles": table.num_tiles, "tensors": table.num_segments}
     if graph:
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -173,9 +173,11 @@ def run(args) -> dict:
                     copy = copy_ms(figs["raw_bytes"])
                     modes[f"copy-{size}"] = {"step_ms": copy, "ms": copy, "gbps": figs["raw_bytes"] / copy / 1e6,
                                              "bytes": figs["raw_bytes"]}
-                for wi, warps in enumerate(args.num_warps):
-                    mode = name + ("" if wi == 0 else f"-w{warps}")
-                    g = gpu_figures(tensors, buf, table, warps, graph=args.graph and wi == 0)
+                variants = [(w, v) for v in args.planes for w in args.num_warps]
+                for vi, (warps, planes) in enumerate(variants):
+                    mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+                    mode += "" if planes == args.planes[0] else f"-{planes}"
+                    g = gpu_figures(tensors, buf, table, warps, planes == "gather", graph=args.graph and vi == 0)
                     modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs}
                     gr = f", graph {g['graph_gbps']:.1f} GB/s" if "graph_gbps" in g else ""
                     print(f"  [{mode}] decode {g['ms']:.3f} ms = {g['gbps']:.1f} GB/s decoded "
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--fills", nargs="+", choices=FILLS, default=list(FILLS))
     p.add_argument("--tiles", type=int, nargs="+", default=[DEFAULT_TILE], help="elements per tile (first = default)")
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
+    p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
+                   help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results", help="results folder")

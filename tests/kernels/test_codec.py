@@ -236,7 +236,9 @@ def test_mixed_block_one_launch():
     table = DecodeTable(segs[::-1])  # any order
     assert table.dst_align == 1  # offsets are only even: scalar stores
     assert bytes_moved(table) == table.coded_nbytes + table.decoded_nbytes
-    _kernel_vs_reference(torch.cat(blobs), table)
+    out = _kernel_vs_reference(torch.cat(blobs), table)
+    gathered = _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, gather_planes=False, num_warps=2))
+    assert torch.equal(gathered, out)
 
 
 def test_encode_block_layout():
@@ -345,6 +347,10 @@ def test_launcher_and_table_validation():
     other = read_header(encode(torch.ones(8, dtype=torch.bfloat16), tile=256))
     with pytest.raises(ValueError, match="need one tile size"):
         DecodeTable([CodecSegment(0, 0, head), CodecSegment(0, 64, other)])
+    with pytest.raises(TypeError, match="gather_planes must be a bool"):
+        DecodeTable([], gather_planes=1)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        DecodeTable([], num_warps=3)
     with pytest.raises(TypeError, match=r"segments\[0\] must be a CodecSegment"):
         DecodeTable([(0, 0, head)])
     with pytest.raises(TypeError, match="table must be a DecodeTable"):
