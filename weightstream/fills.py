@@ -5,9 +5,9 @@ few distinct exponents. These fills give tensors whose exponent statistics
 resemble real checkpoints (DESIGN.md section 8 lists the exponent entropies):
 
 uniform
-    U(-b, b) with b = 1 / sqrt(fan_in), what `nn.Linear` / `nn.Conv` init
-    gives (kaiming_uniform with a = sqrt(5)); fan_in = the product of all but
-    the first dimension (the numel of a 1-D tensor).
+    U(-b, b) with b = `scale` (default 1 / sqrt(fan_in)), what `nn.Linear` /
+    `nn.Conv` init gives (kaiming_uniform with a = sqrt(5)); fan_in = the
+    product of all but the first dimension (the numel of a 1-D tensor).
 gaussian
     N(0, std^2), std = `scale` (default 1 / sqrt(fan_in)).
 student-t
