@@ -361,7 +361,8 @@ class _Coder:
     raw: list
     codes: list
     exc: list
-    per_tile: list
+    bases: list  # per chunk: escapes before each of its tiles (int64, whole tensor)
+    num_exc: int = 0
 
     def lut(self) -> torch.Tensor:
         lut = torch.full((256,), (1 << self.k) - 1, dtype=torch.uint8)
@@ -391,7 +392,8 @@ class _Coder:
         self.codes.append(_pack_planes(codes, k, tile))
         if k < 8:
             idx = np.flatnonzero((codes.reshape(-1) == (1 << k) - 1).numpy())  # ~10x faster than torch's nonzero
-            self.per_tile.append(torch.from_numpy(np.bincount(idx // tile, minlength=tiles)))
+            self.bases.append(torch.from_numpy(np.searchsorted(idx, np.arange(tiles) * tile) + self.num_exc))
+            self.num_exc += idx.size
             self.exc.append(torch.from_numpy(sym.numpy()[idx]))
 
 
@@ -454,10 +456,7 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int) -> torch.Tensor:
     codes = out[head.code_off : head.base_off]
     if c.codes:
         torch.cat([x.reshape(-1) for x in c.codes], out=codes)
-    bases = torch.zeros(head.num_tiles, dtype=torch.int64)
-    if c.per_tile:
-        counts = torch.cat(c.per_tile)
-        bases = counts.cumsum(0) - counts
+    bases = torch.cat(c.bases) if c.bases else torch.zeros(head.num_tiles, dtype=torch.int64)
     out[head.base_off : head.exc_off] = bases.view(torch.uint8)
     if num_exc:
         torch.cat(c.exc, out=out[head.exc_off : head.exc_off + num_exc])
