@@ -218,6 +218,17 @@ def test_single_symbol_uses_no_code_stream():
     _kernel_vs_reference(buf, table)
 
 
+def test_sampled_histogram_never_trusts_one_symbol():
+    """Over 1 Mi elements the encoder picks k from every 4th chunk of 256 Ki;
+    a rare symbol outside the sample must still be coded (escape or k > 0)."""
+    x = torch.full((5 << 18,), 1.0, dtype=torch.bfloat16)
+    x[300_000] = 4.0  # in chunk 1, which the sample skips
+    head = read_header(_roundtrip(x))
+    assert head.k == 1 and head.table == (127,) and head.num_exceptions == 1  # 4.0 is the one escape
+    with pytest.raises(ValueError, match="k=0 needs every symbol"):
+        encode(x, k=0)
+
+
 def test_mixed_block_one_launch():
     """Tensors of three dtypes, every k, odd sizes, at odd-but-even destination offsets."""
     gen = torch.Generator().manual_seed(11)
