@@ -225,8 +225,10 @@ def test_sampled_histogram_never_trusts_one_symbol():
     x[300_000] = 4.0  # in chunk 1, which the sample skips
     head = read_header(_roundtrip(x))
     assert head.k == 1 and head.table == (127,) and head.num_exceptions == 1  # 4.0 is the one escape
-    with pytest.raises(ValueError, match="k=0 needs every symbol"):
+    with pytest.raises(ValueError, match="k=0 needs a tensor with one symbol value, this one has 2"):
         encode(x, k=0)
+    with pytest.raises(ValueError, match="k=0 needs every symbol to be table"):
+        encode(x, k=0, table=[127])
 
 
 def test_mixed_block_one_launch():
