@@ -61,12 +61,15 @@ def _commit() -> str:
         return "unknown"
 
 
-def make_tensors(size: str, kind: str, device: str, seed: int = 0) -> list[torch.Tensor]:
-    """bf16 CPU tensors of `size` filled with `kind` (sampled on `device`)."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_tensors(size: str, kind: str, device: str, seed: int = 0, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    """CPU tensors of `size` filled with `kind` (sampled on `device`)."""
     from weightstream.fills import fill
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [fill(kind, s, generator=gen, device=device).cpu() for s in _shapes(size)]
+    return [fill(kind, s, generator=gen, device=device, dtype=dtype).cpu() for s in _shapes(size)]
 
 
 def encode_stats(tensors, tile: int, threaded: bool = True) -> tuple[torch.Tensor, object, dict]:
@@ -158,11 +161,11 @@ def run(args) -> dict:
     device = "cuda" if gpu else "cpu"
     for size in args.sizes:
         copy = None
-        for kind in args.fills:
-            tensors = make_tensors(size, kind, device)
+        for kind, dt in [(k, d) for d in args.dtypes for k in args.fills]:
+            tensors = make_tensors(size, kind, device, dtype=DTYPES[dt])
             for ti, tile in enumerate(args.tiles):
                 buf, table, figs = encode_stats(tensors, tile, args.threaded_encode)
-                name = f"triton-{size}-{kind}" + ("" if ti == 0 else f"-t{tile}")
+                name = f"triton-{size}-{kind}" + ("" if dt == "bf16" else f"-{dt}") + ("" if ti == 0 else f"-t{tile}")
                 print(f"[{name}] {figs['raw_bytes'] / 1e6:.1f} MB -> {figs['coded_bytes'] / 1e6:.1f} MB "
                       f"(ratio {figs['coded_ratio']:.4f}, {figs['bits_per_weight']:.3f} bits/weight, k {figs['k']}, "
                       f"entropy bound {figs['entropy_bound_ratio']:.4f}); encode {figs['encode_gbps_one_core']:.2f} "
@@ -200,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],
                    help="tensor = one 3072x12288 weight, single = ~283 MB Flux block, double = ~680 MB block")
     p.add_argument("--fills", nargs="+", choices=FILLS, default=list(FILLS))
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"],
+                   help="weight dtypes (fp16 codes the high byte; mode names get a -fp16 suffix)")
     p.add_argument("--tiles", type=int, nargs="+", default=[DEFAULT_TILE], help="elements per tile (first = default)")
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
