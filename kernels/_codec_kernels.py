@@ -1,0 +1,131 @@
+"""Triton bodies for `weightstream.kernels.codec` (private).
+
+One launch decodes any number of coded tensors: the grid is the total number
+of TILE-element tiles over all segments of a `DecodeTable`, and each program
+
+1. binary-searches the table's tile prefix sums for its segment (tensor),
+2. reads the segment's record (see `codec._pack_records` for the fields),
+3. loads its tile's raw bytes and code bit planes (contiguous bytes),
+4. marks escapes, ranks them with a prefix sum plus the tile's stored base,
+   and reads their symbols from the exception stream; other codes index the
+   tensor's table (k = 8: the code is the symbol),
+5. joins symbol and raw byte into the 16-bit element and stores it.
+
+Payload is handled as integers only, so decoding is exact on raw bits.
+Offsets are rebuilt as `(x // A) * A` where A is a known alignment, so the
+compiler can prove alignment and issue vector loads and stores.
+"""
+import triton
+import triton.language as tl
+
+# int64 fields per segment record; must match `codec._pack_records`.
+_NUM_FIELDS = tl.constexpr(9)
+
+
+@triton.jit
+def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr):
+    """The code bits held by bit plane W of a tile, shifted to their place ([TILE] int32).
+
+    GATHER: every element loads its own plane byte (addresses repeat 8 / W
+    times, served by L1) instead of loading each byte once and reshaping
+    [8 / W, SPAN] -> [TILE] (which may go through shared memory)."""
+    # PER = 8 // W elements per byte, SPAN = TILE * W // 8 bytes (inline: constexpr arithmetic)
+    start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
+    start = (start // 16) * 16
+    if GATHER:
+        offs = tl.arange(0, TILE)
+        present = (offs * 0 + (k & W)) != 0
+        byte = tl.load(src_ptr + start + offs % (TILE * W // 8), mask=present, other=0).to(tl.int32)
+        bits = (byte >> (W * (offs // (TILE * W // 8)))) & ((1 << W) - 1)
+    else:
+        j = tl.arange(0, TILE * W // 8)
+        present = (j * 0 + (k & W)) != 0  # a vector: the interpreter cannot AND a scalar bool into a mask
+        byte = tl.load(src_ptr + start + j, mask=present, other=0).to(tl.int32)
+        slot = tl.arange(0, 8 // W)
+        bits = (byte[None, :] >> (W * slot[:, None])) & ((1 << W) - 1)
+        bits = tl.reshape(bits, [TILE])  # element slot * SPAN + j
+    return bits << (k & (W - 1)).to(tl.int32)
+
+
+@triton.jit
+def _decode_tile(
+    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t,
+    TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
+):
+    e0 = t * TILE
+    offs = tl.arange(0, TILE)
+    mask = offs < numel - e0
+    raw_ptr = src_ptr + (raw_abs // 16) * 16 + e0 + offs
+    if MASKED:
+        raw = tl.load(raw_ptr, mask=mask, other=0).to(tl.int32)
+    else:
+        raw = tl.load(raw_ptr).to(tl.int32)
+
+    tile_code = code_abs + t * (TILE // 8) * k
+    code = _plane(src_ptr, tile_code, k, 8, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 4, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 2, TILE, GATHER)
+    code |= _plane(src_ptr, tile_code, k, 1, TILE, GATHER)
+
+    kv = offs.to(tl.int64) * 0 + k  # per-lane copies: masks are built from vectors only
+    has_table = kv < 8
+    escapes = (kv >= 1) & has_table
+    is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
+    # this tile's first exception index: an int64 (little-endian) of the base stream
+    b8 = tl.arange(0, 8)
+    base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + k) < 8, other=0).to(tl.int64)
+    base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
+    rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
+    exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
+    tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
+    sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
+
+    bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+    high = (sym << 8) | raw
+    val = tl.where((kv * 0 + split) == 0, bf16, high).to(tl.int16)
+    dst = dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + e0 + offs
+    if MASKED:
+        tl.store(dst, val, mask=mask)
+    else:
+        tl.store(dst, val)
+
+
+@triton.jit
+def _decode_kernel(
+    src_ptr,
+    dst_ptr,
+    table_ptr,
+    num_segments,
+    TILE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    DST_ALIGN: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
+    lo = pid * 0
+    hi = lo + num_segments
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(table_ptr + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seg = lo
+    t = pid - tl.load(table_ptr + seg)
+
+    rec = table_ptr + (num_segments + 1) + seg * _NUM_FIELDS
+    raw_abs = tl.load(rec + 0)
+    code_abs = tl.load(rec + 1)
+    base_abs = tl.load(rec + 2)
+    exc_abs = tl.load(rec + 3)
+    table_abs = tl.load(rec + 4)
+    dst_elem = tl.load(rec + 5)
+    numel = tl.load(rec + 6)
+    k = tl.load(rec + 7)
+    split = tl.load(rec + 8)
+    if (t + 1) * TILE <= numel:
+        _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
+                     split, t, TILE, DST_ALIGN, False, GATHER)
+    else:
+        _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
+                     split, t, TILE, DST_ALIGN, True, GATHER)

@@ -1,0 +1,253 @@
+"""Benchmark: lossless weight codec (`weightstream.kernels.codec`).
+
+Per weight fill (uniform init, Gaussian, Student-t df=4; `weightstream.fills`)
+and per size (one 3072x12288 bf16 tensor = a Flux MLP weight, a Flux.1
+single-stream block of ~283 MB, a double-stream block of ~680 MB):
+
+- coded ratio (coded / raw bytes), bits per weight, chosen k per tensor,
+  exponent entropy (the bound for this code: (8 + H) / 16 of the bytes);
+- CPU encode rate on ONE core (`torch.set_num_threads(1)`), raw bytes / s by
+  wall time and by the process's CPU time (fair on a busy machine), and with
+  torch's default intra-op threads;
+- GPU: decode GB/s = decoded bytes / median time (`triton.testing.do_bench`,
+  return_mode="median"), eager and replayed from a CUDA graph, against a
+  device-to-device copy of the same output bytes (`ratio_to_copy`); also the
+  DRAM traffic rate (coded bytes read + decoded bytes written) / time.
+  Each decode is checked byte for byte against the original tensors first.
+
+Without a GPU (or with --cpu) only the coding figures and the encode rate are
+measured. Results: perf/results/codec-<gpu>-<commit>.json (codec-cpu-... on
+CPU) with the metadata keys of perf/results.py.
+
+    python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
+    python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
+    python perf/bench_codec.py --cpu --sizes tensor # coding figures only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # `python perf/bench_codec.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf.bench_materialise import _flux_block  # noqa: E402  (Flux block tensor shapes)
+from perf.results import gpu_slug, validate_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_GBPS = 300.0  # decoded bf16 per second on an H200
+SIZES = ("tensor", "single", "double")
+
+
+def _shapes(size: str) -> list[tuple[int, ...]]:
+    if size == "tensor":
+        return [(3072, 12288)]
+    return [shape for _, shape, _ in _flux_block(size)]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_tensors(size: str, kind: str, device: str, seed: int = 0, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    """CPU tensors of `size` filled with `kind` (sampled on `device`)."""
+    from weightstream.fills import fill
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [fill(kind, s, generator=gen, device=device, dtype=dtype).cpu() for s in _shapes(size)]
+
+
+def encode_stats(tensors, tile: int, threaded: bool = True) -> tuple[torch.Tensor, object, dict]:
+    """Encode on one core; (coded buffer, DecodeTable, figures)."""
+    from weightstream.kernels.codec import encode_block, read_header, symbol_entropy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        buf, table = encode_block(tensors, tile=tile)
+        enc_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        torch.set_num_threads(threads)
+    all_s = None
+    if threaded:
+        t0 = time.perf_counter()
+        encode_block(tensors, tile=tile)  # torch's default intra-op threads
+        all_s = time.perf_counter() - t0
+    raw = sum(2 * t.numel() for t in tensors)
+    heads = [read_header(buf, s.src_offset) for s in table.segments]
+    entropy = sum(symbol_entropy(t) * t.numel() for t in tensors) / sum(t.numel() for t in tensors)
+    figs = {
+        "raw_bytes": raw,
+        "coded_bytes": table.coded_nbytes,
+        "coded_ratio": round(table.coded_nbytes / raw, 5),
+        "bits_per_weight": round(table.bits_per_weight, 4),
+        "exponent_entropy_bits": round(entropy, 4),
+        "entropy_bound_ratio": round((8 + entropy) / 16, 5),
+        "k": sorted({h.k for h in heads}),
+        "escape_fraction": round(sum(h.num_exceptions for h in heads) / (raw // 2), 5),
+        "encode_s_one_core": round(enc_s, 4),
+        "encode_gbps_one_core": round(raw / enc_s / 1e9, 4),
+        "encode_gbps_one_core_cpu_time": round(raw / cpu_s / 1e9, 4),  # robust to a busy machine
+        "encode_gbps_all_threads": round(raw / all_s / 1e9, 4) if all_s else None,
+        "encode_threads": threads,
+        "tile": tile,
+    }
+    return buf, table, figs
+
+
+def _median_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) -> dict:
+    from weightstream.kernels.codec import DecodeTable, decode
+
+    table = DecodeTable(table.segments, num_warps=num_warps, gather_planes=gather)
+    src = buf.cuda()
+    dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
+    decode(src, dst, table)
+    torch.cuda.synchronize()
+    for s, t in zip(table.segments, tensors):
+        if not torch.equal(dst[s.dst_offset : s.dst_end], t.reshape(-1).view(torch.uint8).cuda()):
+            raise SystemExit(f"decode differs from the original tensor at dst offset {s.dst_offset}")
+    n = table.decoded_nbytes
+    ms = _median_ms(lambda: decode(src, dst, table))
+    figs = {"step_ms": ms, "ms": ms, "gbps": n / ms / 1e6, "dram_gbps": (n + table.coded_nbytes) / ms / 1e6,
+            "num_warps": num_warps, "gather_planes": gather, "tiles": table.num_tiles, "tensors": table.num_segments}
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decode(src, dst, table)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            decode(src, dst, table)
+        figs["graph_ms"] = _median_ms(g.replay)
+        figs["graph_gbps"] = n / figs["graph_ms"] / 1e6
+        del g
+    return figs
+
+
+def copy_ms(nbytes: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a))
+    del a, b
+    return ms
+
+
+def run(args) -> dict:
+    modes = {}
+    gpu = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if gpu else "cpu"
+    for size in args.sizes:
+        copy = None
+        for kind, dt in [(k, d) for d in args.dtypes for k in args.fills]:
+            tensors = make_tensors(size, kind, device, dtype=DTYPES[dt])
+            for ti, tile in enumerate(args.tiles):
+                buf, table, figs = encode_stats(tensors, tile, args.threaded_encode)
+                name = f"triton-{size}-{kind}" + ("" if dt == "bf16" else f"-{dt}") + ("" if ti == 0 else f"-t{tile}")
+                print(f"[{name}] {figs['raw_bytes'] / 1e6:.1f} MB -> {figs['coded_bytes'] / 1e6:.1f} MB "
+                      f"(ratio {figs['coded_ratio']:.4f}, {figs['bits_per_weight']:.3f} bits/weight, k {figs['k']}, "
+                      f"entropy bound {figs['entropy_bound_ratio']:.4f}); encode {figs['encode_gbps_one_core']:.2f} "
+                      f"GB/s on one core ({figs['encode_gbps_one_core_cpu_time']:.2f} by CPU time), "
+                      f"{figs['encode_gbps_all_threads']} GB/s on {figs['encode_threads']} threads", flush=True)
+                if not gpu:
+                    modes[name] = {"step_ms": figs["encode_s_one_core"] * 1e3, **figs}
+                    continue
+                if copy is None:
+                    copy = copy_ms(figs["raw_bytes"])
+                    modes[f"copy-{size}"] = {"step_ms": copy, "ms": copy, "gbps": figs["raw_bytes"] / copy / 1e6,
+                                             "bytes": figs["raw_bytes"]}
+                variants = [(w, v) for v in args.planes for w in args.num_warps]
+                for vi, (warps, planes) in enumerate(variants):
+                    mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+                    mode += "" if planes == args.planes[0] else f"-{planes}"
+                    g = gpu_figures(tensors, buf, table, warps, planes == "gather", graph=args.graph and vi == 0)
+                    modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs}
+                    gr = f", graph {g['graph_gbps']:.1f} GB/s" if "graph_gbps" in g else ""
+                    print(f"  [{mode}] decode {g['ms']:.3f} ms = {g['gbps']:.1f} GB/s decoded "
+                          f"({g['dram_gbps']:.1f} GB/s DRAM){gr}; copy {copy:.3f} ms, "
+                          f"x copy {copy / g['ms']:.3f}", flush=True)
+                del buf, table
+            del tensors
+        if gpu:
+            torch.cuda.empty_cache()
+    return modes
+
+
+def main(argv=None) -> int:
+    from weightstream.fills import FILLS
+    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_TILE
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],
+                   help="tensor = one 3072x12288 weight, single = ~283 MB Flux block, double = ~680 MB block")
+    p.add_argument("--fills", nargs="+", choices=FILLS, default=list(FILLS))
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"],
+                   help="weight dtypes (fp16 codes the high byte; mode names get a -fp16 suffix)")
+    p.add_argument("--tiles", type=int, nargs="+", default=[DEFAULT_TILE], help="elements per tile (first = default)")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
+    p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
+                   help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
+    p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
+    p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",
+                   help="skip the encode rate with torch's default threads (slow on a shared machine)")
+    p.add_argument("--out", type=Path, default=ROOT / "perf" / "results", help="results folder")
+    p.add_argument("--check", action="store_true", help=f"exit 1 if a decode is below {TARGET_GBPS} GB/s")
+    args = p.parse_args(argv)
+
+    modes = run(args)
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    gpu = torch.cuda.get_device_name() if on_gpu else "cpu"
+    commit = _commit()
+    result = {
+        "scenario": "codec" if on_gpu else "codec-cpu",
+        "gpu": gpu,
+        "gpus": 1 if on_gpu else 0,
+        "commit": commit,
+        "torch": torch.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "gbps": "decoded bytes / median ms (do_bench); dram_gbps adds the coded bytes read; "
+                "on CPU step_ms is the one-core encode time",
+        "modes": modes,
+    }
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    validate_result(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{result['scenario']}-{gpu_slug(gpu)}-{commit}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    low = [m for m, f in modes.items() if m.startswith("triton") and "gbps" in f and f["gbps"] < TARGET_GBPS]
+    if on_gpu and low:
+        print(f"below {TARGET_GBPS} GB/s: {', '.join(low)}", file=sys.stderr)
+    return 1 if args.check and on_gpu and low else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
