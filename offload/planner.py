@@ -307,13 +307,7 @@ def plan(inputs: PlanInputs) -> Placement:
     local search (add / remove / swap one block) from the best of them. The
     result is never predicted slower than the best first-N placement."""
     search = _Search(inputs)
-    need = _device_bytes(inputs, (), min(inputs.slot_counts))
-    if need > inputs.budget_bytes:
-        raise ValueError(
-            f"PlanInputs.budget_bytes={inputs.budget_bytes} is too small: streaming every block through "
-            f"{min(inputs.slot_counts)} slots needs {need} bytes ({need / 1e9:.3f} GB: fixed "
-            f"{inputs.fixed_device_bytes} + slots of {max(inputs.device_bytes)} bytes); allowed: >= {need}"
-        )
+    _check_budget(inputs)
     best = None
     for slots in inputs.slot_counts:
         starts = [s for s in _first_n(inputs, slots) + _greedy(inputs, slots) if search.fits(s, slots)]
@@ -325,6 +319,32 @@ def plan(inputs: PlanInputs) -> Placement:
                 best = (cand, slots)
     res, slots = best
     return _placement(inputs, tuple(sorted(res)), slots, search.ms(res, slots))
+
+
+def _min_device_bytes(inputs: PlanInputs) -> tuple[int, tuple[int, ...]]:
+    """The fewest device bytes any placement needs, and its resident set: with
+    the fewest slots, every block larger than some cap resident (the slots
+    shrink to the cap)."""
+    slots = min(inputs.slot_counts)
+    n = inputs.num_blocks
+    options = []
+    for cap in set(inputs.device_bytes):
+        res = tuple(i for i in range(n) if inputs.device_bytes[i] > cap)
+        if len(res) < n:
+            options.append((_device_bytes(inputs, res, slots), res))
+    return min(options)
+
+
+def _check_budget(inputs: PlanInputs) -> None:
+    need, res = _min_device_bytes(inputs)
+    if need > inputs.budget_bytes:
+        stream_all = _device_bytes(inputs, (), min(inputs.slot_counts))
+        raise ValueError(
+            f"PlanInputs.budget_bytes={inputs.budget_bytes} is too small: the smallest placement needs {need} "
+            f"bytes ({need / 1e9:.3f} GB: fixed {inputs.fixed_device_bytes}, resident blocks {list(res)}, "
+            f"{min(inputs.slot_counts)} slots of {_slot_bytes(inputs, set(res))} bytes; streaming every block "
+            f"needs {stream_all}); allowed: >= {need}"
+        )
 
 
 def _first_n(inputs: PlanInputs, slots: int) -> list[frozenset]:
