@@ -282,22 +282,39 @@ class _Search:
 
     def __init__(self, inputs: PlanInputs):
         self.inputs = inputs
-        self.cache: dict[tuple[frozenset, int], float] = {}
+        self.cache: dict[tuple[frozenset, int], tuple[int, int]] = {}
+        self.compute = sum(inputs.compute_ms)
+        self.load = [inputs.load_ms(i) for i in range(inputs.num_blocks)]
+        self.decode = [inputs.decode_ms(i) for i in range(inputs.num_blocks)]
 
     def fits(self, res: frozenset, slots: int) -> bool:
         n = self.inputs.num_blocks
         return len(res) < n and _device_bytes(self.inputs, res, slots) <= self.inputs.budget_bytes
 
     def ms(self, res: frozenset, slots: int) -> float:
+        return _simulate(self.inputs, set(res), slots)
+
+    def cost(self, res: frozenset, slots: int) -> tuple[int, int]:
+        """(predicted ms in units of 1e-6 ms, device bytes): what the search minimises."""
         key = (res, slots)
         if key not in self.cache:
-            self.cache[key] = _simulate(self.inputs, set(res), slots)
+            self.cache[key] = (_quantise(self.ms(res, slots)), _device_bytes(self.inputs, res, slots))
         return self.cache[key]
+
+    def bound(self, res: frozenset) -> int:
+        """A lower bound on the step (quantised): compute, or the copy side's busy time."""
+        idx = [i for i in range(self.inputs.num_blocks) if i not in res]
+        load, dec = sum(self.load[i] for i in idx), sum(self.decode[i] for i in idx)
+        side = load + dec if self.inputs.decode_on_copy_stream else max(load, dec)
+        return _quantise(max(self.compute, side) * (1 - _EPS))
 
     def key(self, res: frozenset, slots: int):
         """Order of preference: faster, then fewer device bytes, fewer slots, lower indices."""
-        ms = self.ms(res, slots)
-        return (round(ms * 1e6), _device_bytes(self.inputs, res, slots), slots, sorted(res))  # ms to 1e-6
+        return (*self.cost(res, slots), slots, sorted(res))
+
+
+def _quantise(ms: float) -> int:
+    return round(ms * 1e6)
 
 
 def plan(inputs: PlanInputs) -> Placement:
@@ -318,7 +335,7 @@ def plan(inputs: PlanInputs) -> Placement:
             if best is None or search.key(cand, slots) < search.key(*best):
                 best = (cand, slots)
     res, slots = best
-    return _placement(inputs, tuple(sorted(res)), slots, search.ms(res, slots))
+    return _placement(inputs, tuple(sorted(res)), slots, _simulate(inputs, set(res), slots))
 
 
 def _min_device_bytes(inputs: PlanInputs) -> tuple[int, tuple[int, ...]]:
@@ -386,13 +403,15 @@ def _greedy(inputs: PlanInputs, slots: int) -> list[frozenset]:
 
 
 def _local_search(search: _Search, res: frozenset, slots: int) -> frozenset:
-    """First-improvement descent over add / remove / swap moves, in a fixed
-    order (deterministic)."""
+    """First-improvement descent over add / remove / swap moves in a fixed order
+    (deterministic); a move must lower (ms, device bytes). Moves whose lower
+    bound is already slower are not simulated."""
     improved = True
     while improved:
         improved = False
+        current = search.cost(res, slots)
         for cand in _moves(search.inputs.num_blocks, res):
-            if search.fits(cand, slots) and search.key(cand, slots) < search.key(res, slots):
+            if search.fits(cand, slots) and search.bound(cand) <= current[0] and search.cost(cand, slots) < current:
                 res, improved = cand, True
                 break
     return res

@@ -139,7 +139,7 @@ def test_spread_resident_blocks_beat_a_run_at_the_start():
 
 
 def test_describe_states_what_stays_streams_and_floors():
-    p = plan(inputs([10, 10, 10, 40], [1.0] * 4, budget_mb=90))
+    p = evaluate(inputs([10, 10, 10, 40], [1.0] * 4, budget_mb=90), (0, 1, 3), 2)
     text = p.describe()
     for words in ("3 of 4 blocks stay resident (blocks 0-1, 3", "1 stream (0.01 GB per step)",
                   "1 slots of 0.010 GB", "Predicted step 11.0 ms", "compute 4.0 ms, transfer 10.0 ms",
