@@ -77,7 +77,7 @@ class PlanInputs:
     fixed_device_bytes: resident modules outside the blocks (embedders, norms,
     a codec's staging buffers).
     decode_gbps: decode rate in decoded (device) bytes per s; None: no decode.
-    slot_counts: slot counts the planner may choose from.
+    slot_counts: slot counts the planner may choose from (>= 2, as ``num_slots``).
     decode_on_copy_stream: whether a decode delays the next copy (see module doc).
     """
 
@@ -104,9 +104,9 @@ class PlanInputs:
                 raise ValueError(
                     f"PlanInputs.{name} has {len(seq)} entries; allowed: one per block ({len(link)}, as link_bytes)"
                 )
-        slots = _int_seq("slot_counts", self.slot_counts, 1)
+        slots = _int_seq("slot_counts", self.slot_counts, 2)  # as OffloadConfig.num_slots
         if not slots:
-            raise ValueError("PlanInputs.slot_counts=() is not allowed; allowed: one or more ints >= 1")
+            raise ValueError("PlanInputs.slot_counts=() is not allowed; allowed: one or more ints >= 2")
         for name, seq in (("link_bytes", link), ("device_bytes", dev), ("compute_ms", comp)):
             object.__setattr__(self, name, seq)
         object.__setattr__(self, "slot_counts", tuple(sorted(set(slots))))

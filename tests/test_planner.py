@@ -44,7 +44,7 @@ GOOD = dict(link_bytes=[10, 10], device_bytes=[10, 10], compute_ms=[1.0, 1.0], h
     ("budget_bytes", 1.5e9, "budget_bytes=1500000000.0"),
     ("fixed_device_bytes", -1, "fixed_device_bytes=-1"),
     ("slot_counts", (), "slot_counts=()"),
-    ("slot_counts", (2, 0), "slot_counts[1]=0"),
+    ("slot_counts", (2, 1), "slot_counts[1]=1"),
     ("decode_on_copy_stream", 1, "decode_on_copy_stream=1"),
 ])
 def test_inputs_rejected_with_key_value_and_allowed(key, value, words):
@@ -128,14 +128,17 @@ def test_heterogeneous_best_set_is_not_first_n():
 
 
 def test_spread_resident_blocks_beat_a_run_at_the_start():
-    # one slot: a load waits for the previous streamed block; resident blocks between
-    # streamed ones give the copy engine time, a run of them leaves it idle
-    inp = inputs([10] * 4, [10.0] * 4, budget_mb=30, slot_counts=(1,))  # 2 resident + 1 slot
-    assert step_ms(inp, [0, 1], 1) == pytest.approx(50.0, abs=1e-9)
-    assert step_ms(inp, [0, 2], 1) == pytest.approx(40.0, abs=1e-9)
-    assert first_n_best(inp) == pytest.approx(50.0)
+    # 6 blocks, 20 ms loads, 10 ms computes, 3 resident, 2 slots: with blocks 0-2
+    # resident the copy engine can only run 2 loads ahead of the 30 ms resident run
+    # (L3 [T-10, T+10], L4 [T+10, T+30], L5 waits for block 3: [T+40, T+60], block 5
+    # ends at T+70); resident blocks between streamed ones hide every load
+    inp = inputs([20] * 6, [10.0] * 6, budget_mb=100, slot_counts=(2,))  # 3 resident + 2 slots
+    assert step_ms(inp, [0, 1, 2], 2) == pytest.approx(70.0, abs=1e-9)
+    assert schedule_reference(inp, 3, 2) == pytest.approx(70.0, abs=1e-9)
+    assert step_ms(inp, [0, 2, 4], 2) == pytest.approx(60.0, abs=1e-9)  # compute = transfer floor
+    assert first_n_best(inp) == pytest.approx(70.0)
     p = plan(inp)
-    assert p.predicted_ms == pytest.approx(40.0, abs=1e-9) and p.resident in {(0, 2), (1, 3)}
+    assert p.predicted_ms == pytest.approx(60.0, abs=1e-9) and len(p.resident) == 3
 
 
 def test_describe_states_what_stays_streams_and_floors():
@@ -182,7 +185,7 @@ def random_inputs(rng: random.Random, n: int, budget_frac: float | None = None) 
     coded = rng.random() < 0.3
     link = [int(s * MB * (rng.uniform(0.6, 0.8) if coded else 1)) for s in sizes]
     compute = [round(rng.uniform(0.5, 30.0), 3) for _ in range(n)]
-    slots = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3))))
+    slots = tuple(sorted(rng.sample([2, 3, 4, 5], rng.randint(1, 3))))
     fixed = rng.choice([0, 3 * MB])
     need = fixed + min(min(slots), n) * max(sizes) * MB
     total = fixed + sum(sizes) * MB + max(slots) * max(sizes) * MB
