@@ -33,7 +33,7 @@ step-local schedule of CUDA graphs with resident blocks, DLO all-gathers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from weightstream.offload.config import ConfigTypeError
 
@@ -42,6 +42,8 @@ __all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms"]
 _MAX_STEPS = 64  # steps simulated before giving up on exact periodicity
 _MAX_PERIOD = 4  # longest step period searched for
 _EPS = 1e-9  # relative tolerance on times (ms)
+_STARTS = 3  # local searches per slot count, from the best distinct candidates
+_RUNGS = 4  # budgets the search climbs (see plan)
 
 
 def _int_seq(name: str, value, minimum: int) -> tuple[int, ...]:
@@ -319,23 +321,40 @@ def _quantise(ms: float) -> int:
 
 def plan(inputs: PlanInputs) -> Placement:
     """The resident set and slot count with the lowest predicted step time
-    under ``inputs.budget_bytes``. Candidates: every first-N placement, greedy
-    fills by saved load time per device byte (one per slot-size cap), then a
-    local search (add / remove / swap one block) from the best of them. The
-    result is never predicted slower than the best first-N placement."""
-    search = _Search(inputs)
+    under ``inputs.budget_bytes``.
+
+    Candidates: every first-N placement, greedy fills by saved load time per
+    device byte (one per slot-size cap), then local searches (add / remove /
+    swap one block) from the best few of them. The search climbs a ladder of
+    budgets from the smallest placement's bytes up to the budget, each rung
+    seeded with the best placement of the rung below (which still fits), so a
+    larger budget starts from what a smaller one found. The result is never
+    predicted slower than the best first-N placement (a candidate)."""
     _check_budget(inputs)
-    best = None
-    for slots in inputs.slot_counts:
-        starts = [s for s in _first_n(inputs, slots) + _greedy(inputs, slots) if search.fits(s, slots)]
-        if not starts:
-            continue
-        top = min(starts, key=lambda r: search.key(r, slots))
-        for cand in [*starts, _local_search(search, top, slots)]:
-            if best is None or search.key(cand, slots) < search.key(*best):
-                best = (cand, slots)
-    res, slots = best
+    need = _min_device_bytes(inputs)[0]
+    seeds: list[tuple[frozenset, int]] = []
+    for k in range(1, _RUNGS + 1):
+        budget = need + (inputs.budget_bytes - need) * k // _RUNGS
+        rung = replace(inputs, budget_bytes=budget)
+        seeds = [_best_at(_Search(rung), seeds)]
+    res, slots = seeds[0]
     return _placement(inputs, tuple(sorted(res)), slots, _simulate(inputs, set(res), slots))
+
+
+def _best_at(search: _Search, seeds) -> tuple[frozenset, int]:
+    """The best (resident set, slots) found under ``search``'s budget."""
+    inputs = search.inputs
+    found = list(seeds)  # fit: the budget only grows
+    for slots in inputs.slot_counts:
+        starts = {s for s in _first_n(inputs, slots) + _greedy(inputs, slots) if search.fits(s, slots)}
+        ranked = sorted(starts | {r for r, s in seeds if s == slots}, key=lambda r: search.key(r, slots))
+        found += [(r, slots) for r in ranked]
+        found += [(_local_search(search, r, slots), slots) for r in ranked[:_STARTS]]
+    best = min(found, key=lambda c: search.key(*c))
+    for slots in inputs.slot_counts:  # the best set found, tried with the other slot counts
+        if slots != best[1] and search.fits(best[0], slots):
+            found.append((_local_search(search, best[0], slots), slots))
+    return min(found, key=lambda c: search.key(*c))
 
 
 def _min_device_bytes(inputs: PlanInputs) -> tuple[int, tuple[int, ...]]:
