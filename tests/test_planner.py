@@ -235,13 +235,14 @@ def test_plan_properties(seed):
     assert plan(PlanInputs(**{f: getattr(inp, f) for f in inp.__dataclass_fields__})) == p
 
 
-@pytest.mark.parametrize("seed", range(12))
+# seeds where a single local search per budget got slower with more budget
+@pytest.mark.parametrize("seed", [1, 19, 22, 34, 50, 77, 86, 89, 109, 133, 145, 0, 2, 3])
 def test_plan_monotone_in_budget(seed):
-    rng = random.Random(2000 + seed)
-    n = rng.randint(3, 10)
+    rng = random.Random(20_000 + seed)
+    n = rng.randint(8, 30)
     state = rng.getstate()
     previous = None
-    for frac in (0.0, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0):
+    for frac in [i / 20 for i in range(15)]:
         rng.setstate(state)  # same blocks, larger budget
         p = plan(random_inputs(rng, n, budget_frac=frac))
         if previous is not None:
