@@ -1,0 +1,462 @@
+"""Placement planner: which blocks stay resident, how many slots. Pure, no tensors.
+
+From per-block bytes, measured per-block compute time, measured link bandwidth
+(and decode rate) and a device budget, :func:`plan` picks the resident set and
+slot count that minimise the predicted step time, and states its prediction.
+Resident blocks need not be the first N.
+
+The step-time model follows :mod:`weightstream.offload.schedule` (the ring).
+Streamed blocks are numbered by position ``p`` across steps, in execution order:
+
+- the load of ``p`` goes into slot ``p % S`` and may start once the compute of
+  ``p - S`` (the slot's previous user) finished and the previous load finished
+  (one copy engine, loads in position order); priming loads (``p < S``) have no
+  slot dependency;
+- a load takes ``link_bytes / h2d`` and, with a decode rate, a decode of
+  ``device_bytes / decode`` after its copy. ``decode_on_copy_stream=True``
+  (default) runs the decode on the copy stream, so the next copy waits for it;
+  ``False`` gives decodes their own stream (serial among themselves);
+- a block computes after the previous block's compute and, if streamed, after
+  its load (and decode). Resident blocks compute with no load.
+
+The ring wraps across steps (the last blocks prefetch the next step's first
+ones). :func:`step_ms` simulates step after step until the schedule is periodic
+(the state relative to the step's end repeats, with a period of up to 4
+steps) and returns the exact steady-state step time of this model (after 64
+steps without a repeat: the mean of the last 8). Device
+bytes: fixed + resident blocks + ``min(S, streamed)`` slots sized to the
+largest streamed block, as the executor allocates them. At least one block
+streams (the schedule needs one; a model that fits whole needs no planner).
+
+Not modelled: decode kernels slowing compute (they share the SMs), the
+step-local schedule of CUDA graphs with resident blocks, DLO all-gathers.
+
+Search (:func:`plan`): candidates are every first-N placement and greedy fills
+(saved load time per device byte, one fill per slot-size cap), refined by
+local searches (add / remove / swap one block) that minimise (predicted ms,
+device bytes), skipping moves whose lower bound max(compute, copy side) is
+already slower. It is a heuristic: exact on every small random case checked
+against exhaustive search (tests), never worse than first-N by construction,
+and monotone in the budget on the seeded checks (a budget ladder seeds each
+budget with what a smaller one found), not by proof.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from weightstream.offload.config import ConfigTypeError
+
+__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms"]
+
+_MAX_STEPS = 64  # steps simulated before giving up on exact periodicity
+_MAX_PERIOD = 4  # longest step period searched for
+_EPS = 1e-9  # relative tolerance on times (ms)
+_STARTS = 3  # local searches per slot count, from the best distinct candidates
+_RUNGS = 4  # budgets the search climbs (see plan)
+
+
+def _int_seq(name: str, value, minimum: int) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigTypeError(f"PlanInputs.{name}={value!r} must be a sequence of ints >= {minimum}")
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigTypeError(f"PlanInputs.{name}[{i}]={v!r} must be an int >= {minimum}")
+        if v < minimum:
+            raise ValueError(f"PlanInputs.{name}[{i}]={v} is not allowed; allowed: ints >= {minimum}")
+    return out
+
+
+def _number(name: str, value, *, positive: bool) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigTypeError(f"PlanInputs.{name}={value!r} must be a number")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        allowed = "a finite number > 0" if positive else "a finite number >= 0"
+        raise ValueError(f"PlanInputs.{name}={value!r} is not allowed; allowed: {allowed}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner knows. Bytes are ints; times in ms; rates in GB/s (1e9 B/s).
+
+    link_bytes[i]: bytes block ``i`` moves over the link per load (coded or raw).
+    device_bytes[i]: bytes block ``i`` occupies on the device (raw, decoded).
+    compute_ms[i]: measured compute time of block ``i`` (execution order).
+    h2d_gbps: measured host-to-device bandwidth.
+    budget_bytes: device bytes allowed for fixed + resident blocks + slots.
+    fixed_device_bytes: resident modules outside the blocks (embedders, norms,
+    a codec's staging buffers).
+    decode_gbps: decode rate in decoded (device) bytes per s; None: no decode.
+    slot_counts: slot counts the planner may choose from (>= 2, as ``num_slots``).
+    decode_on_copy_stream: whether a decode delays the next copy (see module doc).
+    """
+
+    link_bytes: tuple[int, ...]
+    device_bytes: tuple[int, ...]
+    compute_ms: tuple[float, ...]
+    h2d_gbps: float
+    budget_bytes: int
+    fixed_device_bytes: int = 0
+    decode_gbps: float | None = None
+    slot_counts: tuple[int, ...] = (2, 3, 4)
+    decode_on_copy_stream: bool = True
+
+    def __post_init__(self):
+        link = _int_seq("link_bytes", self.link_bytes, 1)
+        dev = _int_seq("device_bytes", self.device_bytes, 1)
+        if isinstance(self.compute_ms, (str, bytes)) or not hasattr(self.compute_ms, "__iter__"):
+            raise ConfigTypeError(f"PlanInputs.compute_ms={self.compute_ms!r} must be a sequence of numbers >= 0")
+        comp = tuple(_number(f"compute_ms[{i}]", v, positive=False) for i, v in enumerate(self.compute_ms))
+        if not link:
+            raise ValueError("PlanInputs.link_bytes=() is not allowed; allowed: one entry per block, >= 1 block")
+        for name, seq in (("device_bytes", dev), ("compute_ms", comp)):
+            if len(seq) != len(link):
+                raise ValueError(
+                    f"PlanInputs.{name} has {len(seq)} entries; allowed: one per block ({len(link)}, as link_bytes)"
+                )
+        slots = _int_seq("slot_counts", self.slot_counts, 2)  # as OffloadConfig.num_slots
+        if not slots:
+            raise ValueError("PlanInputs.slot_counts=() is not allowed; allowed: one or more ints >= 2")
+        for name, seq in (("link_bytes", link), ("device_bytes", dev), ("compute_ms", comp)):
+            object.__setattr__(self, name, seq)
+        object.__setattr__(self, "slot_counts", tuple(sorted(set(slots))))
+        object.__setattr__(self, "h2d_gbps", _number("h2d_gbps", self.h2d_gbps, positive=True))
+        if self.decode_gbps is not None:
+            object.__setattr__(self, "decode_gbps", _number("decode_gbps", self.decode_gbps, positive=True))
+        for name, minimum in (("budget_bytes", 1), ("fixed_device_bytes", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigTypeError(f"PlanInputs.{name}={v!r} must be an int >= {minimum}")
+            if v < minimum:
+                raise ValueError(f"PlanInputs.{name}={v} is not allowed; allowed: ints >= {minimum}")
+        if not isinstance(self.decode_on_copy_stream, bool):
+            raise ConfigTypeError(f"PlanInputs.decode_on_copy_stream={self.decode_on_copy_stream!r} must be a bool")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.link_bytes)
+
+    def load_ms(self, block: int) -> float:
+        return self.link_bytes[block] / (self.h2d_gbps * 1e6)
+
+    def decode_ms(self, block: int) -> float:
+        return 0.0 if self.decode_gbps is None else self.device_bytes[block] / (self.decode_gbps * 1e6)
+
+
+def _check_placement(inputs: PlanInputs, resident, num_slots) -> tuple[tuple[int, ...], int]:
+    n = inputs.num_blocks
+    res = tuple(sorted(set(_int_seq("resident", resident, 0))))
+    if res and res[-1] >= n:
+        raise ValueError(f"resident block {res[-1]} is not allowed; allowed: block indices 0..{n - 1}")
+    if len(res) >= n:
+        raise ValueError(f"resident={res} leaves no block to stream; allowed: at most {n - 1} of {n} blocks")
+    if not isinstance(num_slots, int) or isinstance(num_slots, bool):
+        raise ConfigTypeError(f"num_slots={num_slots!r} must be an int >= 1")
+    if num_slots < 1:
+        raise ValueError(f"num_slots={num_slots} is not allowed; allowed: ints >= 1")
+    return res, num_slots
+
+
+def _slot_bytes(inputs: PlanInputs, res: set) -> int:
+    return max(b for i, b in enumerate(inputs.device_bytes) if i not in res)
+
+
+def _device_bytes(inputs: PlanInputs, res, num_slots: int) -> int:
+    res = set(res)
+    slots = min(num_slots, inputs.num_blocks - len(res))
+    return inputs.fixed_device_bytes + sum(inputs.device_bytes[i] for i in res) + slots * _slot_bytes(inputs, res)
+
+
+def step_ms(inputs: PlanInputs, resident, num_slots: int) -> float:
+    """Steady-state step time (ms) of the ring with ``resident`` blocks kept on
+    the device and ``num_slots`` slots (the discrete-event model in the module doc)."""
+    res, num_slots = _check_placement(inputs, resident, num_slots)
+    return _simulate(inputs, set(res), num_slots)
+
+
+def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
+    blocks = [(c, None if i in res else (inputs.load_ms(i), inputs.decode_ms(i)))
+              for i, c in enumerate(inputs.compute_ms)]
+    s = min(num_slots, inputs.num_blocks - len(res))
+    separate = inputs.decode_gbps is not None and not inputs.decode_on_copy_stream
+    t = copy_free = dec_free = 0.0
+    done_at: list[float] = []  # compute end per streamed position
+    ends, states = [], []
+    for step in range(_MAX_STEPS):
+        for c, load in blocks:
+            if load is None:
+                t += c
+                continue
+            p = len(done_at)
+            start = copy_free if p < s else max(copy_free, done_at[p - s])
+            ready = copy_free = start + load[0]
+            if separate:
+                ready = dec_free = max(ready, dec_free) + load[1]
+            else:
+                ready = copy_free = ready + load[1]
+            t = max(t, ready) + c
+            done_at.append(t)
+        ends.append(t)
+        states.append((copy_free - t, *(dec_free - t for _ in range(separate)), *(e - t for e in done_at[-s:])))
+        for period in range(1, min(_MAX_PERIOD, step) + 1):
+            if _same(states[-1], states[-1 - period], t):
+                return (t - ends[-1 - period]) / period
+    return (ends[-1] - ends[-9]) / 8  # not periodic within _MAX_STEPS: average of the last steps
+
+
+def _same(a: tuple, b: tuple, scale: float) -> bool:
+    tol = _EPS * (1.0 + abs(scale))
+    return all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A resident set and slot count with the model's predictions."""
+
+    resident: tuple[int, ...]
+    num_slots: int
+    predicted_ms: float
+    device_bytes: int
+    slot_bytes: int
+    budget_bytes: int
+    num_blocks: int
+    compute_ms: float  # floor: every block computes once per step
+    transfer_ms: float  # floor: streamed link bytes / h2d
+    decode_ms: float  # decode time of the streamed blocks (0 without decode)
+    floor_ms: float  # max(compute, the copy side's busy time: transfer + decode on the copy stream)
+    streamed_link_bytes: int
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        res = set(self.resident)
+        return tuple(i for i in range(self.num_blocks) if i not in res)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.budget_bytes
+
+    @property
+    def slots_used(self) -> int:
+        return min(self.num_slots, len(self.streamed))
+
+    def describe(self) -> str:
+        n_res = len(self.resident)
+        res_gb = (self.device_bytes - self.slots_used * self.slot_bytes) / 1e9
+        kept = f"blocks {_ranges(self.resident)}" if self.resident else "no block"
+        floors = f"compute {self.compute_ms:.1f} ms, transfer {self.transfer_ms:.1f} ms"
+        if self.decode_ms:
+            floors += f", decode {self.decode_ms:.1f} ms"
+        bound = "compute" if self.compute_ms >= self.floor_ms else "transfer"
+        slots = f"{self.slots_used} slot{'s' if self.slots_used != 1 else ''}"
+        return (
+            f"{n_res} of {self.num_blocks} blocks stay resident ({kept}; {res_gb:.2f} GB with the fixed modules); "
+            f"{self.num_blocks - n_res} stream ({self.streamed_link_bytes / 1e9:.2f} GB per step) through "
+            f"{slots} of {self.slot_bytes / 1e9:.3f} GB; device {self.device_bytes / 1e9:.2f} GB "
+            f"of {self.budget_bytes / 1e9:.2f} GB. Predicted step {self.predicted_ms:.1f} ms "
+            f"({self.predicted_ms / max(self.floor_ms, 1e-12):.3f}x the floor {self.floor_ms:.1f} ms); "
+            f"floors: {floors} ({bound}-bound)."
+        )
+
+
+def _ranges(idx) -> str:
+    out, start = [], None
+    for i, b in enumerate(idx):
+        if start is None:
+            start = b
+        if i + 1 == len(idx) or idx[i + 1] != b + 1:
+            out.append(str(start) if start == b else f"{start}-{b}")
+            start = None
+    return ", ".join(out)
+
+
+def evaluate(inputs: PlanInputs, resident, num_slots: int) -> Placement:
+    """The model's prediction for a given placement (budget not enforced: see ``fits``)."""
+    res, num_slots = _check_placement(inputs, resident, num_slots)
+    return _placement(inputs, res, num_slots, _simulate(inputs, set(res), num_slots))
+
+
+def _placement(inputs: PlanInputs, res: tuple[int, ...], num_slots: int, ms: float) -> Placement:
+    streamed = [i for i in range(inputs.num_blocks) if i not in set(res)]
+    load = sum(inputs.load_ms(i) for i in streamed)
+    decode = sum(inputs.decode_ms(i) for i in streamed)
+    side = load + decode if inputs.decode_on_copy_stream else max(load, decode)
+    return Placement(
+        resident=res, num_slots=num_slots, predicted_ms=ms,
+        device_bytes=_device_bytes(inputs, res, num_slots), slot_bytes=_slot_bytes(inputs, set(res)),
+        budget_bytes=inputs.budget_bytes, num_blocks=inputs.num_blocks,
+        compute_ms=sum(inputs.compute_ms), transfer_ms=load, decode_ms=decode,
+        floor_ms=max(sum(inputs.compute_ms), side),
+        streamed_link_bytes=sum(inputs.link_bytes[i] for i in streamed),
+    )
+
+
+# -- search -------------------------------------------------------------------
+
+class _Search:
+    """Memoised evaluations of (resident set, slots) under the budget."""
+
+    def __init__(self, inputs: PlanInputs):
+        self.inputs = inputs
+        self.cache: dict[tuple[frozenset, int], tuple[int, int]] = {}
+        self.compute = sum(inputs.compute_ms)
+        self.load = [inputs.load_ms(i) for i in range(inputs.num_blocks)]
+        self.decode = [inputs.decode_ms(i) for i in range(inputs.num_blocks)]
+
+    def fits(self, res: frozenset, slots: int) -> bool:
+        n = self.inputs.num_blocks
+        return len(res) < n and _device_bytes(self.inputs, res, slots) <= self.inputs.budget_bytes
+
+    def ms(self, res: frozenset, slots: int) -> float:
+        return _simulate(self.inputs, set(res), slots)
+
+    def cost(self, res: frozenset, slots: int) -> tuple[int, int]:
+        """(predicted ms in units of 1e-6 ms, device bytes): what the search minimises."""
+        key = (res, slots)
+        if key not in self.cache:
+            self.cache[key] = (_quantise(self.ms(res, slots)), _device_bytes(self.inputs, res, slots))
+        return self.cache[key]
+
+    def bound(self, res: frozenset) -> int:
+        """A lower bound on the step (quantised): compute, or the copy side's busy time."""
+        idx = [i for i in range(self.inputs.num_blocks) if i not in res]
+        load, dec = sum(self.load[i] for i in idx), sum(self.decode[i] for i in idx)
+        side = load + dec if self.inputs.decode_on_copy_stream else max(load, dec)
+        return _quantise(max(self.compute, side) * (1 - _EPS))
+
+    def key(self, res: frozenset, slots: int):
+        """Order of preference: faster, then fewer device bytes, fewer slots, lower indices."""
+        return (*self.cost(res, slots), slots, sorted(res))
+
+
+def _quantise(ms: float) -> int:
+    return round(ms * 1e6)
+
+
+def plan(inputs: PlanInputs) -> Placement:
+    """The resident set and slot count with the lowest predicted step time
+    under ``inputs.budget_bytes``.
+
+    Candidates: every first-N placement, greedy fills by saved load time per
+    device byte (one per slot-size cap), then local searches (add / remove /
+    swap one block) from the best few of them. The search climbs a ladder of
+    budgets from the smallest placement's bytes up to the budget, each rung
+    seeded with the best placement of the rung below (which still fits), so a
+    larger budget starts from what a smaller one found. The result is never
+    predicted slower than the best first-N placement (a candidate)."""
+    _check_budget(inputs)
+    need = _min_device_bytes(inputs)[0]
+    seeds: list[tuple[frozenset, int]] = []
+    for k in range(1, _RUNGS + 1):
+        budget = need + (inputs.budget_bytes - need) * k // _RUNGS
+        rung = replace(inputs, budget_bytes=budget)
+        seeds = [_best_at(_Search(rung), seeds)]
+    res, slots = seeds[0]
+    return _placement(inputs, tuple(sorted(res)), slots, _simulate(inputs, set(res), slots))
+
+
+def _best_at(search: _Search, seeds) -> tuple[frozenset, int]:
+    """The best (resident set, slots) found under ``search``'s budget."""
+    inputs = search.inputs
+    found = list(seeds)  # fit: the budget only grows
+    for slots in inputs.slot_counts:
+        starts = {s for s in _first_n(inputs) + _greedy(inputs, slots) if search.fits(s, slots)}
+        ranked = sorted(starts | {r for r, s in seeds if s == slots}, key=lambda r: search.key(r, slots))
+        found += [(r, slots) for r in ranked]
+        found += [(_local_search(search, r, slots), slots) for r in ranked[:_STARTS]]
+    best = min(found, key=lambda c: search.key(*c))
+    for slots in inputs.slot_counts:  # the best set found, tried with the other slot counts
+        if slots != best[1] and search.fits(best[0], slots):
+            found.append((_local_search(search, best[0], slots), slots))
+    return min(found, key=lambda c: search.key(*c))
+
+
+def _min_device_bytes(inputs: PlanInputs) -> tuple[int, tuple[int, ...]]:
+    """The fewest device bytes any placement needs, and its resident set: with
+    the fewest slots, every block larger than some cap resident (the slots
+    shrink to the cap)."""
+    slots = min(inputs.slot_counts)
+    n = inputs.num_blocks
+    options = []
+    for cap in set(inputs.device_bytes):
+        res = tuple(i for i in range(n) if inputs.device_bytes[i] > cap)
+        if len(res) < n:
+            options.append((_device_bytes(inputs, res, slots), res))
+    return min(options)
+
+
+def _check_budget(inputs: PlanInputs) -> None:
+    need, res = _min_device_bytes(inputs)
+    if need > inputs.budget_bytes:
+        stream_all = _device_bytes(inputs, (), min(inputs.slot_counts))
+        raise ValueError(
+            f"PlanInputs.budget_bytes={inputs.budget_bytes} is too small: the smallest placement needs {need} "
+            f"bytes ({need / 1e9:.3f} GB: fixed {inputs.fixed_device_bytes}, resident blocks {list(res)}, "
+            f"{min(inputs.slot_counts)} slots of {_slot_bytes(inputs, set(res))} bytes; streaming every block "
+            f"needs {stream_all}); allowed: >= {need}"
+        )
+
+
+def _first_n(inputs: PlanInputs) -> list[frozenset]:
+    return [frozenset(range(k)) for k in range(inputs.num_blocks)]
+
+
+def _spread_order(n: int) -> list[int]:
+    """Block indices ordered so that every prefix is spread over the step
+    (bit-reversed fractions): ties in the greedy pick spread-out blocks."""
+    return sorted(range(n), key=lambda i: _radical_inverse(i))
+
+
+def _radical_inverse(i: int) -> float:
+    out, f = 0.0, 0.5
+    while i:
+        out += f * (i & 1)
+        i >>= 1
+        f /= 2
+    return out
+
+
+def _greedy(inputs: PlanInputs, slots: int) -> list[frozenset]:
+    """One greedy fill per slot-size cap: blocks larger than the cap are made
+    resident first (the slots shrink), then blocks by saved load ms per byte."""
+    n = inputs.num_blocks
+    rank = {b: r for r, b in enumerate(_spread_order(n))}
+    gain = [(inputs.load_ms(i) + inputs.decode_ms(i)) / inputs.device_bytes[i] for i in range(n)]
+    order = sorted(range(n), key=lambda i: (-float(f"{gain[i]:.9g}"), rank[i]))
+    out = []
+    for cap in sorted(set(inputs.device_bytes), reverse=True):
+        res = {i for i in range(n) if inputs.device_bytes[i] > cap}
+        if len(res) >= n or _device_bytes(inputs, res, slots) > inputs.budget_bytes:
+            continue
+        for i in order:
+            if i not in res and len(res) + 1 < n and _device_bytes(inputs, res | {i}, slots) <= inputs.budget_bytes:
+                res.add(i)
+        out.append(frozenset(res))
+    return out
+
+
+def _local_search(search: _Search, res: frozenset, slots: int) -> frozenset:
+    """First-improvement descent over add / remove / swap moves in a fixed order
+    (deterministic); a move must lower (ms, device bytes). Moves whose lower
+    bound is already slower are not simulated."""
+    improved = True
+    while improved:
+        improved = False
+        current = search.cost(res, slots)
+        for cand in _moves(search.inputs.num_blocks, res):
+            if search.fits(cand, slots) and search.bound(cand) <= current[0] and search.cost(cand, slots) < current:
+                res, improved = cand, True
+                break
+    return res
+
+
+def _moves(n: int, res: frozenset):
+    out = [i for i in range(n) if i not in res]
+    for i in out:
+        yield res | {i}
+    for r in sorted(res):
+        yield res - {r}
+    for r in sorted(res):
+        for i in out:
+            yield (res - {r}) | {i}
