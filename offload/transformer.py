@@ -14,6 +14,7 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .host_store import HostStore, Progress, copy_from_image
 from .layout import block_tensors, build_layout, check_not_shared
+from .misuse import WeightUpdateError
 from .schedule import Schedule
 
 
@@ -172,40 +173,58 @@ class StreamedBlocks:
 
     def _current_for_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> dict:
         """The module's tensors by key, after checking ``state_dict``'s keys against them."""
+        if not isinstance(state_dict, Mapping):
+            raise WeightUpdateError(
+                f"update_weights: state_dict is a {type(state_dict).__name__}; pass a mapping of key -> tensor")
         current = self.module.state_dict(keep_vars=True)
         unknown = [k for k in state_dict if k not in current]
         if unknown:
-            raise ValueError(f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+            raise WeightUpdateError(
+                f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}; nothing was "
+                f"written. Keys are the wrapped model's state_dict() keys, e.g. {next(iter(current), None)!r}")
         if strict:
             missing = [k for k in current if k not in state_dict]
             if missing:
-                raise ValueError(f"update_weights(strict=True): missing keys {missing[:5]}")
+                raise WeightUpdateError(
+                    f"update_weights(strict=True): missing keys {missing[:5]}; nothing was written. "
+                    "Pass every key, or strict=False")
         return current
+
+    def _plan_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> list:
+        """(key, destination, new value) for every key, each checked (name, type, shape,
+        dtype) before anything is written: an update applies whole or not at all."""
+        current = self._current_for_update(state_dict, strict)
+        plan = []
+        for key, new in state_dict.items():
+            obj = current[key]
+            dst = self.host_views.get(id(obj))
+            if dst is None:
+                dst = obj.data
+            check_update_value(key, new, tuple(dst.shape), dst.dtype)
+            plan.append((key, dst, new))
+        return plan
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
         """Write new weights: streamed tensors into the host store, others in place.
 
-        Waits for in-flight copies first (not a hot-path call). Returns the
+        Atomic: every key is checked (name, shape, dtype) before the first
+        write; a rejected update raises :class:`WeightUpdateError` and writes
+        nothing. Waits for in-flight copies first (not a hot-path call), then
+        reloads the slots already prefetched for the next step, so the very
+        next forward uses the new weights under every schedule. Returns the
         keys written. ``strict`` requires every key of the module.
         """
-        current = self._current_for_update(state_dict, strict)
+        plan = self._plan_update(state_dict, strict)
         self.executor.synchronize()
-        written = []
-        with torch.no_grad():
-            for key, new in state_dict.items():
-                obj = current[key]
-                dst = self.host_views.get(id(obj))
-                if dst is None:
-                    dst = obj.data
-                if tuple(new.shape) != tuple(dst.shape) or new.dtype != dst.dtype:
-                    raise ValueError(
-                        f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has "
-                        f"{dst.dtype} {tuple(dst.shape)}"
-                    )
-                dst.copy_(new)
-                written.append(key)
-        self.executor.reload_pending()  # slots prefetched before the update hold old weights
-        return written
+        try:
+            with torch.no_grad():
+                for _, dst, new in plan:
+                    dst.copy_(new)
+        finally:
+            # slots prefetched before the update hold old weights (also after a
+            # write that failed part-way, e.g. out of memory moving ``new``)
+            self.executor.reload_pending()
+        return [key for key, _, _ in plan]
 
     def restore(self) -> nn.Module:
         """Give every streamed tensor a device copy of its host weights; tear down."""
@@ -221,6 +240,18 @@ class StreamedBlocks:
         self.store.close()
         self.host_views.clear()
         return self.module
+
+
+def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
+    """Raise WeightUpdateError unless ``new`` is a tensor of ``shape`` and ``dtype``."""
+    if not isinstance(new, torch.Tensor):
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is a {type(new).__name__}, not a Tensor; nothing was written. "
+            f"Pass a {dtype} tensor of shape {shape}")
+    if tuple(new.shape) != shape or new.dtype != dtype:
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has {dtype} {shape}; "
+            "nothing was written. Cast/reshape the new value, or rebuild the offloaded model for a new architecture")
 
 
 def drop_storage(tensors, device: torch.device) -> None:
