@@ -14,7 +14,9 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .host_store import HostStore, Progress, copy_from_image
 from .layout import block_tensors, build_layout, check_not_shared
-from .misuse import WeightUpdateError
+from .misuse import (
+    AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, UnsupportedOperationError, WeightUpdateError,
+)
 from .schedule import Schedule
 
 
@@ -51,6 +53,7 @@ class StreamedBlocks:
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
         t0 = time.perf_counter()
+        check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
         self.module, self.config, self.device = module, config, device
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
@@ -254,6 +257,74 @@ def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
             "nothing was written. Cast/reshape the new value, or rebuild the offloaded model for a new architecture")
 
 
+def check_wrappable(module: nn.Module, *, allow_meta: bool = False) -> None:
+    """Raise AlreadyOffloadedError if ``module`` is already wrapped or streamed by
+    weightstream, carries accelerate or diffusers offload hooks, or (unless
+    ``allow_meta``) holds meta tensors. Reads only; nothing moves."""
+    for name, m in module.named_modules():
+        where = f"{type(module).__name__}" + (f".{name}" if name else "")
+        if isinstance(m, OffloadedTransformer):
+            raise AlreadyOffloadedError(
+                f"{where} is already an OffloadedTransformer: use it as is, or call its disable() and wrap "
+                "the plain module it returns")
+        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
+        ours = [h for h in hooks if type(getattr(h, "__self__", None)).__module__.startswith("weightstream.")]
+        if ours:
+            raise AlreadyOffloadedError(
+                f"{where} is already streamed or offloaded by weightstream ({ours[0].__self__!r}); "
+                "disable() the existing offload first, or keep using it")
+        if hasattr(m, "_hf_hook"):
+            raise AlreadyOffloadedError(
+                f"{where} carries accelerate offload/dispatch hooks (_hf_hook: {type(m._hf_hook).__name__}); "
+                "remove them first (accelerate.hooks.remove_hook_from_module(model, recurse=True), or load "
+                "the model without device_map / enable_model_cpu_offload / cpu_offload)")
+        if getattr(m, "_diffusers_hook", None) is not None:
+            raise AlreadyOffloadedError(
+                f"{where} carries diffusers hooks (_diffusers_hook, e.g. group offload or layerwise casting); "
+                "remove them first (model.disable_group_offload() / building the model without "
+                "enable_group_offload), then wrap it")
+    if not allow_meta:
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.device.type == "meta":
+                raise AlreadyOffloadedError(
+                    f"{type(module).__name__}.{name} is on the meta device (accelerate init_empty_weights, "
+                    "device_map offload or low_cpu_mem_usage left it unloaded): load real weights first, or "
+                    "stream from the checkpoint with weightstream.offload_from_safetensors")
+
+
+def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedModuleAccessError | None:
+    """After a failed forward: if a submodule of a streamed block ran while its block
+    was not bound (the model reads it outside the block's forward), the named error
+    saying which block to keep resident; else None. Walks the traceback only on
+    failure, so the hot path pays nothing."""
+    if isinstance(exc, OffloadMisuseError):
+        return None  # already named
+    ex = streamed.executor
+    owner = {}
+    for i in ex.schedule.streamed:
+        b = streamed.blocks[i]
+        for sub_name, sub in b.module.named_modules():
+            owner[id(sub)] = (i - ex.schedule.resident, b.name, f"{b.name}.{sub_name}" if sub_name else b.name)
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        hit = owner.get(id(frame.f_locals.get("self"))) if frame.f_code.co_name == "forward" else None
+        if hit is not None and hit[0] != ex._bound:
+            found = hit  # keep the innermost
+        tb = tb.tb_next
+    if found is None:
+        return None
+    _, block, sub = found
+    return StreamedModuleAccessError(
+        f"{sub} (part of the streamed block {block!r}) ran outside {block!r}'s own forward, when its "
+        f"weights are not on the device (the model reads it directly, e.g. a DiT that calls "
+        f"transformer_blocks[0].norm1.emb after the block loop); this failed with {type(exc).__name__}: "
+        f"{str(exc)[:200]}. Keep {block!r} resident: layer_options.dit.resident_layers (it must then be "
+        "among the first blocks) or an OffloadPlan whose containers leave it out"
+    )
+
+
 def drop_storage(tensors, device: torch.device) -> None:
     """Point tensors at shared empty placeholders (identity kept, storage released)."""
     empties: dict[torch.dtype, torch.Tensor] = {}
@@ -295,6 +366,8 @@ class OffloadedTransformer(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if streamed is None:  # before any tensor moves
+            check_wrappable(module)
         cfg = OffloadConfig.coerce(config)
         if cfg.mode != "layer":
             raise ValueError(
@@ -350,9 +423,56 @@ class OffloadedTransformer(nn.Module):
     def forward(self, *args, **kwargs):
         if self._disabled:
             raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
-        if self._graphs is not None:
-            return self._graphs(args, kwargs)
-        return self.module(*args, **kwargs)
+        ex = self._streamed.executor
+        ex.acquire()  # ConcurrentUseError when another thread is inside (graph replays run no hooks)
+        try:
+            if self._graphs is not None:
+                return self._graphs(args, kwargs)
+            return self.module(*args, **kwargs)
+        except Exception as e:
+            named = explain_failure(e, self._streamed)
+            if named is not None:
+                raise named from e
+            raise
+        finally:
+            ex.release()
+
+    # -- operations that would break streaming: refused with a named error ------
+    def to(self, *args, **kwargs):
+        """No-op when it changes nothing (pipelines call ``.to(device)`` on every
+        component); a dtype, device or memory-format change is refused: it would
+        reach the resident parts only, not the host store."""
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and resolve_device(device) != self._device:
+            raise self._refuse(f".to({device})")
+        if fmt is not None:
+            raise self._refuse(f".to(memory_format={fmt})")
+        if dtype is not None:
+            have = {t.dtype for t in self.state_dict(keep_vars=True).values() if t.is_floating_point()}
+            if have - {dtype}:
+                raise self._refuse(f".to({dtype})")
+        return self
+
+    def _apply(self, fn, recurse=True):
+        raise self._refuse(".half() / .float() / .bfloat16() / .double() / .type() / .cuda() / .cpu()")
+
+    def _refuse(self, what: str) -> UnsupportedOperationError:
+        return UnsupportedOperationError(
+            f"{what} on an OffloadedTransformer is not supported: it would cast or move only the resident "
+            "parts, not the host store of the streamed blocks, and the next forward would fail or mix "
+            "dtypes. Cast/move the model before wrapping it (call disable() to get the plain module back, "
+            "change it, wrap it again)"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise UnsupportedOperationError(
+            "an OffloadedTransformer cannot be pickled, deep-copied or torch.save()d: its streamed weights "
+            "live in a host store and device slots that do not travel. Save the weights with "
+            "torch.save(model.state_dict()) / save_pretrained, or disable() first and save the plain module"
+        )
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped model's state dict; streamed weights are (CPU) views of the host store."""

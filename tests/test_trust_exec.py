@@ -128,3 +128,194 @@ def test_in_place_edit_of_state_dict_tensor_takes_effect(name, cfg, direct):
     with torch.no_grad():
         r.ref.state_dict()[keys[-1]].add_(0.25)
     assert torch.equal(r.out(), r.expected())
+
+
+# ----------------------------------------------------------------------------- 2. threads
+def test_second_thread_is_refused_and_the_first_is_exact():
+    """Thread A pauses inside block 2; thread B calls the same model then. B gets
+    ConcurrentUseError (today: a misleading error, and A computes with slots B
+    re-primed); A's output is exact; afterwards B can use the model."""
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    inside, b_done = threading.Event(), threading.Event()
+
+    def pause(m, a):
+        if threading.current_thread().name == "A":
+            inside.set()
+            b_done.wait(30)
+
+    model.single_blocks[0].register_forward_pre_hook(pause)
+    results = {}
+
+    def run(name):
+        try:
+            with torch.no_grad():
+                results[name] = wrapped(**x)
+        except Exception as e:  # noqa: BLE001 - recorded for the asserts
+            results[name] = e
+        finally:
+            if name == "B":
+                b_done.set()
+
+    a = threading.Thread(target=run, args=("A",), name="A")
+    b = threading.Thread(target=run, args=("B",), name="B")
+    a.start()
+    assert inside.wait(30)
+    b.start()
+    b.join(30), a.join(30)
+    with torch.no_grad():
+        expected = ref(**x)
+    assert isinstance(results["B"], ConcurrentUseError), results["B"]
+    assert "concurrently" in str(results["B"])
+    assert torch.equal(results["A"], expected)
+    b = threading.Thread(target=run, args=("B",), name="B")
+    b.start(), b.join(30)
+    assert torch.equal(results["B"], expected)  # released once A's call returned
+
+
+def test_second_thread_calling_the_module_directly_is_refused():
+    """The guard sits in the executor too: calling the wrapped module (not the
+    wrapper), or a streamed block, from a second thread mid-step is refused."""
+    model, ref, x = build("flux", DEV)
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(resident_layers=1), device=DEV)
+    inside, b_done = threading.Event(), threading.Event()
+
+    def pause(m, a):
+        if threading.current_thread().name == "A":
+            inside.set()
+            b_done.wait(30)
+
+    model.single_transformer_blocks[1].register_forward_pre_hook(pause)
+    results = {}
+
+    def run_a():
+        with torch.no_grad():
+            results["A"] = first(model(**x))
+
+    def run_b():
+        try:
+            with torch.no_grad():
+                results["B"] = model.forward(**x)  # skips the DiT's hook: the first streamed block checks
+        except Exception as e:  # noqa: BLE001
+            results["B"] = e
+        b_done.set()
+
+    a = threading.Thread(target=run_a, name="A")
+    a.start()
+    assert inside.wait(30)
+    b = threading.Thread(target=run_b, name="B")
+    b.start(), b.join(30), a.join(30)
+    assert isinstance(results["B"], ConcurrentUseError), results["B"]
+    with torch.no_grad():
+        assert torch.equal(results["A"], first(ref(**x)))
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+
+
+# ----------------------------------------------------------------------------- 3. writes to streamed tensors
+class CountingBlock(nn.Module):
+    """A block with state updated in forward (a counter buffer and a BatchNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return x + self.bn(self.lin(x))
+
+
+class BnDiT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([CountingBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_batchnorm_train_mode_write_is_an_error_not_lost():
+    model = BnDiT().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        assert torch.equal(wrapped(x), ref(x))  # eval mode: no writes
+        model.train()
+        with pytest.raises(StreamedWriteError, match=r"'blocks\.0\.bn\.num_batches_tracked'.*eval\(\)"):
+            wrapped(x)
+        model.eval()
+        with pytest.warns(UserWarning, match="re-priming"):
+            out = wrapped(x)
+        assert torch.equal(out, ref(x))  # the lost running stats never leaked in
+
+
+def test_counter_written_in_forward_is_an_error():
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    h = model.single_blocks[1].register_forward_hook(lambda m, a, o: m.gate.add_(1.0))
+    with torch.no_grad(), pytest.raises(StreamedWriteError, match=r"single_blocks\.1\.gate"):
+        wrapped(**x)
+    h.remove()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(wrapped(**x), ref(**x))
+
+
+@pytest.mark.parametrize("edit", ["mul_", "data", "zero_"])
+def test_edit_of_streamed_parameter_between_forwards_is_an_error(edit):
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+        p = model.single_blocks[2].up.weight
+        if edit == "data":
+            p.data = torch.zeros(5 * 32, 32)
+        else:
+            getattr(p, edit)() if edit == "zero_" else p.mul_(2.0)
+        with pytest.raises(StreamedWriteError, match=r"single_blocks\.2\.up\.weight.*update_weights"):
+            wrapped(**x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(wrapped(**x), ref(**x))  # the refused edit left the host weights as they were
+        assert torch.equal(wrapped.state_dict()["single_blocks.2.up.weight"], ref.single_blocks[2].up.weight)
+
+
+def test_storage_shared_across_blocks_is_rejected():
+    m = ToyDiT()
+    with torch.no_grad():  # distinct parameters, one storage (a view), across two blocks
+        m.double_blocks[1].norm.weight = nn.Parameter(m.double_blocks[0].norm.weight.view(-1))
+    with pytest.raises(SharedStorageError, match=r"double_blocks\.1\.norm\.weight.*double_blocks\.0\.norm\.weight"):
+        OffloadedTransformer(m, None, device=DEV)
+    assert all(p.numel() > 0 for p in m.parameters())  # rejected before anything moved
+
+
+def test_storage_shared_with_a_non_block_tensor_is_rejected():
+    m = ToyDiT()
+    with torch.no_grad():
+        m.head.bias = nn.Parameter(m.single_blocks[0].up.bias[:8])
+    with pytest.raises(SharedStorageError, match=r"single_blocks\.0\.up\.bias.*head\.bias"):
+        OffloadedTransformer(m, None, device=DEV)
+
+
+# ----------------------------------------------------------------------------- 9. JSON duplicates
+@pytest.mark.parametrize("text, key", [
+    ('{"mode": "layer", "mode": "module", "components": ["dit"]}', "mode"),
+    ('{"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 1, '
+     '"resident_layers": 3}}}', "resident_layers"),
+    ('{"mode": "layer", "components": ["dit"], "layer_options": {"dit": {}, "dit": {"resident_layers": 2}}}', "dit"),
+])
+def test_from_json_rejects_duplicate_keys(text, key):
+    with pytest.raises(DuplicateKeyError, match=f"key '{key}' twice"):
+        OffloadConfig.from_json(text)
+    with pytest.raises(ValueError, match=f"'{key}'"):  # also through every entry point taking JSON
+        OffloadedTransformer(ToyDiT(), text, device=DEV)
+
+
+def test_from_json_without_duplicates_still_parses():
+    cfg = OffloadConfig.from_json('{"mode": "layer", "components": ["dit"], '
+                                  '"layer_options": {"dit": {"resident_layers": 2}}}')
+    assert cfg.resident_layers == 2
