@@ -440,6 +440,8 @@ class LayerwiseExecutor:
             self._claim()
         if not self._primed:
             self._prime()
+        if self._bound is not None:  # a forward raised inside a block (its post-hook never ran)
+            self._unbind(self._bound)
         p = self.position
         expected = self.schedule.block_at(p)
         if block != expected:

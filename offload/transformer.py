@@ -443,7 +443,7 @@ class OffloadedTransformer(nn.Module):
         component); a dtype, device or memory-format change is refused: it would
         reach the resident parts only, not the host store."""
         device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and resolve_device(device) != self._device:
+        if device is not None and (device.type != self._device.type or device.index not in (None, self._device.index)):
             raise self._refuse(f".to({device})")
         if fmt is not None:
             raise self._refuse(f".to(memory_format={fmt})")
