@@ -500,7 +500,22 @@ class OffloadedTransformer(nn.Module):
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
-        """Write new weights (streamed ones into the host store); the next forward uses them."""
+        """Write new weights (streamed ones into the host store); the very next forward uses them.
+
+        Atomic: every key, shape and dtype is checked first; a bad one raises
+        :class:`WeightUpdateError` and nothing is written.
+
+        Editing the tensors ``state_dict()`` returns in place through torch
+        (``sd[k].mul_(0.5)``, ``sd[k].copy_(new)``, also under inference_mode)
+        takes effect exactly like an update: those tensors are views of the host
+        store, whose version counter the executor reads once per step, and the
+        next step reloads any slot prefetched before the edit (with CUDA graphs
+        too, no recapture). Not detected, so do not use them: writes that bypass
+        torch's version counter (through numpy, ctypes, DLPack consumers, or the
+        ``.data`` of a view), and edits made while a forward is still running on
+        the device (synchronise first, as for any pinned source of async copies).
+        Under the mmap and DLO AllGather sources streamed weights are not
+        editable in place (see those sources)."""
         self._check_live()
         return self._streamed.update_weights(state_dict, strict=strict)
 
