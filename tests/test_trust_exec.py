@@ -2,10 +2,8 @@
 
 Each test compares against the real resident model (tests/layerwise_cases.py)."""
 import copy
-import json
 import pickle
 import threading
-import time
 import warnings
 
 import pytest
