@@ -167,6 +167,38 @@ def case_second_thread_refused():
         assert torch.equal(res["A"], first(ref(**x)))
 
 
+def case_recover_after_exception(cfg_name: str):
+    """Graphs on, then an eager step (a new input signature) raises part-way; the
+    next calls (eager, capture, replay) are exact, with and without resident layers."""
+    import warnings
+
+    import torch
+
+    from layerwise_cases import first
+    from weightstream.models import flux_inputs
+
+    model, ref, x, w = _setup(GRAPH_CFGS[cfg_name], True)
+    x2 = flux_inputs(model, batch=2, device="cuda")
+    blocks = [b.module for b in w._streamed.blocks]
+    with torch.no_grad():
+        for _ in range(3):
+            w(**x)
+        for at in (0, len(blocks) // 2, len(blocks) - 1):
+            def boom(*a):
+                raise KeyError("boom")
+            h = blocks[at].register_forward_pre_hook(boom)
+            try:
+                w(**x2)
+                raise AssertionError("the hook did not raise")
+            except KeyError:
+                pass
+            h.remove()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for inp in (x, x2, x2, x2, x):
+                    assert torch.equal(first(w(**inp)), first(ref(**inp))), (cfg_name, at)
+
+
 # -- pytest entry points -------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg_name", list(GRAPH_CFGS))
 def test_update_next_forward_graphs(cfg_name):
@@ -199,3 +231,8 @@ def test_backward_is_named():
 
 def test_second_thread_refused():
     run_isolated("case_second_thread_refused()")
+
+
+@pytest.mark.parametrize("cfg_name", list(GRAPH_CFGS))
+def test_recover_after_exception_graphs(cfg_name):
+    run_isolated(f"case_recover_after_exception({cfg_name!r})")
