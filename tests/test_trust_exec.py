@@ -254,7 +254,10 @@ def test_batchnorm_train_mode_write_is_an_error_not_lost():
 def test_counter_written_in_forward_is_an_error():
     model, ref, x = build("toy", DEV)
     wrapped = OffloadedTransformer(model, None, device=DEV)
-    h = model.single_blocks[1].register_forward_hook(lambda m, a, o: m.gate.add_(1.0))
+    def count(m, a):  # runs inside the block's forward (after our hook bound its tensors)
+        m.gate.add_(1.0)
+
+    h = model.single_blocks[1].register_forward_pre_hook(count)
     with torch.no_grad(), pytest.raises(StreamedWriteError, match=r"single_blocks\.1\.gate"):
         wrapped(**x)
     h.remove()
