@@ -11,6 +11,18 @@ Forward lifecycle of a streamed block (DESIGN.md section 3):
 Correctness comes from these stream/event dependencies only: there is no
 global synchronize on this path. On ``device="cpu"`` the same mechanism runs
 with synchronous copies and no streams.
+
+Misuse guards (errors in :mod:`.misuse`), a few integer reads per block:
+a thread id compare (:class:`ConcurrentUseError` for a second thread); the
+version counters of a block's tensors at bind and unbind
+(:class:`StreamedWriteError` for an in-place write during the block's forward,
+or to a placeholder between forwards, and for ``.data`` replaced between
+forwards); ``torch.is_grad_enabled()`` (:class:`InferenceOnlyError` at the first
+backward). Not detected: writes that do not move a version counter (through
+``.data``, numpy, ctypes, or kernels that update buffers internally, such as
+batch_norm's running statistics; a BatchNorm in train mode is still caught by
+its ``num_batches_tracked`` counter) and ``.data`` replaced inside a block's
+forward.
 """
 from __future__ import annotations
 
