@@ -369,10 +369,25 @@ class OffloadConfig:
     @classmethod
     def from_json(cls, s: str) -> "OffloadConfig":
         """Build from a JSON object string."""
+        from .misuse import DuplicateKeyError
+
         if not isinstance(s, (str, bytes, bytearray)):
             raise _wrong_type("OffloadConfig", s, "a JSON string")
+
+        def no_duplicates(pairs: list) -> dict:
+            # every JSON object, at any depth (json would keep the last value silently)
+            out: dict = {}
+            for key, value in pairs:
+                if key in out:
+                    raise DuplicateKeyError(
+                        f"OffloadConfig JSON names the key {key!r} twice in one object (values "
+                        f"{json.dumps(out[key])} and {json.dumps(value)}); allowed: each key once. "
+                        f"Keys of that object: {[k for k, _ in pairs]}")
+                out[key] = value
+            return out
+
         try:
-            d = json.loads(s)
+            d = json.loads(s, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as e:
             raise ValueError(f"OffloadConfig={s!r} is not allowed; expected a JSON object ({e})") from e
         if not isinstance(d, dict):

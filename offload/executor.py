@@ -13,9 +13,22 @@ global synchronize on this path. On ``device="cpu"`` the same mechanism runs
 with synchronous copies and no streams. Every stream/event operation goes
 through ``self.streams`` (:mod:`streams`): torch's own on CUDA; in tests,
 ``RecordingStreams`` runs this CUDA code path with CPU tensors and records it.
+
+Misuse guards (errors in :mod:`.misuse`), a few integer reads per block:
+a thread id compare (:class:`ConcurrentUseError` for a second thread); the
+version counters of a block's tensors at bind and unbind
+(:class:`StreamedWriteError` for an in-place write during the block's forward,
+or to a placeholder between forwards, and for ``.data`` replaced between
+forwards); ``torch.is_grad_enabled()`` (:class:`InferenceOnlyError` at the first
+backward). Not detected: writes that do not move a version counter (through
+``.data``, numpy, ctypes, or kernels that update buffers internally, such as
+batch_norm's running statistics; a BatchNorm in train mode is still caught by
+its ``num_batches_tracked`` counter) and ``.data`` replaced inside a block's
+forward.
 """
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +39,7 @@ from torch import nn
 from .discovery import Block
 from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
+from .misuse import ConcurrentUseError, InferenceOnlyError, StreamedWriteError
 from .schedule import Load, Schedule
 from .streams import resolve_streams
 from .tracing import not_traced
@@ -53,6 +67,8 @@ class BlockHook:
     @not_traced
     def post_forward(self, module, args, output):
         self.executor.after_block(self.block.index)
+        if torch.is_grad_enabled():  # one call per block; the guard itself only with grad on
+            guard_backward(output, self.block.name)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -65,24 +81,63 @@ class BlockHook:
 
 
 class StepHook:
-    """Named, removable pre-forward hook on the DiT itself: starts a step of a
-    step-local schedule (the step's first loads, behind the resident blocks)."""
+    """Named, removable hooks on the DiT itself: its forward holds the model for
+    the calling thread (see :meth:`LayerwiseExecutor.acquire`), and starts a step
+    of a schedule with step-start loads (the step's first loads, behind the
+    resident blocks)."""
 
     def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
         self.executor = executor
         self.name = f"weightstream.step[{type(root).__name__}]"
-        self._handle = root.register_forward_pre_hook(self.pre_forward)
+        self._handles = [
+            root.register_forward_pre_hook(self.pre_forward),
+            root.register_forward_hook(self.post_forward, always_call=True),
+        ]
 
     def pre_forward(self, module, args):
-        self.executor.begin_step()
+        self.executor.acquire()
+        if self.executor.schedule.has_step_start:
+            self.executor.begin_step()
+
+    def post_forward(self, module, args, output):
+        self.executor.release()
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def __repr__(self) -> str:
-        return f"StepHook({self.name}, {'active' if self._handle is not None else 'removed'})"
+        return f"StepHook({self.name}, {'active' if self._handles else 'removed'})"
+
+
+def guard_backward(output, block: str) -> None:
+    """Make a backward that reaches a streamed block's output raise InferenceOnlyError.
+
+    Checked at the first backward rather than at forward: a forward with grad
+    enabled computes correct outputs (only the backward needs the block's
+    weights again, which are gone once the block is unbound), and raising at
+    forward would break every caller that merely forgot ``torch.no_grad()``.
+    """
+    tensors = output if isinstance(output, (tuple, list)) else (
+        output.values() if isinstance(output, dict) else (output,))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(_InferenceOnly(block))
+
+
+class _InferenceOnly:
+    def __init__(self, block: str):
+        self.block = block
+
+    def __call__(self, grad):
+        raise InferenceOnlyError(
+            f"backward reached the streamed block {self.block!r}: weightstream streams weights for "
+            "inference only (a block's weights leave the device after its forward, so its gradients "
+            "cannot be computed). Run the model under torch.no_grad() or torch.inference_mode(), or "
+            "call requires_grad_(False) on the inputs and parameters; to train, use the plain model "
+            "(OffloadedTransformer.disable())"
+        )
 
 
 @dataclass
@@ -191,6 +246,17 @@ class LayerwiseExecutor:
         # GB/s on the H200, perf/results/pacing-*); created after the DiT's first
         # kernels it runs beside them at full rate.
         self._late: tuple | None = None
+        # Misuse guards (see acquire, _bind, _unbind, _check_host_edits):
+        # _versions[k]: the version counters of block k's tensors while unbound; a
+        # change means a write that streaming would lose. _arena: the host store's
+        # one tensor, whose version counter every host view (state_dict()) shares.
+        self._versions = [[t._version for t in objs] for objs in self.targets]
+        self._arena = getattr(store, "arena", None)
+        self._host_version = self._arena._version if self._arena is not None else 0
+        self._started: int | None = None  # position whose step-start work was done
+        self._owner: int | None = None  # thread running a step (or holding the model)
+        self._hold = 0  # nested acquire() of the owner
+        self._owner_lock = threading.Lock()
         for k in range(len(streamed)):
             self._unbind(k)
         if prime not in ("now", "first_forward"):
@@ -212,9 +278,37 @@ class LayerwiseExecutor:
             self._issue(load, wait_free=False)
 
     def attach_root(self, root: nn.Module) -> None:
-        """Schedules with step-start loads: hook the DiT's forward to start each step."""
-        if self.schedule.has_step_start:
-            self.hooks.append(StepHook(self, root))
+        """Hook the DiT's forward: it holds the model for the calling thread and,
+        with step-start loads, starts each step. A call that skips the hook
+        (``root.forward(...)``) is caught by the step's first streamed block."""
+        self.hooks.append(StepHook(self, root))
+
+    # -- one thread at a time ----------------------------------------------------
+    def acquire(self) -> None:
+        """Hold the model for the calling thread until :meth:`release` (re-entrant).
+        Another thread entering meanwhile gets ConcurrentUseError, never a slot."""
+        if self._owner != threading.get_ident():
+            self._claim()
+        self._hold += 1
+
+    def release(self) -> None:
+        if self._owner == threading.get_ident():
+            self._hold = max(0, self._hold - 1)
+            if not self._hold:
+                self._owner = None
+
+    def _claim(self) -> None:
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner is not None and self._owner != me:
+                raise ConcurrentUseError(
+                    f"this offloaded model is in use by thread {self._owner}; thread {me} called it "
+                    "concurrently. One offloaded model streams its blocks through one set of device "
+                    "slots and cannot run two forwards at once: serialise the calls (a lock around "
+                    "the model or pipeline call) or build one offloaded model per thread. (If that "
+                    "thread's last forward raised part-way, call the model from it once more to release it.)"
+                )
+            self._owner = me
 
     def begin_step(self) -> None:
         """Issue this step's step-start loads, after everything the compute stream
@@ -224,7 +318,29 @@ class LayerwiseExecutor:
         if self.position % self.schedule.n:
             self._resync()  # the previous step stopped part-way
             return
-        self._step_start_loads()
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """Work at a step boundary, once per step: pick up host edits, step-start loads."""
+        self._started = self.position
+        self._check_host_edits()
+        if self.schedule.has_step_start:
+            self._step_start_loads()
+
+    def _check_host_edits(self) -> None:
+        """Reload prefetched slots when the host store was written in place through
+        torch since they were loaded (a ``state_dict()`` tensor edited in place:
+        every host view shares the arena's version counter, so this is one integer
+        read per step). Writes that bypass torch (numpy, ctypes, ``.data`` of a
+        view) do not move the counter and are not detected."""
+        arena = self._arena
+        if arena is None or arena._version == self._host_version:
+            return
+        if self.streams is not None:  # order the reloads after every reader and loader of the slots so far
+            compute = self.streams.current_stream(self.device)
+            for side in self.side_streams():
+                side.wait_stream(compute)
+        self.reload_pending()
 
     def _step_start_loads(self, loads: list[Load] | None = None) -> None:
         if loads is None:
@@ -291,20 +407,66 @@ class LayerwiseExecutor:
 
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:
-        for t, v in zip(self.targets[k], self.views[k][slot]):
+        ts = self.targets[k]
+        if [t._version for t in ts] != self._versions[k] or any(map(torch.Tensor.numel, ts)):
+            self._refuse_placeholder_edit(k)
+        for t, v in zip(ts, self.views[k][slot]):
             t.data = v
         self._bound = k
 
-    def _unbind(self, k: int) -> None:
-        for t, ph in zip(self.targets[k], self.placeholders[k]):
+    def _unbind(self, k: int) -> list[int]:
+        """Back to placeholders; returns the indices of tensors written while bound."""
+        ts = self.targets[k]
+        for t, ph in zip(ts, self.placeholders[k]):
             t.data = ph
         if self._bound == k:
             self._bound = None
+        seen = [t._version for t in ts]
+        if seen == self._versions[k]:
+            return []
+        written = [i for i, (a, b) in enumerate(zip(seen, self._versions[k])) if a != b]
+        self._versions[k] = seen
+        return written
+
+    def _names(self, k: int, idx) -> list[str]:
+        name = self.blocks[self.schedule.resident + k].name
+        specs = self.store.layouts[k].tensors
+        return [f"{name}.{specs[i].name}" for i in idx]
+
+    def _refuse_placeholder_edit(self, k: int) -> None:
+        """A streamed tensor was edited between forwards (in place, or ``.data``
+        replaced) while it held its empty placeholder: undo, raise."""
+        ts = self.targets[k]
+        idx = [i for i, t in enumerate(ts) if t._version != self._versions[k][i] or t.numel()]
+        for t, ph in zip(ts, self.placeholders[k]):
+            t.data = ph
+        self._versions[k] = [t._version for t in ts]
+        raise StreamedWriteError(
+            f"streamed tensor(s) {self._names(k, idx)[:5]} were changed between forwards (in place, or "
+            "`.data` replaced) while holding their empty placeholder; the change was NOT applied: the "
+            "host store keeps the previous weights (the change is now discarded). Change streamed weights "
+            "with update_weights() / load_state_dict(), or in place on the tensors state_dict() returns; "
+            "or keep the block resident (layer_options.dit.resident_layers or an OffloadPlan)"
+        )
+
+    def _written_in_forward(self, k: int, idx: list[int]) -> StreamedWriteError:
+        return StreamedWriteError(
+            f"block {self.blocks[self.schedule.resident + k].name!r} wrote to its streamed tensor(s) "
+            f"{self._names(k, idx)[:5]} during its forward (in place: e.g. BatchNorm running statistics in "
+            "train mode, a counter or a cache buffer); streamed tensors are reloaded from the host store "
+            "every step, so the write is lost. Call eval() on the model, keep this block resident "
+            "(layer_options.dit.resident_layers or an OffloadPlan without it), or keep such state outside "
+            "the block's parameters and buffers"
+        )
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
+        if self._owner != threading.get_ident():
+            self._claim()
         if not self._primed:
             self._prime()
+        if self._bound is not None:  # a forward raised inside a block (its post-hook never ran)
+            self._unbind(self._bound)
         p = self.position
         expected = self.schedule.block_at(p)
         if block != expected:
@@ -317,6 +479,8 @@ class LayerwiseExecutor:
                     f"{self.blocks[expected].name!r}. Blocks must run once per step in discovery order "
                     f"({self.blocks[self.schedule.resident].name!r} first)."
                 )
+        elif self._started != p and block == self.schedule.resident:
+            self._start_step()  # a step entered without the DiT's hook (root.forward(...)), or the plain ring
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
         slot = self.schedule.slot_at(p)
@@ -340,11 +504,15 @@ class LayerwiseExecutor:
         if self.streams is not None:
             self.streams.access("read_end", slot, block)
             self.freed[slot].record(self._compute_stream)
-        self._unbind(block - self.schedule.resident)
+        written = self._unbind(block - self.schedule.resident)
         self.position = p + 1
         nxt = self.schedule.after_compute(p)
         if nxt is not None:
             self._issue(nxt)
+        if not self._hold and self.position % self.schedule.n == 0:
+            self._owner = None  # the step is over (a step held by acquire() ends at release())
+        if written:
+            raise self._written_in_forward(block - self.schedule.resident, written)
 
     def _resync(self) -> None:
         """A step started while the previous one was cut short (an exception
@@ -356,6 +524,9 @@ class LayerwiseExecutor:
             stacklevel=4,
         )
         self._to_step_boundary()
+        self._started = self.position
+        if self._arena is not None:
+            self._host_version = self._arena._version  # the refill reads the store as it is now
         self._step_start_loads(self.schedule.refill(self.schedule.step_of(self.position)))
 
     def _to_step_boundary(self) -> None:
@@ -387,6 +558,7 @@ class LayerwiseExecutor:
         """Make ``stream`` wait for the loads of upcoming positions (before a graph launch)."""
         if not self._primed:
             self._prime()
+        self._check_host_edits()  # a replay runs no hooks: pick up host edits here
         for _, slot in self.pending_loads():
             if self._load_tag[slot] is None:
                 stream.wait_event(self.loaded[slot])
@@ -405,7 +577,10 @@ class LayerwiseExecutor:
 
     def reload_pending(self) -> None:
         """Re-copy the slots already loaded for upcoming positions (after the host
-        store changed). Callers synchronize first; not a hot-path call."""
+        store changed). Callers order the copy streams after the slots' readers
+        first (synchronize, or wait on the compute stream); not a hot-path call."""
+        if self._arena is not None:
+            self._host_version = self._arena._version
         for position, _ in (self.pending_loads() if self._primed else []):
             self._issue(self.schedule.load(position), wait_free=False)
 

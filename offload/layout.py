@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .misuse import SharedStorageError
+
 TENSOR_ALIGN = 512
 
 
@@ -92,26 +94,59 @@ def build_layout(index: int, name: str, tensors: list[tuple[str, str, torch.Tens
 
 
 def check_not_shared(blocks, root: nn.Module) -> None:
-    """Raise if a tensor of a streamed block is also used by another block or by the rest of the model."""
+    """Raise SharedStorageError if a tensor of a block is also used by another block
+    or by the rest of the model, as the same object (tied weights) or through one
+    storage (distinct tensors viewing the same memory): packing gives each block
+    tensor its own host copy, which would silently break the tie."""
     where: dict[int, str] = {}
+    storages: dict[int, tuple[int, str]] = {}  # storage address -> (block index, tensor)
     for b in blocks:
         for tname, _, t in block_tensors(b.module):
+            name = f"{b.name}.{tname}"
             if id(t) in where:
-                raise ValueError(
-                    f"tensor {b.name}.{tname} is shared with {where[id(t)]}; shared (tied) weights "
+                raise SharedStorageError(
+                    f"tensor {name} is shared with {where[id(t)]}; shared (tied) weights "
                     "cannot be streamed: keep one of the blocks resident or untie the weights"
                 )
-            where[id(t)] = f"{b.name}.{tname}"
+            where[id(t)] = name
+            key = _storage_key(t)
+            if key is None:
+                continue
+            other = storages.setdefault(key, (b.index, name))
+            if other[0] != b.index:
+                raise SharedStorageError(
+                    f"tensor {name} shares its storage with {other[1]} (distinct tensors viewing one "
+                    "memory): streaming would give each its own copy and silently break the tie. Keep one "
+                    "of the blocks resident, or give each tensor its own storage (.clone())"
+                )
     block_ids = {id(b.module) for b in blocks}
     for mname, mod in root.named_modules():
-        if id(mod) in block_ids:
+        if id(mod) in block_ids or _inside_block(mname, blocks):
             continue
         for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is not None and id(t) in where and not _inside_block(mname, blocks):
-                raise ValueError(
-                    f"tensor {where[id(t)]} is also {mname + '.' if mname else ''}{pname} outside the "
+            if t is None:
+                continue
+            full = f"{mname + '.' if mname else ''}{pname}"
+            if id(t) in where:
+                raise SharedStorageError(
+                    f"tensor {where[id(t)]} is also {full} outside the "
                     "streamed blocks; shared weights cannot be streamed"
                 )
+            key = _storage_key(t)
+            if key is not None and key in storages:
+                raise SharedStorageError(
+                    f"tensor {storages[key][1]} shares its storage with {full} outside the blocks: "
+                    "streaming would break the tie silently. Keep that block resident, or give "
+                    f"{full} its own storage (.clone())"
+                )
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s storage, or None where there is no memory to share (meta, empty)."""
+    if t.device.type == "meta":
+        return None
+    st = t.untyped_storage()
+    return st.data_ptr() if st.nbytes() else None
 
 
 def _inside_block(mname: str, blocks) -> bool:

@@ -15,6 +15,9 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .host_store import HostStore, Progress, copy_from_image
 from .layout import block_tensors, build_layout, check_not_shared
+from .misuse import (
+    AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, UnsupportedOperationError, WeightUpdateError,
+)
 from .schedule import Schedule
 
 
@@ -53,6 +56,7 @@ class StreamedBlocks:
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
         t0 = time.perf_counter()
+        check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
         self.module, self.config, self.device = module, config, device
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
@@ -176,40 +180,58 @@ class StreamedBlocks:
 
     def _current_for_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> dict:
         """The module's tensors by key, after checking ``state_dict``'s keys against them."""
+        if not isinstance(state_dict, Mapping):
+            raise WeightUpdateError(
+                f"update_weights: state_dict is a {type(state_dict).__name__}; pass a mapping of key -> tensor")
         current = self.module.state_dict(keep_vars=True)
         unknown = [k for k in state_dict if k not in current]
         if unknown:
-            raise ValueError(f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+            raise WeightUpdateError(
+                f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}; nothing was "
+                f"written. Keys are the wrapped model's state_dict() keys, e.g. {next(iter(current), None)!r}")
         if strict:
             missing = [k for k in current if k not in state_dict]
             if missing:
-                raise ValueError(f"update_weights(strict=True): missing keys {missing[:5]}")
+                raise WeightUpdateError(
+                    f"update_weights(strict=True): missing keys {missing[:5]}; nothing was written. "
+                    "Pass every key, or strict=False")
         return current
+
+    def _plan_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> list:
+        """(key, destination, new value) for every key, each checked (name, type, shape,
+        dtype) before anything is written: an update applies whole or not at all."""
+        current = self._current_for_update(state_dict, strict)
+        plan = []
+        for key, new in state_dict.items():
+            obj = current[key]
+            dst = self.host_views.get(id(obj))
+            if dst is None:
+                dst = obj.data
+            check_update_value(key, new, tuple(dst.shape), dst.dtype)
+            plan.append((key, dst, new))
+        return plan
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
         """Write new weights: streamed tensors into the host store, others in place.
 
-        Waits for in-flight copies first (not a hot-path call). Returns the
+        Atomic: every key is checked (name, shape, dtype) before the first
+        write; a rejected update raises :class:`WeightUpdateError` and writes
+        nothing. Waits for in-flight copies first (not a hot-path call), then
+        reloads the slots already prefetched for the next step, so the very
+        next forward uses the new weights under every schedule. Returns the
         keys written. ``strict`` requires every key of the module.
         """
-        current = self._current_for_update(state_dict, strict)
+        plan = self._plan_update(state_dict, strict)
         self.executor.synchronize()
-        written = []
-        with torch.no_grad():
-            for key, new in state_dict.items():
-                obj = current[key]
-                dst = self.host_views.get(id(obj))
-                if dst is None:
-                    dst = obj.data
-                if tuple(new.shape) != tuple(dst.shape) or new.dtype != dst.dtype:
-                    raise ValueError(
-                        f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has "
-                        f"{dst.dtype} {tuple(dst.shape)}"
-                    )
-                dst.copy_(new)
-                written.append(key)
-        self.executor.reload_pending()  # slots prefetched before the update hold old weights
-        return written
+        try:
+            with torch.no_grad():
+                for _, dst, new in plan:
+                    dst.copy_(new)
+        finally:
+            # slots prefetched before the update hold old weights (also after a
+            # write that failed part-way, e.g. out of memory moving ``new``)
+            self.executor.reload_pending()
+        return [key for key, _, _ in plan]
 
     def restore(self) -> nn.Module:
         """Give every streamed tensor a device copy of its host weights; tear down."""
@@ -225,6 +247,86 @@ class StreamedBlocks:
         self.store.close()
         self.host_views.clear()
         return self.module
+
+
+def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
+    """Raise WeightUpdateError unless ``new`` is a tensor of ``shape`` and ``dtype``."""
+    if not isinstance(new, torch.Tensor):
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is a {type(new).__name__}, not a Tensor; nothing was written. "
+            f"Pass a {dtype} tensor of shape {shape}")
+    if tuple(new.shape) != shape or new.dtype != dtype:
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has {dtype} {shape}; "
+            "nothing was written. Cast/reshape the new value, or rebuild the offloaded model for a new architecture")
+
+
+def check_wrappable(module: nn.Module, *, allow_meta: bool = False) -> None:
+    """Raise AlreadyOffloadedError if ``module`` is already wrapped or streamed by
+    weightstream, carries accelerate or diffusers offload hooks, or (unless
+    ``allow_meta``) holds meta tensors. Reads only; nothing moves."""
+    for name, m in module.named_modules():
+        where = f"{type(module).__name__}" + (f".{name}" if name else "")
+        if isinstance(m, OffloadedTransformer):
+            raise AlreadyOffloadedError(
+                f"{where} is already an OffloadedTransformer: use it as is, or call its disable() and wrap "
+                "the plain module it returns")
+        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
+        ours = [h for h in hooks if type(getattr(h, "__self__", None)).__module__.startswith("weightstream.")]
+        if ours:
+            raise AlreadyOffloadedError(
+                f"{where} is already streamed or offloaded by weightstream ({ours[0].__self__!r}); "
+                "disable() the existing offload first, or keep using it")
+        if hasattr(m, "_hf_hook"):
+            raise AlreadyOffloadedError(
+                f"{where} carries accelerate offload/dispatch hooks (_hf_hook: {type(m._hf_hook).__name__}); "
+                "remove them first (accelerate.hooks.remove_hook_from_module(model, recurse=True), or load "
+                "the model without device_map / enable_model_cpu_offload / cpu_offload)")
+        if getattr(m, "_diffusers_hook", None) is not None:
+            raise AlreadyOffloadedError(
+                f"{where} carries diffusers hooks (_diffusers_hook, e.g. group offload or layerwise casting); "
+                "remove them first (model.disable_group_offload() / building the model without "
+                "enable_group_offload), then wrap it")
+    if not allow_meta:
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.device.type == "meta":
+                raise AlreadyOffloadedError(
+                    f"{type(module).__name__}.{name} is on the meta device (accelerate init_empty_weights, "
+                    "device_map offload or low_cpu_mem_usage left it unloaded): load real weights first, or "
+                    "stream from the checkpoint with weightstream.offload_from_safetensors")
+
+
+def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedModuleAccessError | None:
+    """After a failed forward: if a submodule of a streamed block ran while its block
+    was not bound (the model reads it outside the block's forward), the named error
+    saying which block to keep resident; else None. Walks the traceback only on
+    failure, so the hot path pays nothing."""
+    if isinstance(exc, OffloadMisuseError):
+        return None  # already named
+    ex = streamed.executor
+    owner = {}
+    for i in ex.schedule.streamed:
+        b = streamed.blocks[i]
+        for sub_name, sub in b.module.named_modules():
+            owner[id(sub)] = (i - ex.schedule.resident, b.name, f"{b.name}.{sub_name}" if sub_name else b.name)
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        hit = owner.get(id(frame.f_locals.get("self"))) if frame.f_code.co_name == "forward" else None
+        if hit is not None and hit[0] != ex._bound:
+            found = hit  # keep the innermost
+        tb = tb.tb_next
+    if found is None:
+        return None
+    _, block, sub = found
+    return StreamedModuleAccessError(
+        f"{sub} (part of the streamed block {block!r}) ran outside {block!r}'s own forward, when its "
+        f"weights are not on the device (the model reads it directly, e.g. a DiT that calls "
+        f"transformer_blocks[0].norm1.emb after the block loop); this failed with {type(exc).__name__}: "
+        f"{str(exc)[:200]}. Keep {block!r} resident: layer_options.dit.resident_layers (it must then be "
+        "among the first blocks) or an OffloadPlan whose containers leave it out"
+    )
 
 
 def drop_storage(tensors, device: torch.device) -> None:
@@ -321,6 +423,8 @@ class OffloadedTransformer(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if streamed is None:  # before any tensor moves
+            check_wrappable(module)
         cfg = OffloadConfig.coerce(config)
         if cfg.mode != "layer":
             raise ValueError(
@@ -378,9 +482,56 @@ class OffloadedTransformer(nn.Module):
     def forward(self, *args, **kwargs):
         if self._disabled:
             raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
-        if self._graphs is not None:
-            return self._graphs(args, kwargs)
-        return self.module(*args, **kwargs)
+        ex = self._streamed.executor
+        ex.acquire()  # ConcurrentUseError when another thread is inside (graph replays run no hooks)
+        try:
+            if self._graphs is not None:
+                return self._graphs(args, kwargs)
+            return self.module(*args, **kwargs)
+        except Exception as e:
+            named = explain_failure(e, self._streamed)
+            if named is not None:
+                raise named from e
+            raise
+        finally:
+            ex.release()
+
+    # -- operations that would break streaming: refused with a named error ------
+    def to(self, *args, **kwargs):
+        """No-op when it changes nothing (pipelines call ``.to(device)`` on every
+        component); a dtype, device or memory-format change is refused: it would
+        reach the resident parts only, not the host store."""
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and (device.type != self._device.type or device.index not in (None, self._device.index)):
+            raise self._refuse(f".to({device})")
+        if fmt is not None:
+            raise self._refuse(f".to(memory_format={fmt})")
+        if dtype is not None:
+            have = {t.dtype for t in self.state_dict(keep_vars=True).values() if t.is_floating_point()}
+            if have - {dtype}:
+                raise self._refuse(f".to({dtype})")
+        return self
+
+    def _apply(self, fn, recurse=True):
+        raise self._refuse(".half() / .float() / .bfloat16() / .double() / .type() / .cuda() / .cpu()")
+
+    def _refuse(self, what: str) -> UnsupportedOperationError:
+        return UnsupportedOperationError(
+            f"{what} on an OffloadedTransformer is not supported: it would cast or move only the resident "
+            "parts, not the host store of the streamed blocks, and the next forward would fail or mix "
+            "dtypes. Cast/move the model before wrapping it (call disable() to get the plain module back, "
+            "change it, wrap it again)"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise UnsupportedOperationError(
+            "an OffloadedTransformer cannot be pickled, deep-copied or torch.save()d: its streamed weights "
+            "live in a host store and device slots that do not travel. Save the weights with "
+            "torch.save(model.state_dict()) / save_pretrained, or disable() first and save the plain module"
+        )
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped model's state dict; streamed weights are (CPU) views of the host store."""
@@ -408,7 +559,22 @@ class OffloadedTransformer(nn.Module):
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
-        """Write new weights (streamed ones into the host store); the next forward uses them."""
+        """Write new weights (streamed ones into the host store); the very next forward uses them.
+
+        Atomic: every key, shape and dtype is checked first; a bad one raises
+        :class:`WeightUpdateError` and nothing is written.
+
+        Editing the tensors ``state_dict()`` returns in place through torch
+        (``sd[k].mul_(0.5)``, ``sd[k].copy_(new)``, also under inference_mode)
+        takes effect exactly like an update: those tensors are views of the host
+        store, whose version counter the executor reads once per step, and the
+        next step reloads any slot prefetched before the edit (with CUDA graphs
+        too, no recapture). Not detected, so do not use them: writes that bypass
+        torch's version counter (through numpy, ctypes, DLPack consumers, or the
+        ``.data`` of a view), and edits made while a forward is still running on
+        the device (synchronise first, as for any pinned source of async copies).
+        Under the mmap and DLO AllGather sources streamed weights are not
+        editable in place (see those sources)."""
         self._check_live()
         return self._streamed.update_weights(state_dict, strict=strict)
 

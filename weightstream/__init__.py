@@ -30,6 +30,17 @@ _EXPORTS = {
     "ParallelConfig": "weightstream.offload.distributed",
     "validate_wave": "weightstream.offload.distributed",
     "offload_from_safetensors": "weightstream.offload.mmap_source",
+    # named misuse errors
+    "OffloadMisuseError": "weightstream.offload.misuse",
+    "WeightUpdateError": "weightstream.offload.misuse",
+    "ConcurrentUseError": "weightstream.offload.misuse",
+    "StreamedWriteError": "weightstream.offload.misuse",
+    "SharedStorageError": "weightstream.offload.misuse",
+    "UnsupportedOperationError": "weightstream.offload.misuse",
+    "AlreadyOffloadedError": "weightstream.offload.misuse",
+    "StreamedModuleAccessError": "weightstream.offload.misuse",
+    "InferenceOnlyError": "weightstream.offload.misuse",
+    "DuplicateKeyError": "weightstream.offload.misuse",
 }
 __all__ = list(_EXPORTS)
 
@@ -37,6 +48,11 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.config import LayerOptions, OffloadConfig
     from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
     from weightstream.offload.distributed import ParallelConfig, validate_wave
+    from weightstream.offload.misuse import (
+        AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, InferenceOnlyError, OffloadMisuseError,
+        SharedStorageError, StreamedModuleAccessError, StreamedWriteError, UnsupportedOperationError,
+        WeightUpdateError,
+    )
     from weightstream.offload.mmap_source import offload_from_safetensors
     from weightstream.offload.module import offload_pipeline
     from weightstream.offload.transformer import OffloadedTransformer

@@ -1,0 +1,56 @@
+"""Named errors for misuse of an offloaded model (each says what happened and what to do).
+
+Every class derives from :class:`OffloadMisuseError` and from the builtin
+exception a caller would catch for the same mistake (``ValueError`` for bad
+arguments, ``TypeError`` for unsupported operations, ``RuntimeError`` for a
+state the call cannot run in), so existing ``except ValueError`` code keeps
+working.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "OffloadMisuseError", "WeightUpdateError", "ConcurrentUseError", "StreamedWriteError", "SharedStorageError",
+    "UnsupportedOperationError", "AlreadyOffloadedError", "StreamedModuleAccessError", "InferenceOnlyError",
+    "DuplicateKeyError",
+]
+
+
+class OffloadMisuseError(Exception):
+    """Base of weightstream's misuse errors."""
+
+
+class WeightUpdateError(OffloadMisuseError, ValueError):
+    """``update_weights`` / ``load_state_dict`` got a key, shape or dtype the model
+    does not have; nothing was written."""
+
+
+class ConcurrentUseError(OffloadMisuseError, RuntimeError):
+    """One offloaded model was entered from two threads at once."""
+
+
+class StreamedWriteError(OffloadMisuseError, RuntimeError):
+    """A streamed (host-backed) tensor was written outside ``update_weights``."""
+
+
+class SharedStorageError(OffloadMisuseError, ValueError):
+    """A streamed tensor shares its storage with another block or with the rest of the model."""
+
+
+class UnsupportedOperationError(OffloadMisuseError, TypeError):
+    """An operation on the wrapper that would break streaming (cast, copy, pickle)."""
+
+
+class AlreadyOffloadedError(OffloadMisuseError, ValueError):
+    """The model is already wrapped, streamed, or carries another library's offload hooks."""
+
+
+class StreamedModuleAccessError(OffloadMisuseError, RuntimeError):
+    """A submodule of a streamed block ran outside its block's forward (its weights were not loaded)."""
+
+
+class InferenceOnlyError(OffloadMisuseError, RuntimeError):
+    """Backward through streamed blocks: streaming is inference only."""
+
+
+class DuplicateKeyError(OffloadMisuseError, ValueError):
+    """A JSON config names one key twice in the same object."""
