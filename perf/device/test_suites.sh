@@ -12,6 +12,6 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] &&
   echo "multigpu suite rc=$?"
 fi
 if [ -n "$CODEC_BENCH" ]; then
-  timeout 150 python3 perf/bench_codec.py --sizes tensor single double --tiles 4096 --num-warps 4 8 \
+  timeout ${CODEC_TIMEOUT:-150} python3 perf/bench_codec.py --sizes tensor single double --tiles 4096 --num-warps 4 8 \
     --planes gather reshape --check --out "$OUT" 2>&1 | tail -25
 fi
