@@ -178,12 +178,14 @@ def case_recover_after_exception(cfg_name: str):
     from weightstream.models import flux_inputs
 
     model, ref, x, w = _setup(GRAPH_CFGS[cfg_name], True)
-    x2 = flux_inputs(model, batch=2, device="cuda")
     blocks = [b.module for b in w._streamed.blocks]
     with torch.no_grad():
         for _ in range(3):
             w(**x)
-        for at in (0, len(blocks) // 2, len(blocks) - 1):
+        for i, at in enumerate((0, len(blocks) // 2, len(blocks) - 1)):
+            # a signature not seen yet runs eager (warm-up), so the hook can raise part-way
+            x2 = flux_inputs(model, batch=2 + i, device="cuda")
+
             def boom(*a):
                 raise KeyError("boom")
             h = blocks[at].register_forward_pre_hook(boom)

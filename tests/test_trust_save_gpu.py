@@ -90,9 +90,9 @@ def test_pipeline_round_trip_on_cuda(mode, tmp_path):
 
 
 def test_module_mode_interrupt_recovers_on_cuda():
-    from weightstream.demo_module import ToyPipeline, toy_pipeline_inputs
+    from weightstream.demo_module import DeclaredToyPipeline, toy_pipeline_inputs
 
-    pipe = ToyPipeline()
+    pipe = DeclaredToyPipeline()  # declares time_embed resident: the pipeline's execution device is CUDA
     inputs = toy_pipeline_inputs()
     expected = copy.deepcopy(pipe).to(DEV)(**inputs)
 
