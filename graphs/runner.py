@@ -58,6 +58,9 @@ def check_preconditions(executor, config) -> None:
         )
     if config.record_events:
         raise CapturePreconditionError("cuda_graphs='on' cannot record the per-block event log; set record_events=false")
+    unpinned = getattr(executor, "uncapturable_copies", lambda: None)()
+    if unpinned:
+        raise CapturePreconditionError(unpinned)
 
 
 class _Graph:

@@ -559,7 +559,9 @@ def _weight_digest(tensors: list[torch.Tensor]) -> str:
             if n == 0:
                 continue
             m = max(1, min(n, per // max(1, flat.element_size())))
-            idx = torch.linspace(0, n - 1, m, device=flat.device).round().long()
+            # integer arithmetic: a float32 linspace rounds past n - 1 for tensors of tens of
+            # millions of elements (an out-of-range index, a device-side assert on CUDA)
+            idx = torch.arange(m, dtype=torch.int64, device=flat.device) * (n - 1) // max(m - 1, 1)
             sample = flat.index_select(0, idx).contiguous().cpu()
             h.update(sample.view(torch.uint8).numpy().tobytes())
     return _short(h)

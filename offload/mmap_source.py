@@ -1001,6 +1001,22 @@ class MmapExecutor(LayerwiseExecutor):
             self.stager.h2d_done[b].record(self.streams.current_stream(self.device))
         self.stager.release(b, load.position)
 
+    def uncapturable_copies(self) -> str | None:
+        """Why a CUDA graph cannot hold this source's copies (None: it can). torch
+        refuses, inside a capture, copies from host memory it does not count as
+        pinned, and file pages registered with cudaHostRegister do not count (seen
+        on the H200 with torch 2.11: ``is_pinned()`` False for every direct source)."""
+        for per_slot in self._copies:
+            for pairs in per_slot:
+                for _, src in pairs:
+                    if not src.is_pinned():
+                        return ("cuda_graphs='on' cannot capture the mmap source's direct copies: torch refuses "
+                                "copies from the registered checkpoint pages inside a CUDA graph (they do not count "
+                                "as pinned); use cuda_graphs='off' with this source, or load the weights into memory "
+                                "and use OffloadedTransformer (pinned host store) for CUDA graphs")
+                    return None  # one source tells: every direct copy reads the same registered mapping
+        return None
+
     def _copy_direct(self, k: int, s: int, plan: BlockPlan) -> None:
         for dst, src in self._copies[k][s]:
             dst.copy_(src, non_blocking=self.cuda)

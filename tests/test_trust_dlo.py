@@ -431,3 +431,15 @@ def test_dlo_config_keys_are_validated(kw, match):
     cfg = OffloadConfig.layerwise(dlo_timeout_s=3, dlo_verify_weights=False)
     assert cfg.dlo_timeout_s == 3.0 and OffloadConfig.from_dict(cfg.to_dict()) == cfg
     assert OffloadConfig.layerwise().dlo_timeout_s == 60.0 and OffloadConfig.layerwise().dlo_verify_weights
+
+
+def test_weight_digest_indices_stay_in_range_for_large_tensors():
+    """A float32 linspace rounded past n - 1 for tens of millions of elements (a
+    device-side assert on CUDA); the sample must index inside every tensor."""
+    from weightstream.offload.distributed import _weight_digest
+
+    big = torch.zeros(3072 * 15360, dtype=torch.bfloat16)  # a Flux single block proj_out
+    big[-1] = 1
+    other = big.clone()
+    other[-1] = 2  # the last element is always sampled
+    assert _weight_digest([big]) != _weight_digest([other])

@@ -290,3 +290,11 @@ def test_a_partly_registered_block_stages():
     # the same page range registered under another file does not count
     other_file = [(1, s, n) for _, s, n in chunks]
     assert direct_after_registration(pages, accepted, other_file) == [False, False, False]
+
+
+def test_direct_copies_name_why_a_graph_cannot_hold_them(tmp_path):
+    """torch refuses, inside a capture, copies from host memory it does not count as
+    pinned (registered file pages): the graph runner's precondition names it up front."""
+    path, _, _, _ = _pair(tmp_path)
+    wrapped = _wrap(path, "direct")
+    assert "direct copies" in wrapped.executor.uncapturable_copies()
