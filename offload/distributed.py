@@ -440,12 +440,14 @@ def bounded_wait(work, timeout_s: float, what: str, *, poll: bool = False) -> No
     """
     try:
         if poll:
-            deadline, pause = time.monotonic() + timeout_s, 1e-4
+            # fine-grained: an eager step's agreement waits here once per step, and a
+            # coarse pause would add up to the pause to every step
+            deadline, pause = time.monotonic() + timeout_s, 1e-5
             while not work.is_completed():
                 if time.monotonic() > deadline:
                     raise TimeoutError("the collective did not complete")
                 time.sleep(pause)
-                pause = min(2 * pause, 0.01)
+                pause = min(2 * pause, 2e-4)
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
@@ -467,11 +469,22 @@ class _Control:
 
     def __init__(self, group, world: int, device: torch.device, timeout_s: float, nccl: bool):
         self.group, self.world, self.device, self.timeout_s, self.nccl = group, world, device, timeout_s, nccl
+        self._stream = None  # CUDA: the control tensors' own stream, made at first use
 
     def gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's ``row`` (same shape everywhere), stacked rank-major, on the CPU."""
         if self.world == 1:  # a group of one agrees with itself: no collective
             return row.cpu().unsqueeze(0).clone()
+        if self.device.type != "cuda":
+            return self._gather(row, what)
+        # On a stream of its own: the compute stream may wait on a gather a failed peer
+        # never joins, and a copy queued behind it would block the host without bound.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            return self._gather(row, what)
+
+    def _gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
         row = row.to(self.device)
         out = torch.empty((self.world, *row.shape), dtype=row.dtype, device=self.device)
         work = dist.all_gather(list(out.unbind(0)), row, group=self.group, async_op=True)
