@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ if __package__ in (None, ""):  # `python perf/bench_codec.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perf.bench_materialise import _flux_block  # noqa: E402  (Flux block tensor shapes)
+from perf.common import short_commit  # noqa: E402
 from perf.results import gpu_slug, validate_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,15 +50,6 @@ def _shapes(size: str) -> list[tuple[int, ...]]:
     if size == "tensor":
         return [(3072, 12288)]
     return [shape for _, shape, _ in _flux_block(size)]
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,7 +211,7 @@ def main(argv=None) -> int:
     modes = run(args)
     on_gpu = torch.cuda.is_available() and not args.cpu
     gpu = torch.cuda.get_device_name() if on_gpu else "cpu"
-    commit = _commit()
+    commit = short_commit()
     result = {
         "scenario": "codec" if on_gpu else "codec-cpu",
         "gpu": gpu,
