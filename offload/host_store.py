@@ -17,31 +17,11 @@ import weakref
 
 import torch
 
+from .host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration  # noqa: F401
 from .layout import BlockLayout, align_up
 from .progress import Progress  # noqa: F401  (re-exported: callers import it from here)
 
 PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
-REGISTER_CHUNK = 1 << 30
-
-
-def _cuda_register(ptr: int, size: int, flags: int = 0) -> str | None:
-    """Register a host range; return None on success or the reason it failed."""
-    try:
-        rt = torch.cuda.cudart()
-        code = rt.cudaHostRegister(ptr, size, flags)
-    except Exception as e:  # binding missing in this torch build
-        return f"cudaHostRegister unavailable ({e})"
-    code = int(code)  # torch's binding returns the enum with the error already cleared
-    if code != 0:
-        return f"cudaHostRegister returned CUDA error {code}"
-    return None
-
-
-def _cuda_unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # pragma: no cover - best effort at teardown
-        pass
 
 
 def copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int = 0) -> None:
@@ -59,24 +39,6 @@ def copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int = 0) -> 
         step = min(n - pos, REGISTER_CHUNK - src % REGISTER_CHUNK)
         dst[pos : pos + step].copy_(image[src : src + step], non_blocking=True)
         pos += step
-
-
-class _Registration:
-    """Owns registered ranges; unregisters them when the store goes away."""
-
-    def __init__(self):
-        self.ptrs: list[int] = []
-        self.bytes = 0
-
-    def release(self):
-        if self.ptrs and torch.cuda.is_initialized():
-            # a prefetch may still read these pages (the store dropped without
-            # disable()): let in-flight copies finish before unpinning
-            torch.cuda.synchronize()
-        for p in self.ptrs:
-            _cuda_unregister(p)
-        self.ptrs.clear()
-        self.bytes = 0
 
 
 class HostStore:

@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .host_store import PAGE, REGISTER_CHUNK, _cuda_register, _Registration
+from .host_memory import REGISTER_CHUNK, _cuda_register, _Registration
+from .host_store import PAGE
 from .layout import align_up
 
 NUM_BUFFERS = 2

@@ -1,0 +1,567 @@
+"""Checkpoint parsing and meta binding for the mmap source.
+
+safetensors files mapped read-only (headers parsed here, never a private copy
+of the data), checkpoint identity checks (a file changed in place is a named
+error, see :mod:`mmap_source`), the model opt-in, the binding of every
+expected tensor of a meta-built model to a (file, key), and meta construction.
+Pure host code: nothing here touches CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from weightstream.kernels.materialise import Segment, SegmentTable, materialise_torch
+
+KERNEL_TRANSFORMS = {"qkv_reorder": Segment.qkv_reorder, "qkv_interleave": Segment.qkv_interleave}
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+_LIST = 12  # names listed in an error message
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
+                     ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_LIST])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _LIST else "")
+
+
+# ----------------------------------------------------------------------------
+# safetensors files, mapped read-only
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CkptTensor:
+    """One tensor of a checkpoint: where its bytes lie in which file."""
+
+    file: int  # index into Checkpoint.files
+    key: str  # the key in the file (without source prefix)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class CheckpointChangedError(RuntimeError):
+    """A mapped checkpoint file changed in place (size, mtime or identity): its
+    mapping can no longer be trusted (mixed weights, or SIGBUS past a new end)."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_IDENTITY_FIELDS = ("st_dev", "st_ino", "size", "mtime_ns")
+
+
+def changed_message(path, was: tuple, now: tuple) -> str:
+    diffs = ", ".join(f"{k} {a} -> {b}" for k, a, b in zip(_IDENTITY_FIELDS, was, now) if a != b)
+    return (
+        f"checkpoint file {str(path)!r} changed while this process streams from its mapping ({diffs}): "
+        "its bytes may now mix old and new weights, and reads past a truncated end would kill the process "
+        "(SIGBUS). Replace checkpoint files atomically: write the new file elsewhere on the same filesystem, "
+        "then rename it over the old path (os.replace); a process that mapped the old file keeps streaming "
+        "it. Build a new wrapper to load the new weights."
+    )
+
+
+class SafetensorsFile:
+    """A safetensors file: header parsed here, data mapped read-only (ACCESS_READ).
+
+    The file stays open (one descriptor) so that :meth:`check_unchanged` can
+    ``fstat`` the inode that is mapped, whatever the path now names.
+    """
+
+    def __init__(self, path: str | os.PathLike, index: int):
+        self.path = Path(path)
+        self.index = index
+        self._fd: int | None = None
+        self._fd_closer = None
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                size = st.st_size
+                self.identity = _identity(st)
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
+                (n,) = struct.unpack("<Q", head)
+                if n > size - 8:
+                    raise ValueError(f"{self.path}: header length {n} exceeds the file size {size}")
+                try:
+                    header = json.loads(f.read(n))
+                except ValueError as e:
+                    raise ValueError(f"{self.path}: header is not valid JSON ({e})") from None
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._fd = os.dup(f.fileno())
+                self._fd_closer = weakref.finalize(self, os.close, self._fd)
+        except OSError as e:
+            raise ValueError(f"cannot open checkpoint file {str(path)!r}: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: header must be a JSON object")
+        self.size = size
+        data = 8 + n
+        self.entries: dict[str, CkptTensor] = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except KeyError as e:
+                raise ValueError(f"{self.path}: tensor {key!r} has an unknown dtype or misses {e}") from None
+            t = CkptTensor(index, key, dtype, shape, data + begin, end - begin)
+            if end < begin or data + end > size or t.numel * dtype.itemsize != t.nbytes:
+                raise ValueError(f"{self.path}: tensor {key!r} has inconsistent data_offsets {info['data_offsets']}")
+            self.entries[key] = t
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mapping is read-only by design: nothing writes through it
+            self.u8 = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    @property
+    def base(self) -> int:
+        return self.u8.data_ptr()
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointChangedError if the mapped inode changed since it was opened."""
+        if self._fd is None:
+            return
+        now = _identity(os.fstat(self._fd))
+        if now != self.identity:
+            raise CheckpointChangedError(changed_message(self.path, self.identity, now))
+
+    def close(self) -> None:
+        """Drop this file's references; the mapping is unmapped once no tensor views it.
+
+        Never ``self.map.close()``: torch.frombuffer keeps a reference to the
+        mmap object but no buffer export, so closing it would unmap memory
+        that live views (state_dict values, a transform's output) still read.
+        """
+        self.u8 = None
+        self.map = None
+        self._fd = None
+        if self._fd_closer is not None:
+            self._fd_closer()
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Safetensors weights of one component.
+
+    path: a folder (diffusers layout: ``diffusion_pytorch_model.safetensors``,
+    or sharded with ``diffusion_pytorch_model.safetensors.index.json``; also
+    ``model.safetensors[.index.json]``), one ``.safetensors`` file, or an
+    ``*.index.json``. prefix: prepended to every checkpoint key (placing the
+    keys in the model's namespace). subfolder: joined to a folder path.
+    """
+
+    path: str | os.PathLike
+    prefix: str = ""
+    subfolder: str | None = None
+
+    def files(self) -> list[Path]:
+        p = Path(self.path)
+        if self.subfolder:
+            p = p / self.subfolder
+        if p.is_dir():
+            for index in (p / (DIFFUSERS_WEIGHTS + ".index.json"), p / "model.safetensors.index.json"):
+                if index.is_file():
+                    return _index_files(index)
+            for single in (p / DIFFUSERS_WEIGHTS, p / "model.safetensors"):
+                if single.is_file():
+                    return [single]
+            found = sorted(x.name for x in p.iterdir())
+            raise ValueError(
+                f"weights source {str(p)!r} holds no {DIFFUSERS_WEIGHTS} (or its .index.json, or model.safetensors); "
+                f"found: {found[:10]}"
+            )
+        if p.name.endswith(".index.json") and p.is_file():
+            return _index_files(p)
+        if p.suffix == ".safetensors" and p.is_file():
+            return [p]
+        raise ValueError(
+            f"weights source {str(p)!r} is neither a folder, a .safetensors file nor a .safetensors.index.json file"
+        )
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e!r})") from None
+    files = []
+    for name in dict.fromkeys(weight_map.values()):
+        f = index.parent / name
+        if not f.is_file():
+            raise ValueError(f"{index} names shard {name!r}, which does not exist in {index.parent}")
+        files.append(f)
+    return files
+
+
+def as_sources(source, model: nn.Module | None = None) -> list[WeightsSource]:
+    """Normalise a source argument (path, dict, WeightsSource or a list of them;
+    None: ``model.weights_sources``) to a list of WeightsSource."""
+    if source is None:
+        source = getattr(model, "weights_sources", None)
+        if source is None:
+            owner = f"set {type(model).__name__}.weights_sources" if model is not None else "none was given"
+            raise ValueError(
+                f"no checkpoint given: pass source= (a folder, .safetensors file, index.json or WeightsSource "
+                f"list) or {owner}"
+            )
+    items = [source] if isinstance(source, (str, os.PathLike, WeightsSource, dict)) else list(source)
+    if not items:
+        raise ValueError("source=[] names no checkpoint")
+    out = []
+    for it in items:
+        if isinstance(it, WeightsSource):
+            out.append(it)
+        elif isinstance(it, (str, os.PathLike)):
+            out.append(WeightsSource(it))
+        elif isinstance(it, dict):
+            unknown = set(it) - {"path", "prefix", "subfolder"}
+            if unknown or "path" not in it:
+                raise ValueError(f"weights source {it!r}: allowed keys are path (required), prefix, subfolder")
+            out.append(WeightsSource(**it))
+        else:
+            raise TypeError(f"weights source {it!r} must be a path, a dict or a WeightsSource")
+    return out
+
+
+class Checkpoint:
+    """Read-only mappings of the safetensors files of one or more sources
+    (anything :func:`as_sources` accepts).
+
+    ``entries``: prefixed key -> :class:`CkptTensor`. ``tensor(t)`` is a typed
+    view of the mapping (read-only memory: never write to it).
+    """
+
+    def __init__(self, source):
+        t0 = time.perf_counter()
+        self.files: list[SafetensorsFile] = []
+        self.entries: dict[str, CkptTensor] = {}
+        self.sources = as_sources(source)
+        try:
+            for src in self.sources:
+                for path in src.files():
+                    f = SafetensorsFile(path, len(self.files))
+                    self.files.append(f)
+                    for key, t in f.entries.items():
+                        name = src.prefix + key
+                        if name in self.entries:
+                            other = self.files[self.entries[name].file].path
+                            raise ValueError(f"checkpoint key {name!r} appears twice: in {other} and in {path}")
+                        self.entries[name] = t
+        except BaseException:
+            self.close()
+            raise
+        self.open_s = time.perf_counter() - t0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.entries.values())
+
+    def bytes(self, t: CkptTensor) -> torch.Tensor:
+        return self.files[t.file].u8[t.offset : t.offset + t.nbytes]
+
+    def tensor(self, t: CkptTensor) -> torch.Tensor:
+        return self.bytes(t).view(t.dtype).view(t.shape)
+
+    def address(self, t: CkptTensor) -> int:
+        return self.files[t.file].base + t.offset
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointChangedError naming the first file that changed in place
+        (an ``fstat`` per file; atomically replaced paths keep their old mapping)."""
+        for f in self.files:
+            f.check_unchanged()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({len(self.files)} files, {len(self.entries)} tensors, {self.nbytes / 1e9:.3f} GB)"
+
+
+# ----------------------------------------------------------------------------
+# model opt-in and binding
+# ----------------------------------------------------------------------------
+
+
+def _is_diffusers_model(model: nn.Module) -> bool:
+    mod = sys.modules.get("diffusers")
+    mixin = getattr(mod, "ModelMixin", None) if mod is not None else None
+    return mixin is not None and isinstance(model, mixin)
+
+
+def check_opt_in(model: nn.Module) -> str:
+    """How ``model`` opted in to mmap loading (raises ValueError if it did not)."""
+    cls = type(model).__name__
+    flag = getattr(model, "_supports_mmap_loading", None)
+    if flag is False:
+        raise ValueError(f"{cls}._supports_mmap_loading is False: this model opted out of mmap loading")
+    if flag is True:
+        return "_supports_mmap_loading"
+    if callable(getattr(model, "_remap_ckpt_key", None)):
+        return "_remap_ckpt_key"
+    if _is_diffusers_model(model):
+        return "diffusers"
+    raise ValueError(
+        f"{cls} does not declare mmap loading support: set `_supports_mmap_loading = True` on the class when "
+        "checkpoint keys (after the source prefix) equal its parameter names, or define "
+        "`_remap_ckpt_key(name) -> runtime name | None`; diffusers models need neither"
+    )
+
+
+@dataclass(frozen=True)
+class TensorBinding:
+    """A runtime tensor bound to its checkpoint source."""
+
+    name: str  # runtime name (the first one, for tied tensors)
+    src: CkptTensor
+    shape: tuple[int, ...]  # runtime shape
+    transform: Callable | None = None  # mmap_weight_transform (host, staging only)
+    kernel: tuple | None = None  # ("qkv_reorder"|"qkv_interleave", num_heads, num_kv_heads)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src.dtype
+
+    def kernel_segment(self, src_offset: int, dst_offset: int) -> Segment:
+        kind, heads, kv = self.kernel
+        head_bytes = self.src.nbytes // (heads + 2 * kv)
+        return KERNEL_TRANSFORMS[kind](src_offset, dst_offset, heads, kv, head_bytes)
+
+
+def _transform_error(b: TensorBinding, out, what: str) -> ValueError:
+    got = f"{out.dtype} with {out.numel()} elements {tuple(out.shape)}" if isinstance(out, torch.Tensor) else repr(type(out))
+    return ValueError(
+        f"mmap_weight_transform of parameter {b.name!r} must preserve dtype and element count ({what}): "
+        f"checkpoint {b.src.key!r} is {b.src.dtype} with {b.src.numel} elements {b.src.shape}, "
+        f"the transform returned {got}"
+    )
+
+
+def _check_transform_output(b: TensorBinding, out) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise _transform_error(b, out, "it returned no tensor")
+    if out.dtype != b.src.dtype:
+        raise _transform_error(b, out, "dtype changed")
+    if out.numel() != b.src.numel:
+        raise _transform_error(b, out, "element count changed")
+
+
+def apply_transform(b: TensorBinding, src: torch.Tensor) -> torch.Tensor:
+    out = b.transform(src)
+    _check_transform_output(b, out)
+    return out.reshape(b.shape)
+
+
+def _parse_kernel(name: str, spec, src: CkptTensor) -> tuple:
+    ok = (
+        isinstance(spec, (tuple, list)) and len(spec) == 3 and spec[0] in KERNEL_TRANSFORMS
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in spec[1:])
+    )
+    if not ok:
+        raise ValueError(
+            f"mmap_kernel_transform of {name!r} is {spec!r}; expected (kind, num_heads, num_kv_heads) with kind "
+            f"one of {sorted(KERNEL_TRANSFORMS)} and positive ints"
+        )
+    kind, heads, kv = spec
+    rows = heads + 2 * kv
+    if heads % kv or not src.shape or src.shape[0] % rows:
+        raise ValueError(
+            f"mmap_kernel_transform {tuple(spec)!r} of {name!r} does not fit checkpoint {src.key!r} of shape "
+            f"{src.shape}: num_heads must be a multiple of num_kv_heads and dim 0 a multiple of "
+            f"num_heads + 2 * num_kv_heads = {rows}"
+        )
+    return (kind, heads, kv)
+
+
+def bind_checkpoint(model: nn.Module, ckpt: Checkpoint) -> dict[int, TensorBinding]:
+    """Bind every expected tensor of ``model`` to a checkpoint entry: id(tensor) -> binding.
+
+    Expected: every parameter, and every buffer that is on ``meta`` or named
+    in the checkpoint. Raises ValueError for unknown, duplicate or missing
+    names, a shape or transform mismatch, and lists tensors left on meta.
+    """
+    cls = type(model).__name__
+    objs: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        objs[name], kinds[name] = p, "parameter"
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if b is not None and name not in objs:
+            objs[name], kinds[name] = b, "buffer"
+    remap = getattr(model, "_remap_ckpt_key", None)
+    remap = remap if callable(remap) else None
+    target_of: dict[str, str] = {}  # runtime name -> checkpoint name
+    unknown = []
+    for cname in ckpt.entries:
+        rname = remap(cname) if remap is not None else cname
+        if rname is None:
+            continue
+        if rname not in objs:
+            unknown.append(cname if rname == cname else f"{cname} -> {rname}")
+            continue
+        if rname in target_of:
+            raise ValueError(f"checkpoint keys {target_of[rname]!r} and {cname!r} both map to {rname!r}")
+        target_of[rname] = cname
+    if unknown:
+        hint = "return None from _remap_ckpt_key to ignore a key" if remap else (
+            "define _remap_ckpt_key(name) -> runtime name | None to rename or ignore keys"
+        )
+        raise ValueError(f"checkpoint keys that {cls} has no tensor for: {_listing(unknown)}; {hint}")
+
+    out: dict[int, TensorBinding] = {}
+    for rname, cname in target_of.items():
+        t = objs[rname]
+        if id(t) in out:
+            continue  # a tied tensor, bound under its other name
+        src = ckpt.entries[cname]
+        out[id(t)] = _make_binding(rname, t, src, ckpt)
+    stuck = [n for n, t in objs.items() if id(t) not in out and t.device.type == "meta"]
+    if stuck:
+        raise ValueError(
+            f"{len(stuck)} expected tensor(s) of {cls} are still on the meta device after checkpoint mapping "
+            f"(no checkpoint key maps to them): {_listing(stuck)}; checkpoint files: "
+            f"{[str(f.path) for f in ckpt.files][:4]}"
+        )
+    missing = [n for n, t in objs.items() if id(t) not in out and kinds[n] == "parameter"]
+    if missing:
+        raise ValueError(f"parameters of {cls} missing from the checkpoint: {_listing(missing)}")
+    return out
+
+
+def _make_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint) -> TensorBinding:
+    shape = tuple(t.shape)
+    if not t.is_contiguous():
+        raise ValueError(f"{name!r} is not contiguous (stride {t.stride()}); mmap loading binds contiguous tensors")
+    fn = getattr(t, "mmap_weight_transform", None)
+    kernel = getattr(t, "mmap_kernel_transform", None)
+    numel = t.numel()
+    if numel != src.numel:
+        raise ValueError(
+            f"{name!r}: the model has {numel} elements {shape}, checkpoint {src.key!r} has {src.numel} "
+            f"elements {src.shape}"
+        )
+    if fn is not None and kernel is not None:
+        raise ValueError(f"{name!r} declares both mmap_weight_transform and mmap_kernel_transform; keep one")
+    if fn is not None:
+        if not callable(fn):
+            raise ValueError(f"mmap_weight_transform of {name!r} must be callable, got {type(fn).__name__}")
+        b = TensorBinding(name, src, shape, transform=fn)
+        try:
+            probe = fn(torch.empty(src.shape, dtype=src.dtype, device="meta"))
+        except Exception:  # not meta-traceable: check on the real data once
+            probe = fn(ckpt.tensor(src))
+        _check_transform_output(b, probe)
+        return b
+    if shape != src.shape:
+        raise ValueError(
+            f"{name!r}: the model has shape {shape}, checkpoint {src.key!r} has {src.shape}; attach an "
+            "mmap_weight_transform to the parameter if the layouts differ"
+        )
+    if kernel is not None:
+        return TensorBinding(name, src, shape, kernel=_parse_kernel(name, kernel, src))
+    return TensorBinding(name, src, shape)
+
+
+def host_tensor(ckpt: Checkpoint, b: TensorBinding) -> torch.Tensor:
+    """Runtime-layout host tensor of a binding: a read-only view of the mapping,
+    or (transformed tensors) a fresh tensor."""
+    if b.transform is not None:
+        return apply_transform(b, ckpt.tensor(b.src))
+    if b.kernel is not None:
+        out = torch.empty(b.src.nbytes, dtype=torch.uint8)
+        materialise_torch(ckpt.bytes(b.src), out, SegmentTable([b.kernel_segment(0, 0)]))
+        return out.view(b.dtype).view(b.shape)
+    return ckpt.tensor(b.src)
+
+
+def _give_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Make tensor object ``t`` hold ``data``, keeping its identity and attributes.
+
+    ``t.data = data`` cannot move a tensor onto or off ``meta`` (incompatible
+    tensor types), so that case swaps in a new tensor of ``t``'s class carrying
+    ``t``'s attributes (``mmap_weight_transform``, ...).
+    """
+    if (t.device.type == "meta") == (data.device.type == "meta"):
+        t.data = data
+        return
+    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+    new.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, new)
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen = set()
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    ):
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+
+# ----------------------------------------------------------------------------
+# building models on meta
+# ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Construct modules with every parameter on ``meta`` (buffers stay real,
+    so computed tables such as rotary frequencies survive)."""
+
+    def to_meta(module, name, param):
+        if param is None or param.device.type == "meta":
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def meta_from_pretrained(cls, path, *, subfolder: str | None = None, **overrides) -> nn.Module:
+    """A diffusers model class built on meta from the ``config.json`` of a diffusers folder."""
+    config = cls.load_config(path, subfolder=subfolder) if subfolder else cls.load_config(path)
+    config = {**config, **overrides}
+    with on_meta():
+        model = cls.from_config(config)
+    return model.eval()
+
