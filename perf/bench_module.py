@@ -114,7 +114,7 @@ def med(xs: list[float]) -> float:
 # ---------------------------------------------------------------- modes
 def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int) -> dict:
     from weightstream.offload.config import OffloadConfig
-    from weightstream.offload.module import offload_pipeline
+    from weightstream.offload.model_offload import offload_pipeline
 
     pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
     t = time.perf_counter()

@@ -21,7 +21,7 @@ from weightstream.demo_module import (
 )
 from weightstream.offload.components import SupportsComponentDiscovery, discover_components
 from weightstream.offload.config import OffloadConfig
-from weightstream.offload.module import (
+from weightstream.offload.model_offload import (
     ModuleOffload,
     SplitMovers,
     SplitOffloadMixin,
@@ -646,7 +646,7 @@ def test_shared_tensor_with_unselected_component_rejected():
 
 
 def test_parallel_packing_path_equal(monkeypatch, toy):
-    import weightstream.offload.module as module_mod
+    import weightstream.offload.model_offload as module_mod
 
     monkeypatch.setattr(module_mod, "PARALLEL_PACK_BYTES", 0)  # force the worker pool on small weights
     pipe, inputs, expected = toy
@@ -655,7 +655,7 @@ def test_parallel_packing_path_equal(monkeypatch, toy):
 
 
 def test_failed_packing_gives_weights_back(monkeypatch, toy):
-    import weightstream.offload.module as module_mod
+    import weightstream.offload.model_offload as module_mod
 
     pipe, inputs, expected = toy
     calls = {"n": 0}

@@ -26,7 +26,7 @@ _EXPORTS = {
     "trace_plan": "weightstream.offload.discovery",
     "BlockOrderError": "weightstream.offload.discovery",
     "OffloadedTransformer": "weightstream.offload.transformer",
-    "offload_pipeline": "weightstream.offload.module",
+    "offload_pipeline": "weightstream.offload.model_offload",
     "ParallelConfig": "weightstream.offload.distributed",
     "validate_wave": "weightstream.offload.distributed",
     "offload_from_safetensors": "weightstream.offload.mmap_source",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
         WeightUpdateError,
     )
     from weightstream.offload.mmap_source import offload_from_safetensors
-    from weightstream.offload.module import offload_pipeline
+    from weightstream.offload.model_offload import offload_pipeline
     from weightstream.offload.transformer import OffloadedTransformer
 
 
