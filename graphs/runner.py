@@ -83,14 +83,12 @@ class GraphRunner:
 
     def _phase(self) -> int:
         ex = self.executor
-        return (ex.position // ex.schedule.n) % self.period
+        return ex.step_index % self.period
 
     def __call__(self, args: tuple, kwargs: dict):
         ex = self.executor
-        check = getattr(ex, "check_usable", None)  # DLO: a failed backend raises before any collective
-        if check is not None:
-            check()
-        if ex.position % ex.schedule.n:
+        ex.check_usable()  # DLO: a failed backend raises before any collective; mmap: a changed file
+        if ex.mid_step:
             # an earlier eager step stopped part-way (an exception in the model): a
             # replay runs no hooks that could notice, so line the ring up first
             ex.reset()
@@ -132,12 +130,11 @@ class GraphRunner:
         s_args, s_kwargs = pytree.tree_unflatten(static, spec)
         phase = self._phase()
         ex.wait_pending(torch.cuda.current_stream(ex.device))  # primes a deferred executor
-        start = ex.position
         graph = torch.cuda.CUDAGraph()
         # the step's first loads were issued before the graph (torch.cuda.graph
         # synchronises on entry); inside, only this capture's events are waited on
         self._captures += 1
-        ex.capture_tag = self._captures
+        start = ex.begin_capture(self._captures)
         prev = torch.cuda.current_stream(ex.device)
         first_error = failed = None
         try:
@@ -161,7 +158,7 @@ class GraphRunner:
             problem = step_problem(ex.position - start, ex.schedule.n) or output_problem(out)
         # DLO: one small collective, so every rank keeps or drops its graph alike
         if not ex.agree_capture(failed is None and problem is None):
-            ex.capture_tag = None
+            ex.end_capture()
             graph = out = None  # never replayed
             ex.reset()  # the ring is re-primed at a step boundary; eager runs the step
             if failed is not None:
@@ -169,7 +166,7 @@ class GraphRunner:
             else:
                 cause = problem or "the capture failed on a peer rank"
             return self._fail(sig, args, kwargs, cause)
-        ex.capture_tag = None
+        ex.end_capture()
         tensors = [x for x in static if isinstance(x, torch.Tensor)]
         g = _Graph(graph, tensors, out, [t.data_ptr() for t in tensors])
         for key in self.policy.captured(sig, phase):
@@ -198,7 +195,7 @@ class GraphRunner:
         stream = torch.cuda.current_stream(ex.device)
         ex.wait_pending(stream)
         g.graph.replay()
-        ex.position += ex.schedule.n
+        ex.replayed_step()
         self.counts[Action.REPLAY.value] += 1
         return _fresh(g.static_out)
 

@@ -567,6 +567,35 @@ class LayerwiseExecutor:
         """Whether a CUDA-graph capture succeeded; collective executors decide it with their peers."""
         return ok
 
+    # -- the surface graph capture uses (graphs/runner.py never touches fields) ---------
+    def check_usable(self) -> None:
+        """Raise before a replay when this executor cannot run a step (a failed DLO
+        backend, a changed checkpoint file); nothing to check here."""
+
+    @property
+    def step_index(self) -> int:
+        """Steps begun so far (the graph phase is derived from it)."""
+        return self.position // self.schedule.n
+
+    @property
+    def mid_step(self) -> bool:
+        """True when a step stopped part-way (an exception inside the model)."""
+        return self.position % self.schedule.n != 0
+
+    def begin_capture(self, tag: int) -> int:
+        """Loads issued from now on belong to capture ``tag``; returns the position."""
+        self.capture_tag = tag
+        return self.position
+
+    def end_capture(self) -> int:
+        """Back to eager loads; returns the positions the capture advanced."""
+        self.capture_tag = None
+        return self.position
+
+    def replayed_step(self) -> None:
+        """A replay ran one whole step without running any hook: advance the ring."""
+        self.position += self.schedule.n
+
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
         Used after a failed capture; not on the normal path."""
