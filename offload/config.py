@@ -232,10 +232,19 @@ class OffloadConfig:
         if isinstance(self.cuda_graphs, bool):  # JSON true/false
             object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        _check_choice("graph_boundary_loads", self.graph_boundary_loads, GRAPH_BOUNDARY_LOADS)
+        _check_int("num_slots", self.num_slots, 2)
+        for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
+            object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
+        object.__setattr__(self, "dlo_timeout_s", _check_timeout("dlo_timeout_s", self.dlo_timeout_s))
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Every rule that ties two keys together, in one place (each value alone
+        was checked above)."""
         if self.cuda_graphs == "on" and self.mode == "module":
             raise _reject("cuda_graphs", "on",
                           "CUDA graphs need mode='layer'; with mode='module' choose from: off")
-        _check_choice("graph_boundary_loads", self.graph_boundary_loads, GRAPH_BOUNDARY_LOADS)
         if self.graph_boundary_loads == "next-step":
             if self.cuda_graphs != "on":
                 raise _reject("graph_boundary_loads", "next-step",
@@ -244,10 +253,15 @@ class OffloadConfig:
                 raise _reject("graph_boundary_loads", "next-step",
                               f"with resident_layers={self.resident_layers} every boundary load already "
                               "starts with its step (behind the resident blocks); choose: in-graph")
-        _check_int("num_slots", self.num_slots, 2)
-        for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
-            object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
-        object.__setattr__(self, "dlo_timeout_s", _check_timeout("dlo_timeout_s", self.dlo_timeout_s))
+        for comp, opts in self.layer_options.items():
+            path = f"layer_options.{comp}"
+            if opts.resident_layers and comp != "dit":
+                raise _reject(f"{path}.resident_layers", opts.resident_layers,
+                              "resident layers apply only to dit; expected 0 here")
+            if opts.resident_layers and opts.weight_transfer == "allgather":
+                raise _reject(f"{path}.resident_layers", opts.resident_layers,
+                              f"resident layers require rank-local ({path}.weight_transfer="
+                              "'rank-local'), not 'allgather'; or set resident_layers to 0")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components
@@ -320,13 +334,6 @@ class OffloadConfig:
         _check_choice(f"{path}.weight_transfer", opts.weight_transfer, WEIGHT_TRANSFERS,
                       nullable=True)
         _check_int(f"{path}.resident_layers", opts.resident_layers, 0)
-        if opts.resident_layers and comp != "dit":
-            raise _reject(f"{path}.resident_layers", opts.resident_layers,
-                          "resident layers apply only to dit; expected 0 here")
-        if opts.resident_layers and opts.weight_transfer == "allgather":
-            raise _reject(f"{path}.resident_layers", opts.resident_layers,
-                          f"resident layers require rank-local ({path}.weight_transfer="
-                          "'rank-local'), not 'allgather'; or set resident_layers to 0")
         return opts
 
     # ------------------------------------------------------------ constructors
