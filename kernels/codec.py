@@ -106,6 +106,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ._buffers import check_byte_buffers
+
 __all__ = [
     "CodedHeader",
     "CodecSegment",
@@ -621,29 +623,9 @@ def bytes_moved(table: DecodeTable) -> int:
 
 
 def _check_buffers(src, dst, table) -> None:
-    if not isinstance(table, DecodeTable):
-        raise TypeError(f"table must be a DecodeTable, got {type(table).__name__}")
-    for name, t in (("src", src), ("dst", dst)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.uint8:
-            raise TypeError(f"{name} dtype must be torch.uint8 (a byte view), got {t.dtype}")
-        if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name} must be a 1-D contiguous byte tensor, got shape {tuple(t.shape)}")
-    if src.device != dst.device:
-        raise ValueError(f"src and dst must be on one device, got src on {src.device} and dst on {dst.device}")
-    if src.device.type == "meta":
-        raise ValueError("src and dst must hold data, got meta tensors")
-    if src.numel() < table.src_nbytes:
-        raise ValueError(f"src has {src.numel()} bytes but the table reads up to byte {table.src_nbytes}")
-    if dst.numel() < table.dst_nbytes:
-        raise ValueError(f"dst has {dst.numel()} bytes but the table writes up to byte {table.dst_nbytes}")
+    check_byte_buffers(src, dst, table, DecodeTable, "decode")
     if dst.numel() and dst.data_ptr() % 2:
         raise ValueError("dst must start at an even address (16-bit elements are stored)")
-    if src.numel() and dst.numel():
-        s0, d0 = src.data_ptr(), dst.data_ptr()
-        if s0 < d0 + dst.numel() and d0 < s0 + src.numel():
-            raise ValueError("src and dst overlap in memory; decode needs distinct buffers")
 
 
 def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
