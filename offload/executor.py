@@ -89,6 +89,9 @@ class StepHook:
     def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
         self.executor = executor
         self.name = f"weightstream.step[{type(root).__name__}]"
+        # a GraphForward (in-place mode with CUDA graphs): the outer call of the module
+        # only holds it; the graph runner's own call of the module starts the step
+        self.entry = None
         self._handles = [
             root.register_forward_pre_hook(self.pre_forward),
             root.register_forward_hook(self.post_forward, always_call=True),
@@ -97,6 +100,8 @@ class StepHook:
     def pre_forward(self, module, args):
         ex = self.executor
         ex.acquire()
+        if self.entry is not None and not self.entry.inner:
+            return
         if ex.schedule.has_step_start:
             ex.begin_step()
         elif ex.position % ex.schedule.n and ex._bound is None:
