@@ -712,6 +712,15 @@ class OffloadedTransformer(nn.Module):
         gather = getattr(self._streamed, "gather_state_dict", None)
         return gather() if gather is not None else self.state_dict()
 
+    def local_state_dict(self) -> dict:
+        """This rank's weights with no collective, usable after any DLO failure (DLO
+        AllGather: tensors outside this rank's share are ``ShardPiece``s;
+        ``weightstream.offload.distributed.merge_shards`` of every rank's result is
+        the full state dict). Without DLO AllGather: ``state_dict()``."""
+        self._check_live()
+        local = getattr(self._streamed, "local_state_dict", None)
+        return local() if local is not None else self.state_dict()
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
             raise ValueError("load_state_dict(assign=True) is not allowed on an OffloadedTransformer; use assign=False")

@@ -178,3 +178,24 @@ def test_pipeline_layer_mode_keeps_the_module_and_saves_it(tmp_path):
     assert handle.disable() is pipe and pipe.transformer is model
     with torch.no_grad():
         assert torch.equal(pipe(x), expected)
+
+
+def test_wrapper_local_state_dict_merges_into_the_weights():
+    """OffloadedTransformer.local_state_dict(): the DLO AllGather executor over the
+    fake world-of-1 group (test_happens_before) gives this rank's share, which
+    merge_shards turns into the full weights; without DLO it is state_dict()."""
+    from test_happens_before import FakeGatherExecutor, _traced
+    from weightstream.offload.distributed import AllGatherStreamedBlocks, DLOPlan, ParallelConfig, merge_shards
+    from weightstream.offload.streams import RecordingStreams
+
+    model, ref, x, expected = _flux()
+    cls = _traced(AllGatherStreamedBlocks, RecordingStreams(), 2, "ring", FakeGatherExecutor)
+    streamed = cls(model, _cfg(), torch.device(DEV), None, ParallelConfig(),
+                   DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake"))
+    wrapped = OffloadedTransformer(model, _cfg(), device=DEV, streamed=streamed)
+    assert torch.equal(_out(wrapped, x), expected)
+    full, want = merge_shards([wrapped.local_state_dict()]), ref.state_dict()
+    assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
+    plain, _, _, _ = _flux()
+    w2 = OffloadedTransformer(plain, _cfg(), device=DEV)
+    assert w2.local_state_dict().keys() == want.keys()
