@@ -479,6 +479,9 @@ class AllGatherExecutor(GuardedExecutor):
         usable. A failed collective instead marks the backend unusable."""
         if self.capture_tag is not None or self.failure is not None:
             return  # a capture (agree_capture decides) or no collective may run any more
+        if exc is None and self._bound is None and self.position % self.schedule.n and \
+                self.position != self._forward_start:
+            self.finish_step()  # its last blocks were skipped by design (SD3 skip_layers): not a failure
         stopped = exc is not None or self.position % self.schedule.n != 0 or self.position == self._forward_start
         note = ""
         if stopped:

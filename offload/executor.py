@@ -89,15 +89,23 @@ class StepHook:
     def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
         self.executor = executor
         self.name = f"weightstream.step[{type(root).__name__}]"
+        # a GraphForward (in-place mode with CUDA graphs): the outer call of the module
+        # only holds it; the graph runner's own call of the module starts the step
+        self.entry = None
         self._handles = [
             root.register_forward_pre_hook(self.pre_forward),
             root.register_forward_hook(self.post_forward, always_call=True),
         ]
 
     def pre_forward(self, module, args):
-        self.executor.acquire()
-        if self.executor.schedule.has_step_start:
-            self.executor.begin_step()
+        ex = self.executor
+        ex.acquire()
+        if self.entry is not None and not self.entry.inner:
+            return
+        if ex.schedule.has_step_start:
+            ex.begin_step()
+        elif ex.position % ex.schedule.n and ex._bound is None:
+            ex.finish_step()  # the previous step's last blocks were skipped (SD3 skip_layers)
 
     def post_forward(self, module, args, output):
         self.executor.release()
@@ -316,8 +324,10 @@ class LayerwiseExecutor:
         if not self._primed:
             self._prime()
         if self.position % self.schedule.n:
-            self._resync()  # the previous step stopped part-way
-            return
+            if self._bound is not None:
+                self._resync()  # the previous step stopped inside a block (an exception)
+                return
+            self.finish_step()  # its last blocks were skipped
         self._start_step()
 
     def _start_step(self) -> None:
@@ -465,21 +475,24 @@ class LayerwiseExecutor:
             self._claim()
         if not self._primed:
             self._prime()
-        if self._bound is not None:  # a forward raised inside a block (its post-hook never ran)
+        interrupted = self._bound is not None  # a forward raised inside a block (its post-hook never ran)
+        if interrupted:
             self._unbind(self._bound)
-        p = self.position
-        expected = self.schedule.block_at(p)
+        expected = self.schedule.block_at(self.position)
         if block != expected:
-            if block == self.schedule.resident:
+            if not interrupted and self._hold:  # inside the DiT's forward: the blocks in between were skipped
+                self._skip_to(block)
+            elif block == self.schedule.resident:
                 self._resync()
-                p = self.position
             else:
                 raise RuntimeError(
                     f"streamed block {self.blocks[block].name!r} ran out of order: the schedule expected "
-                    f"{self.blocks[expected].name!r}. Blocks must run once per step in discovery order "
-                    f"({self.blocks[self.schedule.resident].name!r} first)."
+                    f"{self.blocks[expected].name!r}. Blocks must run at most once per step in discovery order "
+                    f"({self.blocks[self.schedule.resident].name!r} first), inside the DiT's forward (blocks "
+                    "skipped there, e.g. by SD3's skip_layers, are fine)."
                 )
-        elif self._started != p and block == self.schedule.resident:
+        p = self.position
+        if self._started != p and block == self.schedule.resident:
             self._start_step()  # a step entered without the DiT's hook (root.forward(...)), or the plain ring
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
@@ -513,6 +526,38 @@ class LayerwiseExecutor:
             self._owner = None  # the step is over (a step held by acquire() ends at release())
         if written:
             raise self._written_in_forward(block - self.schedule.resident, written)
+
+    # -- skipped blocks ----------------------------------------------------------
+    def _skip_to(self, block: int) -> None:
+        """Skip positions until ``block``'s, which is later in this step, or in the
+        next one when this step's last blocks were skipped."""
+        while self.schedule.block_at(self.position) != block:
+            self._skip_position()
+
+    def finish_step(self) -> None:
+        """Treat the rest of a step that ended early (its last blocks skipped by
+        design, nothing bound) as skipped, up to the next step boundary."""
+        while self.position % self.schedule.n:
+            self._skip_position()
+
+    def _skip_position(self) -> None:
+        """Position ``self.position`` is computed without reading its slot: its
+        slot-free event is recorded on the compute stream and the load that waits
+        for it is issued, as after_block does. The skipped block's own load is
+        wasted (it was issued a step's slots earlier; skipping it would need a
+        schedule that knows the skip set in advance)."""
+        p = self.position
+        if self._started != p and p % self.schedule.n == 0:
+            self._start_step()  # the step's first blocks are skipped: its start work comes first
+        if self._late is not None:
+            self._issue_late()
+        slot = self.schedule.slot_at(p)
+        if self.streams is not None:
+            self.freed[slot].record(self.streams.current_stream(self.device))
+        self.position = p + 1
+        nxt = self.schedule.after_compute(p)
+        if nxt is not None:
+            self._issue(nxt)
 
     def _resync(self) -> None:
         """A step started while the previous one was cut short (an exception

@@ -1,14 +1,12 @@
 """Layer mode over a whole pipeline: each selected DiT (and text encoder)
-streams its blocks through an :class:`OffloadedTransformer` built over it;
+streams its blocks in place (:func:`~weightstream.offload.transformer.apply_layerwise_offload`);
 every other component moves to the device and stays there.
 
-The pipeline keeps its original module objects: streaming runs from hooks on
-the module itself, and a state_dict hook on it serves the host weights, so
-``pipe.save_pretrained`` and ``model_index.json`` see the real components.
-Only with ``cuda_graphs="on"`` is the component replaced by its wrapper (the
-graph runner must intercept the call); such a pipeline's ``save_pretrained``
-cannot save that component (diffusers does not know the wrapper class): call
-``disable()`` first, or save the component itself (``handle.wrapped[name].save_pretrained``).
+The pipeline keeps its original module objects, also with ``cuda_graphs="on"``
+(the handle then sets the instance's ``forward`` to the graph runner's entry):
+streaming runs from hooks on the module itself, and a state_dict hook on it
+serves the host weights, so ``pipe.save_pretrained`` and ``model_index.json``
+see the real components.
 
 Reached through ``offload_pipeline(pipe, {"mode": "layer", ...})``.
 """
@@ -21,8 +19,8 @@ from torch import nn
 
 from .components import Components
 from .config import OffloadConfig
-from .discovery import OffloadPlan, resolve_path
-from .transformer import OffloadedTransformer
+from .discovery import OffloadPlan
+from .transformer import LayerwiseOffloadHandle
 
 # Block containers of common text encoders (transformers' T5/UMT5 and CLIP
 # text models), tried in order when an encoder declares none of its own.
@@ -46,20 +44,14 @@ def _encoder_plan(module: nn.Module) -> OffloadPlan | None:
     )
 
 
-def _set_path(root: Any, dotted: str, value: Any) -> None:
-    parent, _, leaf = dotted.rpartition(".")
-    setattr(resolve_path(root, parent) if parent else root, leaf, value)
-
-
 class LayerwisePipelineOffload:
     """Handle of layer mode over a pipeline: ``wrapped`` maps component paths to
-    their :class:`OffloadedTransformer`; ``replaced`` names those the pipeline
-    calls through the wrapper (CUDA graphs); ``disable()`` leaves plain modules."""
+    their :class:`LayerwiseOffloadHandle` (the pipeline keeps the modules);
+    ``disable()`` leaves plain modules."""
 
     def __init__(self, pipe: Any, config: OffloadConfig, device: torch.device, components: Components):
         self.pipe, self.config, self.device = pipe, config, device
-        self.wrapped: dict[str, OffloadedTransformer] = {}
-        self.replaced: set[str] = set()
+        self.wrapped: dict[str, LayerwiseOffloadHandle] = {}
         selected = [c for c in components.items if c.kind in config.components and c.kind in ("dit", "text_encoder")]
         try:
             for c in selected:
@@ -69,10 +61,7 @@ class LayerwisePipelineOffload:
                     opts = config.layer_option("text_encoder")
                     cfg = config.replace(components=("dit",), layer_options={"dit": opts})
                     plan = _encoder_plan(c.module)
-                self.wrapped[c.name] = OffloadedTransformer(c.module, cfg, device=device, plan=plan)
-                if cfg.cuda_graphs == "on":  # the graph runner replaces the module's call
-                    _set_path(pipe, c.name, self.wrapped[c.name])
-                    self.replaced.add(c.name)
+                self.wrapped[c.name] = LayerwiseOffloadHandle(c.module, cfg, device=device, plan=plan)
             with torch.no_grad():
                 for c in components.items:
                     if c.name not in self.wrapped:
@@ -84,15 +73,12 @@ class LayerwisePipelineOffload:
             raise
 
     def stats(self) -> dict:
-        return {name: w.stats() for name, w in self.wrapped.items() if not w._disabled}
+        return {name: w.stats() for name, w in self.wrapped.items() if not w.removed}
 
     def disable(self) -> Any:
         """Every streamed component back as an ordinary resident module on the pipeline."""
         for name, w in list(self.wrapped.items()):
-            plain = w.disable()
-            if name in self.replaced:
-                _set_path(self.pipe, name, plain)
-                self.replaced.discard(name)
+            w.remove()
             del self.wrapped[name]
         return self.pipe
 

@@ -1,6 +1,7 @@
 """OffloadedTransformer: the drop-in wrapper that streams a DiT's blocks."""
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ from torch import nn
 from .config import OffloadConfig
 from .tracing import not_traced
 from .discovery import Block, OffloadPlan, discover_blocks
-from .executor import LayerwiseExecutor
+from .executor import LayerwiseExecutor, StepHook
 from .host_store import HostStore, Progress, copy_from_image
 from .layout import block_tensors, build_layout, check_not_shared
 from .misuse import (
@@ -398,6 +399,195 @@ def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def layer_config(config, who: str) -> OffloadConfig:
+    """``config`` as an OffloadConfig for streaming one DiT (layer mode, 'dit' selected)."""
+    cfg = OffloadConfig.coerce(config)
+    if cfg.mode != "layer":
+        raise ValueError(
+            f"mode={cfg.mode!r} is not allowed for {who}; choose from: layer "
+            "(module mode swaps whole components: use offload_pipeline)"
+        )
+    if "dit" not in cfg.components:
+        raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; {who} streams a DiT")
+    return cfg
+
+
+def build_streamed_blocks(module: nn.Module, cfg: OffloadConfig, device: torch.device, plan, parallel,
+                          streamed: StreamedBlocks | None) -> StreamedBlocks:
+    """The streaming machinery over ``module``: given, DLO (``parallel``), or the host store."""
+    if streamed is not None:
+        # machinery built elsewhere over this module (e.g. the safetensors mmap source)
+        if parallel is not None or streamed.module is not module:
+            raise ValueError("streamed= must be built over this module, and excludes parallel=")
+        return streamed
+    if parallel is not None:
+        # distributed layerwise offload (DLO) over an existing torch.distributed topology
+        from .distributed import build_streamed
+
+        return build_streamed(module, cfg, device, plan, parallel)
+    if cfg.weight_transfer == "allgather":
+        raise ValueError(
+            "layer_options.dit.weight_transfer='allgather' needs a process group: pass "
+            "parallel=ParallelConfig(...) (DLO); allowed without one: rank-local or unset"
+        )
+    return StreamedBlocks(module, cfg, device, plan)
+
+
+class GraphForward:
+    """Instance-level ``forward`` of a module offloaded in place with
+    ``cuda_graphs='on'``: a call of the module goes to the GraphRunner (capture,
+    replay, eager), whose own calls of the module reach the class's forward.
+
+    Set on the instance by :class:`LayerwiseOffloadHandle` (``module.forward``,
+    never the class) and deleted by its ``remove()``. The module's own hooks run
+    around both calls; the DiT's step hook does its step work only in the
+    runner's call (``inner``), since a replay runs no hooks.
+    """
+
+    def __init__(self, module: nn.Module, streamed: StreamedBlocks, config: OffloadConfig):
+        from weightstream.graphs.runner import GraphRunner
+
+        self.module, self.streamed = module, streamed
+        self.name = f"weightstream.graph_forward[{type(module).__name__}]"
+        self.inner = False
+        self.runner = GraphRunner(self.call_module, streamed.executor, config)
+        # diffusers pipelines read inspect.signature(transformer.forward).parameters
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+
+    def call_module(self, *args, **kwargs):
+        """The runner's call of the module: hooks, then the class's forward."""
+        self.inner = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.inner = False
+
+    @not_traced  # hooks, stream events and graph launches drive the streaming; not traceable
+    def __call__(self, *args, **kwargs):
+        if self.inner:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        try:
+            return self.runner(args, kwargs)
+        except Exception as e:
+            named = explain_failure(e, self.streamed)
+            if named is not None:
+                raise named from e
+            raise
+
+    def __repr__(self) -> str:
+        return f"GraphForward({self.name}, graphs={len(self.runner.graphs)})"
+
+
+class LayerwiseOffloadHandle:
+    """Layerwise streaming installed on a module in place (its class is kept).
+
+    Made by :func:`apply_layerwise_offload`. What it installs on the module, all
+    named and removable: a pre/post hook per streamed block, a step hook on the
+    module, a state_dict post-hook (``state_dict()`` / ``save_pretrained`` read
+    the real weights from the host store) and, only with ``cuda_graphs='on'``,
+    a :class:`GraphForward` as the instance's ``forward``. ``remove()`` takes
+    all of it off and returns the module with every weight on the device.
+    ``intercept=False`` (what :class:`OffloadedTransformer` uses, whose own
+    forward calls the runner) installs no forward override.
+    """
+
+    def __init__(self, module: nn.Module, config=None, *, device=None, plan: OffloadPlan | None = None,
+                 parallel=None, streamed: StreamedBlocks | None = None, intercept: bool = True,
+                 who: str = "apply_layerwise_offload"):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if streamed is None:  # before any tensor moves
+            check_wrappable(module)
+        self.config = layer_config(config, who)
+        self.module = module
+        self.device = resolve_device(device)
+        self.streamed = build_streamed_blocks(module, self.config, self.device, plan, parallel, streamed)
+        self.graphs = self.forward_override = None
+        if self.config.cuda_graphs == "on":
+            try:
+                self._graph_runner(intercept)
+            except BaseException:
+                self.streamed.restore()  # nothing lost: the module gets its weights back
+                raise
+        self.state_dict_hook = install_state_dict_hook(module, self.streamed)
+        self.removed = False
+
+    def _graph_runner(self, intercept: bool) -> None:
+        if not intercept:
+            from weightstream.graphs.runner import GraphRunner
+
+            self.graphs = GraphRunner(self.module, self.streamed.executor, self.config)
+            return
+        override = GraphForward(self.module, self.streamed, self.config)
+        self.graphs, self.forward_override = override.runner, override
+        for h in self.streamed.executor.hooks:
+            if isinstance(h, StepHook):
+                h.entry = override
+        self.module.forward = override  # the instance only; the class is untouched
+
+    @property
+    def executor(self) -> LayerwiseExecutor:
+        return self.streamed.executor
+
+    def _check_live(self) -> None:
+        if self.removed:
+            raise RuntimeError("this layerwise offload was removed; the module runs as a plain module")
+
+    def stats(self) -> dict:
+        self._check_live()
+        return self.streamed.stats()
+
+    def events(self) -> list[dict]:
+        """Per-block copy/compute intervals (needs ``record_events=True``); synchronises."""
+        self._check_live()
+        return self.streamed.executor.events()
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """As :meth:`OffloadedTransformer.update_weights`."""
+        self._check_live()
+        return self.streamed.update_weights(state_dict, strict=strict)
+
+    def remove(self) -> nn.Module:
+        """Stop streaming: every weight back on the device, hooks and the forward
+        override removed; returns the (same) plain module."""
+        self._check_live()
+        if self.forward_override is not None:
+            del self.module.__dict__["forward"]
+            self.forward_override = None
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        module = self.streamed.restore()
+        self.state_dict_hook.remove()
+        self.removed = True
+        return module
+
+    def __repr__(self) -> str:
+        if self.removed:
+            return f"LayerwiseOffloadHandle({type(self.module).__name__}, removed)"
+        s = self.streamed.stats()
+        parts = [f"streamed={s['blocks_streamed']}", f"resident_blocks={s['blocks_resident']}",
+                 f"slots={s['num_slots']}", f"device={s['device']}", repr(self.state_dict_hook)]
+        if self.forward_override is not None:
+            parts.append(f"forward={self.forward_override!r}")
+        return f"LayerwiseOffloadHandle({type(self.module).__name__}, {', '.join(parts)})"
+
+
+def apply_layerwise_offload(module: nn.Module, config=None, *, device=None,
+                            plan: OffloadPlan | None = None) -> LayerwiseOffloadHandle:
+    """Stream ``module``'s blocks in place: the module keeps its class and object
+    (``isinstance`` checks, ``save_pretrained``, pipelines see it unchanged).
+
+    ``config``: as for :class:`OffloadedTransformer` (layer mode over the DiT).
+    Returns the handle; ``handle.remove()`` gives back the plain module with every
+    weight on the device. With ``cuda_graphs='on'`` the handle sets the
+    instance's ``forward`` to a :class:`GraphForward` (removed by ``remove()``).
+    Unlike the wrapper, casts and moves of the module (``.to(dtype)``, ``.half()``)
+    are not intercepted: do not call them while it streams.
+    """
+    return LayerwiseOffloadHandle(module, config, device=device, plan=plan)
+
+
 class OffloadedTransformer(nn.Module):
     """Drop-in wrapper: same forward, same outputs, blocks streamed from host memory.
 
@@ -423,49 +613,19 @@ class OffloadedTransformer(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if streamed is None:  # before any tensor moves
-            check_wrappable(module)
-        cfg = OffloadConfig.coerce(config)
-        if cfg.mode != "layer":
-            raise ValueError(
-                f"mode={cfg.mode!r} is not allowed for OffloadedTransformer; choose from: layer "
-                "(module mode swaps whole components: use offload_pipeline)"
-            )
-        if "dit" not in cfg.components:
-            raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; OffloadedTransformer streams a DiT")
+        # the wrapper's own forward intercepts calls: no forward override on the module
+        handle = LayerwiseOffloadHandle(module, config, device=device, plan=plan, parallel=parallel,
+                                        streamed=streamed, intercept=False, who="OffloadedTransformer")
         self.module = module
+        self._handle = handle
         # not `.config`: that name passes through to the wrapped model (diffusers'
         # pipelines read transformer.config.in_channels and the like)
-        self.offload_config = cfg
-        self._device = resolve_device(device)
-        if streamed is not None:
-            # machinery built elsewhere over this module (e.g. the safetensors mmap source)
-            if parallel is not None or streamed.module is not module:
-                raise ValueError("streamed= must be built over this module, and excludes parallel=")
-            self._streamed = streamed
-        elif parallel is not None:
-            # distributed layerwise offload (DLO) over an existing torch.distributed topology
-            from .distributed import build_streamed
-
-            self._streamed = build_streamed(module, cfg, self._device, plan, parallel)
-        elif cfg.weight_transfer == "allgather":
-            raise ValueError(
-                "layer_options.dit.weight_transfer='allgather' needs a process group: pass "
-                "parallel=ParallelConfig(...) (DLO); allowed without one: rank-local or unset"
-            )
-        else:
-            self._streamed = StreamedBlocks(module, cfg, self._device, plan)
-        self._graphs = None
-        if cfg.cuda_graphs == "on":
-            from weightstream.graphs.runner import GraphRunner
-
-            try:
-                self._graphs = GraphRunner(module, self._streamed.executor, cfg)
-            except BaseException:
-                self._streamed.restore()  # nothing lost: the module gets its weights back
-                raise
+        self.offload_config = handle.config
+        self._device = handle.device
+        self._streamed = handle.streamed
+        self._graphs = handle.graphs
         # on the wrapped module itself: save_pretrained and parents reach it without the wrapper
-        self.state_dict_hook = install_state_dict_hook(module, self._streamed)
+        self.state_dict_hook = handle.state_dict_hook
         self._disabled = False
 
     # attribute access passes through to the wrapped model (.config, .dtype, ...)
@@ -552,6 +712,15 @@ class OffloadedTransformer(nn.Module):
         gather = getattr(self._streamed, "gather_state_dict", None)
         return gather() if gather is not None else self.state_dict()
 
+    def local_state_dict(self) -> dict:
+        """This rank's weights with no collective, usable after any DLO failure (DLO
+        AllGather: tensors outside this rank's share are ``ShardPiece``s;
+        ``weightstream.offload.distributed.merge_shards`` of every rank's result is
+        the full state dict). Without DLO AllGather: ``state_dict()``."""
+        self._check_live()
+        local = getattr(self._streamed, "local_state_dict", None)
+        return local() if local is not None else self.state_dict()
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
             raise ValueError("load_state_dict(assign=True) is not allowed on an OffloadedTransformer; use assign=False")
@@ -581,11 +750,8 @@ class OffloadedTransformer(nn.Module):
     def disable(self) -> nn.Module:
         """Stop streaming: every weight back on the device, hooks removed; returns the plain module."""
         self._check_live()
-        if self._graphs is not None:
-            self._graphs.release()
-            self._graphs = None
-        module = self._streamed.restore()
-        self.state_dict_hook.remove()
+        module = self._handle.remove()
+        self._graphs = None
         self._disabled = True
         return module
 

@@ -465,14 +465,14 @@ def test_default_config_is_module_dit_text_encoder(toy):
 
 
 def test_layer_mode_streams_dits_and_encoders(toy):
-    from weightstream import OffloadedTransformer
+    from weightstream import LayerwiseOffloadHandle
 
     pipe, inputs, expected = toy
     originals = {n: getattr(pipe, n) for n in ("transformer", "transformer_2", "text_encoder", "text_encoder_2")}
     config = {"mode": "layer", "components": ["dit", "text_encoder"],
               "layer_options": {"dit": {"resident_layers": 1}}, "progress": False}
     handle = offload_pipeline(pipe, config, device="cpu")
-    assert all(isinstance(handle.wrapped[n], OffloadedTransformer) for n in originals)
+    assert all(isinstance(handle.wrapped[n], LayerwiseOffloadHandle) for n in originals)
     assert all(getattr(pipe, n) is m for n, m in originals.items())  # the pipeline keeps its modules
     for _ in range(2):
         assert torch.equal(pipe(**inputs), expected)
@@ -484,12 +484,12 @@ def test_layer_mode_streams_dits_and_encoders(toy):
 
 
 def test_layer_mode_dit_only_leaves_encoders_resident(toy):
-    from weightstream import OffloadedTransformer
+    from weightstream import LayerwiseOffloadHandle, OffloadedTransformer
 
     pipe, inputs, expected = toy
     handle = offload_pipeline(pipe, OffloadConfig.layerwise(progress=False), device="cpu")
     assert set(handle.wrapped) == {"transformer", "transformer_2"}
-    assert isinstance(handle.wrapped["transformer"], OffloadedTransformer)
+    assert isinstance(handle.wrapped["transformer"], LayerwiseOffloadHandle)
     assert not isinstance(pipe.transformer, OffloadedTransformer)  # the pipeline keeps its modules
     assert torch.equal(pipe(**inputs), expected)
     assert "transformer" in repr(handle)

@@ -246,8 +246,7 @@ def test_batchnorm_train_mode_write_is_an_error_not_lost():
         with pytest.raises(StreamedWriteError, match=r"'blocks\.0\.bn\.num_batches_tracked'.*eval\(\)"):
             wrapped(x)
         model.eval()
-        with pytest.warns(UserWarning, match="re-priming"):
-            out = wrapped(x)
+        out = wrapped(x)  # raised after the block was unbound: the step's rest counts as skipped
         assert torch.equal(out, ref(x))  # the lost running stats never leaked in
 
 

@@ -26,6 +26,8 @@ _EXPORTS = {
     "trace_plan": "weightstream.offload.discovery",
     "BlockOrderError": "weightstream.offload.discovery",
     "OffloadedTransformer": "weightstream.offload.transformer",
+    "apply_layerwise_offload": "weightstream.offload.transformer",
+    "LayerwiseOffloadHandle": "weightstream.offload.transformer",
     "offload_pipeline": "weightstream.offload.model_offload",
     "ParallelConfig": "weightstream.offload.distributed",
     "validate_wave": "weightstream.offload.distributed",
@@ -55,7 +57,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
     )
     from weightstream.offload.mmap_source import offload_from_safetensors
     from weightstream.offload.model_offload import offload_pipeline
-    from weightstream.offload.transformer import OffloadedTransformer
+    from weightstream.offload.transformer import LayerwiseOffloadHandle, OffloadedTransformer, apply_layerwise_offload
 
 
 def __getattr__(name: str):

@@ -1,0 +1,105 @@
+"""In-place mode with CUDA graphs on the device (pytest -m gpu): the handle's
+instance-level forward override routes calls of the module itself through the
+GraphRunner. Each case runs in its own process (graph capture)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_isolated(name: str):
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_inplace_gpu as t; t.{name}()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+# -- bodies (run in a fresh process each) -------------------------------------------------
+
+def _flux(resident=0):
+    import copy
+
+    import torch
+
+    from weightstream.models import flux_inputs, tiny_flux
+
+    model = tiny_flux(dtype=torch.bfloat16)
+    ref = copy.deepcopy(model).cuda()
+    x = flux_inputs(model, device="cuda")
+    with torch.no_grad():
+        expected = ref(**x)[0]
+    return torch, model, x, expected
+
+
+def case_inplace_graphs(resident=0):
+    from diffusers import FluxTransformer2DModel
+
+    from weightstream import OffloadConfig, apply_layerwise_offload
+    from weightstream.offload.transformer import GraphForward
+
+    torch, model, x, expected = _flux()
+    cfg = OffloadConfig.layerwise(cuda_graphs="on", resident_layers=resident, progress=False)
+    handle = apply_layerwise_offload(model, cfg, device="cuda")
+    assert type(model) is FluxTransformer2DModel
+    assert isinstance(model.__dict__.get("forward"), GraphForward) and "GraphForward" in repr(handle)
+    with torch.no_grad():
+        outs = [model(**x)[0] for _ in range(6)]  # warm-up, capture(s), replays
+    assert all(torch.equal(o, expected) for o in outs), [float((o.float() - expected.float()).abs().max()) for o in outs]
+    c = handle.graphs.counts
+    assert c["capture"] >= 1 and c["replay"] >= 3, c
+    assert handle.executor.position == 6 * handle.executor.schedule.n  # every call one step, none doubled
+    assert handle.remove() is model and "forward" not in model.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+    print("counts", c)
+
+
+def case_inplace_graphs_resident():
+    case_inplace_graphs(resident=2)
+
+
+def case_pipeline_graphs_keeps_module_and_saves():
+    import tempfile
+
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+
+    from weightstream import OffloadConfig, offload_pipeline
+
+    class TinyPipe(DiffusionPipeline):
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+    torch, model, x, expected = _flux()
+    pipe = TinyPipe(model)
+    handle = offload_pipeline(pipe, OffloadConfig.layerwise(cuda_graphs="on", progress=False), device="cuda")
+    assert pipe.transformer is model
+    with torch.no_grad():
+        outs = [pipe.transformer(**x)[0] for _ in range(5)]
+    assert all(torch.equal(o, expected) for o in outs)
+    assert handle.wrapped["transformer"].graphs.counts["replay"] >= 2
+    with tempfile.TemporaryDirectory() as d:
+        pipe.save_pretrained(d)
+        back = FluxTransformer2DModel.from_pretrained(d, subfolder="transformer").cuda().eval()
+        with torch.no_grad():
+            assert torch.equal(back(**x)[0], expected)
+    handle.disable()
+    assert pipe.transformer is model and "forward" not in model.__dict__
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+def test_inplace_graphs():
+    run_isolated("case_inplace_graphs")
+
+
+def test_inplace_graphs_resident():
+    run_isolated("case_inplace_graphs_resident")
+
+
+def test_pipeline_graphs_keeps_module_and_saves():
+    run_isolated("case_pipeline_graphs_keeps_module_and_saves")
