@@ -89,9 +89,13 @@ class GraphRunner:
         ex = self.executor
         ex.check_usable()  # DLO: a failed backend raises before any collective; mmap: a changed file
         if ex.mid_step:
-            # an earlier eager step stopped part-way (an exception in the model): a
-            # replay runs no hooks that could notice, so line the ring up first
-            ex.reset()
+            # an earlier eager step stopped part-way: a replay runs no hooks that could
+            # notice, so line the ring up first; a step whose last blocks were skipped
+            # (nothing bound) finishes as skipped, one that raised inside a block re-primes
+            if ex.block_bound:
+                ex.reset()
+            else:
+                ex.finish_step()
         try:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:

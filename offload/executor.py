@@ -624,8 +624,13 @@ class LayerwiseExecutor:
 
     @property
     def mid_step(self) -> bool:
-        """True when a step stopped part-way (an exception inside the model)."""
+        """True when a step stopped part-way (an exception, or its last blocks skipped)."""
         return self.position % self.schedule.n != 0
+
+    @property
+    def block_bound(self) -> bool:
+        """True when a forward raised inside a block (its post-hook never ran)."""
+        return self._bound is not None
 
     def begin_capture(self, tag: int) -> int:
         """Loads issued from now on belong to capture ``tag``; returns the position."""

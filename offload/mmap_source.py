@@ -490,14 +490,9 @@ class MmapExecutor(LayerwiseExecutor):
         calls this before every step, replays included)."""
         self.store.ckpt.check_unchanged()
 
-    def begin_step(self) -> None:
-        self.store.ckpt.check_unchanged()
-        super().begin_step()
-
-    def before_block(self, block: int) -> None:
-        if block == self.schedule.resident:  # a step's first streamed block: step start
-            self.store.ckpt.check_unchanged()
-        super().before_block(block)
+    def _start_step(self) -> None:
+        self.store.ckpt.check_unchanged()  # once per step, however the step was entered or skipped into
+        super()._start_step()
 
     def reload_pending(self) -> None:
         """Re-copy the slots of the upcoming positions from the mapping (direct
