@@ -1,7 +1,7 @@
 """Distributed layerwise offload (DLO) on CPU over gloo.
 
-Multi-rank checks run in real processes (2 and 3 ranks), one launch per rank
-count: every check of a launch runs in the same processes and reports back
+Multi-rank checks run in real processes (2, 3, 4 and 8 ranks), one launch per
+rank count: every check of a launch runs in the same processes and reports back
 through a pickle per rank, and the test functions below assert on those
 reports. Processes come from a forkserver that has imported torch and
 diffusers once (a plain spawn re-imports diffusers in every process, about
@@ -132,6 +132,8 @@ def _model(kind, rank, dtype=torch.float32):
     """(model, inputs): the same weights on every rank, this rank's own request."""
     if kind == "toy":
         return ToyDiT(), toy_inputs(seed=1 + rank)
+    if kind == "toy-narrow":  # blocks of 3-6 KiB: at 4 and 8 ranks some shares hold only padding
+        return ToyDiT(width=8), toy_inputs(seed=1 + rank)
     m = tiny_flux(dtype=dtype)
     return m, flux_inputs(m, seed=1 + rank)
 
@@ -400,6 +402,24 @@ def scenario_three(rank, world):
     return c.report
 
 
+def scenario_many(rank, world):
+    """The 4- and 8-rank checks (issue 17), in one launch: every share smaller, some
+    all padding (toy-narrow), the same weights gathered from every rank's piece."""
+    dp = ParallelConfig(dp=world)
+    sp = ParallelConfig(sp=world)
+    c = Checks()
+    c.run("toy_allgather", check_equal, "toy", dp, transfer="allgather", rank=rank)
+    c.run("toy_narrow_allgather", check_equal, "toy-narrow", dp, rank=rank, forwards=2)
+    c.run("flux_allgather_bf16", check_equal, "flux", dp, rank=rank, forwards=2, dtype=torch.bfloat16)
+    c.run("flux_allgather_sp", check_equal, "flux", sp, rank=rank, forwards=2, same_inputs=True)
+    c.run("toy_list_gather", check_list_gather, dp, rank)
+    c.run("toy_rank_local", check_equal, "toy", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("flux_rank_local", check_equal, "flux", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("weights", check_weights, dp, rank)
+    c.run("waves", check_waves, dp, rank, world)
+    return c.report
+
+
 # --------------------------------------------------------------------------- launches
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
@@ -411,9 +431,23 @@ def three(tmp_path_factory):
     return run_ranks(3, tmp_path_factory.mktemp("dlo3"), "test_distributed:scenario_three")
 
 
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_ranks(4, tmp_path_factory.mktemp("dlo4"), "test_distributed:scenario_many")
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    return run_ranks(8, tmp_path_factory.mktemp("dlo8"), "test_distributed:scenario_many", timeout=420)
+
+
 EQUALITY_2 = ["toy_allgather", "toy_default", "toy_allgather_3slots", "toy_list_gather",
               "toy_rank_local_resident", "flux_allgather", "flux_rank_local"]
 EQUALITY_3 = ["toy_allgather", "flux_allgather_sp", "flux_allgather_bf16", "toy_rank_local"]
+EQUALITY_MANY = ["toy_allgather", "toy_narrow_allgather", "flux_allgather_bf16", "flux_allgather_sp",
+                 "toy_list_gather", "toy_rank_local", "flux_rank_local"]
+SLOW = pytest.mark.slow  # the 8-rank launch (see MANY)
+MANY = [("four", 4), pytest.param("eight", 8, marks=SLOW)]
 
 
 def _assert_equal_report(reps, name, world):
@@ -441,6 +475,12 @@ def test_three_ranks_bit_exact(three, name):
     _assert_equal_report(get(three, name), name, 3)
 
 
+@pytest.mark.parametrize("launch,world", MANY)
+@pytest.mark.parametrize("name", EQUALITY_MANY)
+def test_many_ranks_bit_exact(request, launch, world, name):
+    _assert_equal_report(get(request.getfixturevalue(launch), name), name, world)
+
+
 def test_models_have_odd_blocks_and_sizes_not_divisible(two, three):
     for reps, world in ((get(two, "toy_allgather"), 2), (get(three, "toy_allgather"), 3),
                         (get(three, "flux_allgather_sp"), 3)):
@@ -449,8 +489,26 @@ def test_models_have_odd_blocks_and_sizes_not_divisible(two, three):
         assert any(n % (world * TENSOR_ALIGN) for n in layouts), "every block divides evenly: padding untested"
 
 
+@pytest.mark.parametrize("launch,world", MANY)
+def test_many_ranks_odd_blocks_uneven_and_padding_only_shares(request, launch, world):
+    """At 4 and 8 ranks the models still have odd block counts and blocks that do
+    not divide evenly; toy-narrow has blocks where the last rank's share is all padding."""
+    reps = request.getfixturevalue(launch)
+    for name in ("toy_allgather", "flux_allgather_bf16", "toy_narrow_allgather"):
+        layouts = get(reps, name)[0]["layouts"]
+        assert len(layouts) % 2 == 1, name
+        assert any(n % (world * TENSOR_ALIGN) for n in layouts), f"{name}: every block divides evenly"
+    narrow = get(reps, "toy_narrow_allgather")[0]["layouts"]
+    assert any(n <= (world - 1) * shard_size(n, world) for n in narrow), "no share is padding only"
+
+
 @pytest.mark.parametrize("launch,name,world", [("two", "toy_allgather", 2), ("two", "flux_allgather", 2),
-                                               ("three", "toy_allgather", 3), ("three", "flux_allgather_bf16", 3)])
+                                               ("three", "toy_allgather", 3), ("three", "flux_allgather_bf16", 3),
+                                               ("four", "toy_allgather", 4), ("four", "flux_allgather_bf16", 4),
+                                               ("four", "toy_narrow_allgather", 4),
+                                               pytest.param("eight", "toy_allgather", 8, marks=SLOW),
+                                               pytest.param("eight", "flux_allgather_bf16", 8, marks=SLOW),
+                                               pytest.param("eight", "toy_narrow_allgather", 8, marks=SLOW)])
 def test_allgather_host_bytes_per_rank(request, launch, name, world):
     reps = get(request.getfixturevalue(launch), name)
     for rep in reps:
@@ -472,21 +530,26 @@ def test_rank_local_keeps_full_blocks(two):
         assert rep["stats"]["blocks_streamed"] == 5
 
 
-def test_list_gather_fallback_and_probe(two):
-    assert [r["stats"]["gather"] for r in get(two, "toy_list_gather")] == ["list", "list"]
+@pytest.mark.parametrize("launch,world", [("two", 2), *MANY])
+def test_list_gather_fallback_and_probe(request, launch, world):
+    reps = request.getfixturevalue(launch)
+    assert [r["stats"]["gather"] for r in get(reps, "toy_list_gather")] == ["list"] * world
     # gloo in this torch has all_gather_into_tensor; the probe picks it
-    assert [r["stats"]["gather"] for r in get(two, "toy_allgather")] == ["tensor", "tensor"]
+    assert [r["stats"]["gather"] for r in get(reps, "toy_allgather")] == ["tensor"] * world
 
 
-def test_update_weights_and_gather_state_dict(two):
-    for rep in get(two, "weights"):
+@pytest.mark.parametrize("launch,world", [("two", 2), *MANY])
+def test_update_weights_and_gather_state_dict(request, launch, world):
+    reps = get(request.getfixturevalue(launch), "weights")
+    assert len(reps) == world
+    for rep in reps:
         assert rep["written"] == rep["expected"]
         assert all(rep["equal"]), "after update_weights outputs differ from the resident model with new weights"
         assert rep["gathered_ok"]
         assert rep["state_dict_error"] and "gather_state_dict" in rep["state_dict_error"]
 
 
-@pytest.mark.parametrize("launch,world", [("two", 2), ("three", 3)])
+@pytest.mark.parametrize("launch,world", [("two", 2), ("three", 3), *MANY])
 def test_request_waves(request, launch, world):
     reps = get(request.getfixturevalue(launch), "waves")
     for key in reps[0]:
