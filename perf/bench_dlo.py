@@ -456,6 +456,15 @@ def _cell(fig: dict | None, key: str, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _per_rank(fig: dict | None, gb_key: str, fraction_key: str) -> str:
+    """'11.84 GB (0.497x)': GB per rank and its fraction of the model (older results: computed)."""
+    if not fig:
+        return ""
+    gb = fig[gb_key]
+    frac = fig.get(fraction_key, gb / fig["model_gb"] if fig.get("model_gb") else None)
+    return (f"{gb:.2f} GB" if gb >= 0.01 else f"{gb:.2g} GB") + ("" if frac is None else f" ({frac:.3f}x)")
+
+
 def scaling_table(results: dict[int, dict | str]) -> str:
     """README's "DLO scaling" table (markdown): one row per N from its result, or why it has none."""
     head = ("| N | resident | DLO AllGather | x resident | x floor | pinned per rank | host per rank | setup | "
@@ -467,14 +476,17 @@ def scaling_table(results: dict[int, dict | str]) -> str:
             lines.append(f"| {n} | {res} |" + " |" * 8)
             continue
         ag, res_fig = res["modes"].get("dlo-allgather"), res["modes"].get("resident")
-        pinned = f"{ag['pinned_host_gb_per_rank']:.3g} GB ({ag['pinned_fraction']:.3f}x)" if ag else ""
-        host = f"{ag['host_gb_per_rank']:.3g} GB ({ag['host_fraction']:.3f}x)" if ag else ""
-        bus = res.get("allgather_busbw_gbps")
+        pinned, host = (_per_rank(ag, "pinned_host_gb_per_rank", "pinned_fraction"),
+                        _per_rank(ag, "host_gb_per_rank", "host_fraction"))
+        bus, alg = res.get("allgather_busbw_gbps"), res.get("allgather_gbps")
+        if bus is None and alg:  # results before the bus figure: NCCL's (N - 1) / N of the output rate
+            bus = alg * (n - 1) / n
+        backend = res.get("allgather_backend", "gloo" if res.get("gpu") == "cpu" else "nccl")
         lines.append(
             f"| {n} | {_cell(res_fig, 'step_ms', '.1f')} ms | {_cell(ag, 'step_ms', '.1f')} ms | "
             f"{_cell(ag, 'ratio_to_resident', '.3f')} | {_cell(ag, 'ratio_to_floor', '.3f')} | {pinned} | {host} | "
             f"{_cell(ag, 'setup_s', '.1f')} s | {_cell(ag, 'bit_exact', '')} | "
-            f"{'' if bus is None else f'{bus:.3g} GB/s ' + res.get('allgather_backend', '')} |")
+            f"{'' if bus is None else f'{bus:.3g} GB/s {backend}'} |")
     return "\n".join(lines)
 
 

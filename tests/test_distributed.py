@@ -816,3 +816,18 @@ def test_bench_dlo_tiny_at_4_and_8_ranks(tmp_path):
     table = proc.stdout[proc.stdout.index("DLO scaling"):]
     rows = [line for line in table.splitlines() if line.startswith(("| 4 |", "| 8 |"))]
     assert len(rows) == 2 and all("| True |" in row for row in rows), table
+
+
+def test_readme_dlo_scaling_row_is_the_stored_result():
+    """README's "DLO scaling" N=2 row is what bench_dlo prints for the result file it cites."""
+    import json
+
+    repo, bench = _bench()
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("### DLO scaling"):]
+    section = section[: section.index("\n## ")]
+    cited = re.search(r"N=2 from (perf/results/\S+\.json)", section).group(1)
+    result = json.loads((repo / cited).read_text())
+    assert result["gpus"] == 2 and result["modes"]["dlo-allgather"]["bit_exact"] is True
+    row = bench.scaling_table({2: result}).splitlines()[2]
+    assert row in section.splitlines(), (row, section)
