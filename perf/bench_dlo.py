@@ -6,7 +6,9 @@
 One request per rank (DP=N, NCCL, one process per GPU). ``--nproc 2,4,8``
 runs each N in turn, each in fresh processes on the first N GPUs with its own
 resident step, writes one result file per N and prints the scaling table of
-README.md (an N with more ranks than GPUs is skipped and named). The random-weight
+README.md (an N with more ranks than GPUs is skipped and named). Exit code:
+0 when every N ran and met its targets (or has none, --tiny), 1 when one
+missed them or failed, 3 when an N was skipped for want of GPUs. The random-weight
 FluxTransformer2DModel (diffusers defaults, guidance_embeds=True, bf16,
 11.9 B parameters) is built on the meta device and filled on the GPU with the
 same seed on every rank; DLO packs its host store from those GPU weights and
@@ -435,7 +437,7 @@ def run_world(args, world: int) -> tuple[int, dict | str]:
         import torch
 
         if torch.cuda.device_count() < world:
-            return 0, f"not run: {world} ranks need {world} GPUs, torch sees {torch.cuda.device_count()}"
+            return 3, f"not run: {world} ranks need {world} GPUs, torch sees {torch.cuda.device_count()}"
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:

@@ -831,3 +831,17 @@ def test_readme_dlo_scaling_row_is_the_stored_result():
     assert result["gpus"] == 2 and result["modes"]["dlo-allgather"]["bit_exact"] is True
     row = bench.scaling_table({2: result}).splitlines()[2]
     assert row in section.splitlines(), (row, section)
+
+
+def test_bench_dlo_names_each_n_it_cannot_run(tmp_path):
+    """`--nproc 2,8` with no GPU visible: no rank starts, each N is named in the table, exit code 3."""
+    import subprocess
+
+    repo, _ = _bench()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--nproc", "2,8", "--out", str(tmp_path)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    for n in (2, 8):
+        assert f"| {n} | not run: {n} ranks need {n} GPUs, torch sees 0 |" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
