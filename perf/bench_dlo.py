@@ -438,7 +438,12 @@ def run_world(args, world: int) -> tuple[int, dict | str]:
 
         if torch.cuda.device_count() < world:
             return 3, f"not run: {world} ranks need {world} GPUs, torch sees {torch.cuda.device_count()}"
-    ctx = mp.get_context("spawn")
+    if args.tiny:  # CPU ranks: fork them from one process that imported torch and diffusers once
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "weightstream.offload.distributed",
+                                    "diffusers.models.transformers.transformer_flux"])
+    else:  # CUDA: fresh processes
+        ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         args.summary = os.path.join(tmp, "result.json")
