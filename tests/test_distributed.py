@@ -776,7 +776,6 @@ def test_bench_dlo_nproc_list(text, want):
             bench.parse_nproc(want)
 
 
-@pytest.mark.slow  # two launches of 4 and 8 ranks: about 12 s on 2 cores
 def test_bench_dlo_tiny_at_4_and_8_ranks(tmp_path):
     """`perf/bench_dlo.py --tiny --nproc 4,8`: one result per N with its own resident step,
     bit-exact DLO modes, per-rank host bytes falling with N, and the scaling table."""
