@@ -1,9 +1,14 @@
-"""Distributed layerwise offload (DLO) on 2 GPUs: a Flux.1-sized DiT at 1024x1024, DP=2.
+"""Distributed layerwise offload (DLO) on N GPUs: a Flux.1-sized DiT at 1024x1024, DP=N.
 
-    python perf/bench_dlo.py [--modes resident,dlo-allgather,dlo-rank-local[,layerwise]] [--steps 5]
-    torchrun --nproc-per-node 2 perf/bench_dlo.py ...      (same; without torchrun it starts 2 ranks itself)
+    python perf/bench_dlo.py [--nproc 2[,4,8]] [--modes resident,dlo-allgather,dlo-rank-local[,layerwise]]
+    torchrun --nproc-per-node N perf/bench_dlo.py ...     (one N; without torchrun it starts the ranks itself)
 
-One request per rank (DP=2, NCCL, one process per GPU). The random-weight
+One request per rank (DP=N, NCCL, one process per GPU). ``--nproc 2,4,8``
+runs each N in turn, each in fresh processes on the first N GPUs with its own
+resident step, writes one result file per N and prints the scaling table of
+README.md (an N with more ranks than GPUs is skipped and named). Exit code:
+0 when every N ran and met its targets (or has none, --tiny), 1 when one
+missed them or failed, 3 when an N was skipped for want of GPUs. The random-weight
 FluxTransformer2DModel (diffusers defaults, guidance_embeds=True, bf16,
 11.9 B parameters) is built on the meta device and filled on the GPU with the
 same seed on every rank; DLO packs its host store from those GPU weights and
@@ -19,12 +24,16 @@ every bench, perf/common.py):
 the copies, so it adds no serial term). H2D GB/s: the best of 1 GiB pinned
 copies, all ranks at once, on the slowest rank. All-gather GB/s (reported, not
 in the floor): output bytes / time of an all_gather_into_tensor with a 700 MB
-output. Targets: AllGather step <= 1.1 x floor; per-rank pinned bytes <= 0.51 x
-model bytes.
-Writes perf/results/flux-12b-1024-<gpu-slug>-x2-<commit>.json (rank 0);
+output (``allgather_gbps``), and NCCL's bus bandwidth, that times (N - 1) / N
+(``allgather_busbw_gbps``). Targets (issue 17), per N:
+N = 2: AllGather step <= 1.1 x floor, pinned per rank <= 0.51 x model;
+N >= 4: step <= 1.05 x resident, pinned per rank <= 1/N + 0.01 x model
+(0.26 at 4, 0.13 at 8, rounded down to 2 places).
+Writes perf/results/flux-12b-1024-<gpu-slug>-x<N>-<commit>.json (rank 0);
 ``WEIGHTSTREAM_COMMIT`` names the commit where the tree has no .git.
-``--tiny`` runs a tiny Flux on CPU ranks over gloo (a smoke test; writes a
-result file only with --out).
+``--tiny`` runs a tiny Flux on CPU ranks over gloo (a smoke test of every
+path, the all-gather measurement with a 16 MB output; writes result files only
+with --out).
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -50,13 +60,35 @@ if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
 
 SCENARIO = "flux-12b-1024"
 MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise")
-TARGET_RATIO = 1.1
-TARGET_PINNED_FRACTION = 0.51
 FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
 FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
                  axes_dims_rope=(4, 6, 6))
 GiB = 1 << 30
+GATHER_BYTES, GATHER_BYTES_TINY = 700_000_000, 16_000_000
+
+
+def targets_for(world: int) -> dict:
+    """Issue 17's targets at ``world`` ranks: which ratio, its maximum, and the largest
+    per-rank pinned fraction of the model. At N = 2 streaming is link-bound (floor above
+    resident), from N = 4 the floor is the resident step itself."""
+    if not isinstance(world, int) or isinstance(world, bool) or world < 2:
+        raise ValueError(f"world={world!r}: DLO targets are defined for an integer of ranks >= 2")
+    pinned = math.floor((1 / world + 0.01) * 100 + 1e-9) / 100
+    if world == 2:
+        return {"ratio": "ratio_to_floor", "ratio_max": 1.1, "pinned_fraction_max": pinned}
+    return {"ratio": "ratio_to_resident", "ratio_max": 1.05, "pinned_fraction_max": pinned}
+
+
+def parse_nproc(text: str) -> list[int]:
+    """'2,4,8' -> [2, 4, 8] (each >= 1, no repeats)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"--nproc {text!r}: allowed a comma list of distinct rank counts >= 1, e.g. 2 or 2,4,8")
+    return values
 
 
 def parse_args(argv=None):
@@ -67,7 +99,7 @@ def parse_args(argv=None):
                    help=f"comma list from {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (>= 5 for a result)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--nproc", default="2", help="ranks to start when not under torchrun: N or a list, e.g. 2,4,8")
     p.add_argument("--tiny", action="store_true", help="tiny Flux on CPU ranks (gloo): a smoke test")
     p.add_argument("--out", default=None, help="result folder (default: perf/results; none with --tiny)")
     args = p.parse_args(argv)
@@ -80,6 +112,11 @@ def parse_args(argv=None):
     args.modes = modes
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    try:
+        args.nproc = parse_nproc(args.nproc)
+    except ValueError as e:
+        p.error(str(e))
+    args.summary = None  # set by main(): where rank 0 also writes its result
     return args
 
 
@@ -143,22 +180,22 @@ def _steps(fn, n: int, cuda: bool) -> list[float]:
     return timed_steps(fn, n, 0, cuda).ms
 
 
-def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int = 700_000_000) -> float:
+def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int) -> float:
     """Output GB/s of all_gather_into_tensor with a ``out_bytes`` output (median of 5)."""
     import torch
 
-    if not cuda:
-        return 0.0
     from weightstream.offload.distributed import _all_gather_tensor_fn
 
     gather = _all_gather_tensor_fn()
     shard = out_bytes // world
-    inp = torch.ones(shard, dtype=torch.uint8, device=device)
-    out = torch.empty(shard * world, dtype=torch.uint8, device=device)
-    gather(out, inp)
-    torch.cuda.synchronize()
-    times = _steps(lambda: gather(out, inp), 5, True)
-    del inp, out
+    bufs = {"inp": torch.ones(shard, dtype=torch.uint8, device=device),
+            "out": torch.empty(shard * world, dtype=torch.uint8, device=device)}
+    gather(bufs["out"], bufs["inp"])
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    times = _steps(lambda: gather(bufs["out"], bufs["inp"]), 5, cuda)
+    bufs.clear()
     return shard * world / (statistics.median(times) / 1e3) / 1e9
 
 
@@ -190,14 +227,15 @@ def run_mode(mode, model, inputs, ref, args, ctx):
         for _ in range(args.warmup):
             out = om(**inputs)[0]
         dist.barrier()
-        last = {}
-        times = _steps(lambda: last.__setitem__("out", om(**inputs)[0]), args.steps, cuda)
+        last = {"om": om}
+        times = _steps(lambda: last.__setitem__("out", last["om"](**inputs)[0]), args.steps, cuda)
     exact = bool(torch.equal(last["out"], ref))
     s = om.stats()
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
     t0 = time.perf_counter()
     model = om.disable()  # a collective with AllGather; the full weights are back on the device
     restore_s = time.perf_counter() - t0
+    last.clear()
     del om, out
     gc.collect()  # the host store (and its registration) goes with the backend's reference cycles
     if cuda:
@@ -238,9 +276,10 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
                   f"torch {torch.__version__}")
         ctx = dict(clock=clock, device=device, cuda=cuda, rank=rank)
         h2d = measure_h2d(device, cuda, dist)
-        ag = measure_allgather(device, cuda, dist, world)
+        gather_bytes = GATHER_BYTES if cuda else GATHER_BYTES_TINY
+        ag = measure_allgather(device, cuda, dist, world, gather_bytes)
         clock.log(f"H2D {h2d:.1f} GB/s per rank (1 GiB pinned, all ranks at once); all-gather {ag:.1f} GB/s "
-                  f"(700 MB output)", all_ranks=True)
+                  f"({gather_bytes / 1e6:.0f} MB output)", all_ranks=True)
         t0 = time.perf_counter()
         model = build_model(FLUX_TINY if args.tiny else FLUX_12B, device)
         inputs = model_inputs(model, device, rank, args.tiny)
@@ -270,6 +309,8 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
         if rank == 0:
             result = assemble(args, everyone, world, torch.cuda.get_device_name(device) if cuda else "cpu")
             write(result, args, clock)
+            if args.summary:
+                Path(args.summary).write_text(json.dumps(result))
             return 0 if result["targets"]["met"] is not False and not result.get("failed") else 1
         return 0
     finally:
@@ -277,6 +318,15 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
 
 
 # --------------------------------------------------------------------------- result
+def targets_met(fig: dict | None, targets: dict | None) -> bool | None:
+    """AllGather's figures against ``targets_for(N)`` (None: nothing to judge)."""
+    if not fig or not targets:
+        return None
+    return bool(fig[targets["ratio"]] <= targets["ratio_max"]
+                and fig["pinned_fraction"] <= targets["pinned_fraction_max"]
+                and fig["bit_exact"])
+
+
 def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
     import torch
 
@@ -306,9 +356,11 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
             step_ms=round(step, 3), floor_ms=round(floor, 3), ratio_to_floor=round(step / floor, 4),
             ratio_to_resident=round(step / resident, 4),
             pinned_host_gb_per_rank=round(max(f["pinned_host_gb_per_rank"] for f in figs), 4),
+            pinned_fraction=round(max(f["pinned_host_gb_per_rank"] for f in figs) / f0["model_gb"], 4),
+            host_fraction=round(max(f["host_gb_per_rank"] for f in figs) / f0["model_gb"], 4),
             host_gb_per_rank=round(max(f["host_gb_per_rank"] for f in figs), 4),
             model_gb=round(f0["model_gb"], 4), streamed_gb=round(f0["streamed_gb"], 4),
-            h2d_gb_per_rank=round(f0["h2d_gb_per_rank"], 4),
+            h2d_gb_per_rank=round(f0["h2d_gb_per_rank"], 4), shard_group_size=f0["shard_group_size"],
             bit_exact=all(f["bit_exact"] for f in figs),
             step_ms_per_rank=[round(f["step_ms"], 3) for f in figs],
             peak_device_gb=None if f0["peak_device_gb"] is None else round(max(f["peak_device_gb"] for f in figs), 3),
@@ -316,20 +368,18 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
         )
         if f0["pin_failure"]:
             modes[mode]["pin_failure"] = f0["pin_failure"]
-    ag_fig = modes.get("dlo-allgather")
-    met = None
-    if ag_fig and h2d > 0:
-        met = (ag_fig["ratio_to_floor"] <= TARGET_RATIO
-               and ag_fig["pinned_host_gb_per_rank"] <= TARGET_PINNED_FRACTION * ag_fig["model_gb"]
-               and ag_fig["bit_exact"])
+    targets = targets_for(world) if world >= 2 else None
+    met = targets_met(modes.get("dlo-allgather"), targets) if h2d > 0 else None
     commit, dirty = git_commit()
     result = {
         "scenario": SCENARIO + ("-tiny" if args.tiny else ""), "gpu": gpu, "gpus": world, "commit": commit,
         "dirty": dirty, "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "h2d_gbps": round(h2d, 2) if h2d > 0 else None, "allgather_gbps": round(ag, 2) if ag > 0 else None,
+        "allgather_busbw_gbps": round(ag * (world - 1) / world, 2) if ag > 0 else None,
+        "allgather_backend": "gloo" if args.tiny else "nccl",
         "steps": args.steps, "warmup": args.warmup, "modes": modes,
-        "targets": {"ratio_to_floor_max": TARGET_RATIO, "pinned_fraction_max": TARGET_PINNED_FRACTION, "met": met},
+        "targets": {**(targets or {}), "met": met},
     }
     failed = {m: e["failed"][m] for e in everyone for m in e["failed"]}
     if failed:
@@ -346,8 +396,10 @@ def write(result: dict, args, clock: Clock) -> None:
             f" of {f['model_gb']:.2f} GB per rank, bit-exact {f['bit_exact']}")
         clock.log(f"{mode:15s} {f['step_ms']:8.1f} ms/step{extra}")
     t = result["targets"]
-    clock.log(f"targets (AllGather <= {t['ratio_to_floor_max']} x floor, pinned <= {t['pinned_fraction_max']} x "
-              f"model): {'met' if t['met'] else 'NOT met' if t['met'] is False else 'n/a'}")
+    verdict = "met" if t["met"] else "NOT met" if t["met"] is False else "n/a"
+    if "ratio" in t:
+        clock.log(f"targets at {result['gpus']} ranks (AllGather {t['ratio']} <= {t['ratio_max']}, pinned per rank "
+                  f"<= {t['pinned_fraction_max']} x model): {verdict}")
     try:
         validate_result(result)
     except ValueError as e:
@@ -376,21 +428,89 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
     sys.exit(rank_main(args, rank, world, rank))
 
 
+def run_world(args, world: int) -> tuple[int, dict | str]:
+    """Start ``world`` ranks (fresh processes) and wait; (exit code, rank 0's result or why there is none)."""
+    import multiprocessing as mp
+    import tempfile
+
+    if not args.tiny:
+        import torch
+
+        if torch.cuda.device_count() < world:
+            return 3, f"not run: {world} ranks need {world} GPUs, torch sees {torch.cuda.device_count()}"
+    if args.tiny:  # CPU ranks: fork them from one process that imported torch and diffusers once
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "weightstream.offload.distributed",
+                                    "diffusers.models.transformers.transformer_flux"])
+    else:  # CUDA: fresh processes
+        ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.summary = os.path.join(tmp, "result.json")
+        procs = [ctx.Process(target=_spawned, args=(r, world, port, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        code = max((p.exitcode if p.exitcode is not None else 1) for p in procs)
+        if not os.path.exists(args.summary):
+            return max(code, 1), f"failed: no result (exit codes {[p.exitcode for p in procs]})"
+        return code, json.loads(Path(args.summary).read_text())
+
+
+def _cell(fig: dict | None, key: str, fmt: str) -> str:
+    v = (fig or {}).get(key)
+    return "" if v is None else format(v, fmt)
+
+
+def _per_rank(fig: dict | None, gb_key: str, fraction_key: str) -> str:
+    """'11.84 GB (0.497x)': GB per rank and its fraction of the model (older results: computed)."""
+    if not fig:
+        return ""
+    gb = fig[gb_key]
+    frac = fig.get(fraction_key, gb / fig["model_gb"] if fig.get("model_gb") else None)
+    return (f"{gb:.2f} GB" if gb >= 0.01 else f"{gb:.2g} GB") + ("" if frac is None else f" ({frac:.3f}x)")
+
+
+def scaling_table(results: dict[int, dict | str]) -> str:
+    """README's "DLO scaling" table (markdown): one row per N from its result, or why it has none."""
+    head = ("| N | resident | DLO AllGather | x resident | x floor | pinned per rank | host per rank | setup | "
+            "bit-exact | all-gather (bus) |")
+    lines = [head, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for n in sorted(results):
+        res = results[n]
+        if isinstance(res, str):
+            lines.append(f"| {n} | {res} |" + " |" * 8)
+            continue
+        ag, res_fig = res["modes"].get("dlo-allgather"), res["modes"].get("resident")
+        pinned, host = (_per_rank(ag, "pinned_host_gb_per_rank", "pinned_fraction"),
+                        _per_rank(ag, "host_gb_per_rank", "host_fraction"))
+        bus, alg = res.get("allgather_busbw_gbps"), res.get("allgather_gbps")
+        if bus is None and alg:  # results before the bus figure: NCCL's (N - 1) / N of the output rate
+            bus = alg * (n - 1) / n
+        backend = res.get("allgather_backend", "gloo" if res.get("gpu") == "cpu" else "nccl")
+        lines.append(
+            f"| {n} | {_cell(res_fig, 'step_ms', '.1f')} ms | {_cell(ag, 'step_ms', '.1f')} ms | "
+            f"{_cell(ag, 'ratio_to_resident', '.3f')} | {_cell(ag, 'ratio_to_floor', '.3f')} | {pinned} | {host} | "
+            f"{_cell(ag, 'setup_s', '.1f')} s | {_cell(ag, 'bit_exact', '')} | "
+            f"{'' if bus is None else f'{bus:.3g} GB/s {backend}'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         return rank_main(args, rank, world, int(os.environ.get("LOCAL_RANK", rank)))
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, args.nproc, port, args)) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return max((p.exitcode if p.exitcode is not None else 1) for p in procs)
+    codes, results = [], {}
+    for world in args.nproc:
+        code, results[world] = run_world(args, world)
+        codes.append(code)
+        if isinstance(results[world], str):
+            print(f"N={world}: {results[world]}", flush=True)
+    print("\nDLO scaling, " + SCENARIO + ("-tiny (CPU, gloo)" if args.tiny else "") + ":", flush=True)
+    print(scaling_table(results), flush=True)
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Distributed layerwise offload (DLO) on CPU over gloo.
 
-Multi-rank checks run in real processes (2 and 3 ranks), one launch per rank
-count: every check of a launch runs in the same processes and reports back
+Multi-rank checks run in real processes (2, 3, 4 and 8 ranks), one launch per
+rank count: every check of a launch runs in the same processes and reports back
 through a pickle per rank, and the test functions below assert on those
 reports. Processes come from a forkserver that has imported torch and
 diffusers once (a plain spawn re-imports diffusers in every process, about
@@ -132,6 +132,8 @@ def _model(kind, rank, dtype=torch.float32):
     """(model, inputs): the same weights on every rank, this rank's own request."""
     if kind == "toy":
         return ToyDiT(), toy_inputs(seed=1 + rank)
+    if kind == "toy-narrow":  # blocks of 3-6 KiB: at 4 and 8 ranks some shares hold only padding
+        return ToyDiT(width=8), toy_inputs(seed=1 + rank)
     m = tiny_flux(dtype=dtype)
     return m, flux_inputs(m, seed=1 + rank)
 
@@ -400,6 +402,24 @@ def scenario_three(rank, world):
     return c.report
 
 
+def scenario_many(rank, world):
+    """The 4- and 8-rank checks (issue 17), in one launch: every share smaller, some
+    all padding (toy-narrow), the same weights gathered from every rank's piece."""
+    dp = ParallelConfig(dp=world)
+    sp = ParallelConfig(sp=world)
+    c = Checks()
+    c.run("toy_allgather", check_equal, "toy", dp, transfer="allgather", rank=rank)
+    c.run("toy_narrow_allgather", check_equal, "toy-narrow", dp, rank=rank, forwards=2)
+    c.run("flux_allgather_bf16", check_equal, "flux", dp, rank=rank, forwards=2, dtype=torch.bfloat16)
+    c.run("flux_allgather_sp", check_equal, "flux", sp, rank=rank, forwards=2, same_inputs=True)
+    c.run("toy_list_gather", check_list_gather, dp, rank)
+    c.run("toy_rank_local", check_equal, "toy", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("flux_rank_local", check_equal, "flux", dp, transfer="rank-local", rank=rank, forwards=2)
+    c.run("weights", check_weights, dp, rank)
+    c.run("waves", check_waves, dp, rank, world)
+    return c.report
+
+
 # --------------------------------------------------------------------------- launches
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
@@ -411,9 +431,23 @@ def three(tmp_path_factory):
     return run_ranks(3, tmp_path_factory.mktemp("dlo3"), "test_distributed:scenario_three")
 
 
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_ranks(4, tmp_path_factory.mktemp("dlo4"), "test_distributed:scenario_many")
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    return run_ranks(8, tmp_path_factory.mktemp("dlo8"), "test_distributed:scenario_many", timeout=420)
+
+
 EQUALITY_2 = ["toy_allgather", "toy_default", "toy_allgather_3slots", "toy_list_gather",
               "toy_rank_local_resident", "flux_allgather", "flux_rank_local"]
 EQUALITY_3 = ["toy_allgather", "flux_allgather_sp", "flux_allgather_bf16", "toy_rank_local"]
+EQUALITY_MANY = ["toy_allgather", "toy_narrow_allgather", "flux_allgather_bf16", "flux_allgather_sp",
+                 "toy_list_gather", "toy_rank_local", "flux_rank_local"]
+# the 8-rank launch costs about 8 s on 2 cores (4 ranks: 6 s): not marked slow
+MANY = [("four", 4), ("eight", 8)]
 
 
 def _assert_equal_report(reps, name, world):
@@ -441,6 +475,12 @@ def test_three_ranks_bit_exact(three, name):
     _assert_equal_report(get(three, name), name, 3)
 
 
+@pytest.mark.parametrize("launch,world", MANY)
+@pytest.mark.parametrize("name", EQUALITY_MANY)
+def test_many_ranks_bit_exact(request, launch, world, name):
+    _assert_equal_report(get(request.getfixturevalue(launch), name), name, world)
+
+
 def test_models_have_odd_blocks_and_sizes_not_divisible(two, three):
     for reps, world in ((get(two, "toy_allgather"), 2), (get(three, "toy_allgather"), 3),
                         (get(three, "flux_allgather_sp"), 3)):
@@ -449,8 +489,25 @@ def test_models_have_odd_blocks_and_sizes_not_divisible(two, three):
         assert any(n % (world * TENSOR_ALIGN) for n in layouts), "every block divides evenly: padding untested"
 
 
+@pytest.mark.parametrize("launch,world", MANY)
+def test_many_ranks_odd_blocks_uneven_and_padding_only_shares(request, launch, world):
+    """At 4 and 8 ranks the models still have odd block counts and blocks that do
+    not divide evenly; toy-narrow has blocks where the last rank's share is all padding."""
+    reps = request.getfixturevalue(launch)
+    for name in ("toy_allgather", "flux_allgather_bf16", "toy_narrow_allgather"):
+        layouts = get(reps, name)[0]["layouts"]
+        assert len(layouts) % 2 == 1, name
+        assert any(n % (world * TENSOR_ALIGN) for n in layouts), f"{name}: every block divides evenly"
+    narrow = get(reps, "toy_narrow_allgather")[0]["layouts"]
+    assert any(n <= (world - 1) * shard_size(n, world) for n in narrow), "no share is padding only"
+
+
 @pytest.mark.parametrize("launch,name,world", [("two", "toy_allgather", 2), ("two", "flux_allgather", 2),
-                                               ("three", "toy_allgather", 3), ("three", "flux_allgather_bf16", 3)])
+                                               ("three", "toy_allgather", 3), ("three", "flux_allgather_bf16", 3),
+                                               ("four", "toy_allgather", 4), ("four", "flux_allgather_bf16", 4),
+                                               ("four", "toy_narrow_allgather", 4),
+                                               ("eight", "toy_allgather", 8), ("eight", "flux_allgather_bf16", 8),
+                                               ("eight", "toy_narrow_allgather", 8)])
 def test_allgather_host_bytes_per_rank(request, launch, name, world):
     reps = get(request.getfixturevalue(launch), name)
     for rep in reps:
@@ -472,21 +529,26 @@ def test_rank_local_keeps_full_blocks(two):
         assert rep["stats"]["blocks_streamed"] == 5
 
 
-def test_list_gather_fallback_and_probe(two):
-    assert [r["stats"]["gather"] for r in get(two, "toy_list_gather")] == ["list", "list"]
+@pytest.mark.parametrize("launch,world", [("two", 2), *MANY])
+def test_list_gather_fallback_and_probe(request, launch, world):
+    reps = request.getfixturevalue(launch)
+    assert [r["stats"]["gather"] for r in get(reps, "toy_list_gather")] == ["list"] * world
     # gloo in this torch has all_gather_into_tensor; the probe picks it
-    assert [r["stats"]["gather"] for r in get(two, "toy_allgather")] == ["tensor", "tensor"]
+    assert [r["stats"]["gather"] for r in get(reps, "toy_allgather")] == ["tensor"] * world
 
 
-def test_update_weights_and_gather_state_dict(two):
-    for rep in get(two, "weights"):
+@pytest.mark.parametrize("launch,world", [("two", 2), *MANY])
+def test_update_weights_and_gather_state_dict(request, launch, world):
+    reps = get(request.getfixturevalue(launch), "weights")
+    assert len(reps) == world
+    for rep in reps:
         assert rep["written"] == rep["expected"]
         assert all(rep["equal"]), "after update_weights outputs differ from the resident model with new weights"
         assert rep["gathered_ok"]
         assert rep["state_dict_error"] and "gather_state_dict" in rep["state_dict_error"]
 
 
-@pytest.mark.parametrize("launch,world", [("two", 2), ("three", 3)])
+@pytest.mark.parametrize("launch,world", [("two", 2), ("three", 3), *MANY])
 def test_request_waves(request, launch, world):
     reps = get(request.getfixturevalue(launch), "waves")
     for key in reps[0]:
@@ -672,3 +734,113 @@ def test_validate_wave_without_collective():
 def test_shard_size(nbytes, n, want):
     got = shard_size(nbytes, n)
     assert got == want and got % TENSOR_ALIGN == 0 and got * n >= nbytes
+
+
+# --------------------------------------------------------------------------- perf/bench_dlo.py at N ranks
+def _bench():
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from perf import bench_dlo
+
+    return repo, bench_dlo
+
+
+@pytest.mark.parametrize("world,ratio,ratio_max,pinned", [(2, "ratio_to_floor", 1.1, 0.51),
+                                                          (4, "ratio_to_resident", 1.05, 0.26),
+                                                          (8, "ratio_to_resident", 1.05, 0.13),
+                                                          (16, "ratio_to_resident", 1.05, 0.07)])
+def test_bench_dlo_targets_per_world(world, ratio, ratio_max, pinned):
+    """Issue 17: DP=4 <= 1.05 x resident with <= 0.26 x the model pinned per rank, DP=8 <= 0.13 x."""
+    _, bench = _bench()
+    assert bench.targets_for(world) == {"ratio": ratio, "ratio_max": ratio_max, "pinned_fraction_max": pinned}
+
+
+@pytest.mark.parametrize("bad", [1, 0, True, 2.0])
+def test_bench_dlo_targets_reject_bad_worlds(bad):
+    _, bench = _bench()
+    with pytest.raises(ValueError, match=re.escape(f"world={bad!r}")):
+        bench.targets_for(bad)
+
+
+@pytest.mark.parametrize("text,want", [("2", [2]), ("2,4,8", [2, 4, 8]), ("8,4", [8, 4]), (None, "0"),
+                                       (None, "2,2"), (None, "four"), (None, "")])
+def test_bench_dlo_nproc_list(text, want):
+    _, bench = _bench()
+    if text is not None:
+        assert bench.parse_nproc(text) == want
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"--nproc {want!r}")):
+            bench.parse_nproc(want)
+
+
+def test_bench_dlo_tiny_at_4_and_8_ranks(tmp_path):
+    """`perf/bench_dlo.py --tiny --nproc 4,8`: one result per N with its own resident step,
+    bit-exact DLO modes, per-rank host bytes falling with N, and the scaling table."""
+    import json
+    import subprocess
+
+    repo, bench = _bench()
+    from perf.results import validate_result
+
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "4,8", "--steps", "2",
+                           "--warmup", "1", "--out", str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {}
+    for path in tmp_path.glob("*.json"):
+        res = json.loads(path.read_text())
+        validate_result(res)
+        results[res["gpus"]] = res
+    assert sorted(results) == [4, 8]
+    for n, res in results.items():
+        assert res["scenario"] == "flux-12b-1024-tiny" and res["allgather_backend"] == "gloo"
+        assert res["allgather_gbps"] > 0 and res["allgather_busbw_gbps"] == pytest.approx(
+            res["allgather_gbps"] * (n - 1) / n, abs=0.02)
+        assert res["targets"]["pinned_fraction_max"] == bench.targets_for(n)["pinned_fraction_max"]
+        modes = res["modes"]
+        assert modes["resident"]["step_ms"] > 0 and len(modes["resident"]["step_ms_per_rank"]) == n
+        for mode in ("dlo-allgather", "dlo-rank-local"):
+            fig = modes[mode]
+            assert fig["bit_exact"] is True and len(fig["step_ms_per_rank"]) == n, (n, mode, fig)
+            assert fig["ratio_to_resident"] == pytest.approx(fig["step_ms"] / modes["resident"]["step_ms"], rel=1e-3)
+            assert fig["setup_s"] >= 0
+        assert modes["dlo-allgather"]["shard_group_size"] == n and modes["dlo-rank-local"]["shard_group_size"] == 1
+        # each rank holds about 1/N of the streamed blocks (plus 512-byte padding per block and rank)
+        assert modes["dlo-allgather"]["host_fraction"] < 1.5 / n, (n, modes["dlo-allgather"])
+        assert modes["dlo-rank-local"]["host_fraction"] > 0.8
+    assert results[8]["modes"]["dlo-allgather"]["host_fraction"] < results[4]["modes"]["dlo-allgather"]["host_fraction"]
+    table = proc.stdout[proc.stdout.index("DLO scaling"):]
+    rows = [line for line in table.splitlines() if line.startswith(("| 4 |", "| 8 |"))]
+    assert len(rows) == 2 and all("| True |" in row for row in rows), table
+
+
+def test_readme_dlo_scaling_row_is_the_stored_result():
+    """README's "DLO scaling" N=2 row is what bench_dlo prints for the result file it cites."""
+    import json
+
+    repo, bench = _bench()
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("### DLO scaling"):]
+    section = section[: section.index("\n## ")]
+    cited = re.search(r"N=2 from (perf/results/\S+\.json)", section).group(1)
+    result = json.loads((repo / cited).read_text())
+    assert result["gpus"] == 2 and result["modes"]["dlo-allgather"]["bit_exact"] is True
+    row = bench.scaling_table({2: result}).splitlines()[2]
+    assert row in section.splitlines(), (row, section)
+
+
+def test_bench_dlo_names_each_n_it_cannot_run(tmp_path):
+    """`--nproc 2,8` with no GPU visible: no rank starts, each N is named in the table, exit code 3."""
+    import subprocess
+
+    repo, _ = _bench()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--nproc", "2,8", "--out", str(tmp_path)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    for n in (2, 8):
+        assert f"| {n} | not run: {n} ranks need {n} GPUs, torch sees 0 |" in proc.stdout, proc.stdout
+    assert not list(tmp_path.iterdir())
