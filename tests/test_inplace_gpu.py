@@ -84,7 +84,8 @@ def case_pipeline_graphs_keeps_module_and_saves():
     assert handle.wrapped["transformer"].graphs.counts["replay"] >= 2
     with tempfile.TemporaryDirectory() as d:
         pipe.save_pretrained(d)
-        back = FluxTransformer2DModel.from_pretrained(d, subfolder="transformer").cuda().eval()
+        back = FluxTransformer2DModel.from_pretrained(  # saved in the model's dtype; loads default to fp32
+            d, subfolder="transformer", torch_dtype=x["hidden_states"].dtype).cuda().eval()
         with torch.no_grad():
             assert torch.equal(back(**x)[0], expected)
     handle.disable()
