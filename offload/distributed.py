@@ -89,7 +89,7 @@ from .executor import LayerwiseExecutor, _Record
 from .host_store import HostStore, Progress, copy_from_image
 from .layout import TENSOR_ALIGN, BlockLayout, TensorSpec
 from .schedule import Load
-from .transformer import StreamedBlocks, drop_storage
+from .streamed import StreamedBlocks, drop_storage
 from .dlo_control import (  # noqa: F401  (re-exported: distributed.py stays the DLO entry module)
     _AGREE_MAGIC, _CONTROL_CAP, _DIGEST_SAMPLE_BYTES, _STATUS_BYTES, _STATUS_INTS, DEFAULT_PATH_KEYS,
     DLOCollectiveError, ShardPiece, _Control, _control_for, _layout_digest, _weight_digest, bounded_wait,

@@ -76,7 +76,7 @@ from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
-from .transformer import HostStateDictHook, resolve_device
+from .streamed import HostStateDictHook, resolve_device
 
 __all__ = [
     "offload_pipeline",

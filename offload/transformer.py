@@ -1,403 +1,23 @@
-"""OffloadedTransformer: the drop-in wrapper that streams a DiT's blocks."""
+"""OffloadedTransformer (the drop-in wrapper) and apply_layerwise_offload (the
+in-place mode that keeps the model's class), both over :class:`StreamedBlocks`."""
 from __future__ import annotations
 
 import inspect
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from .config import OffloadConfig
-from .tracing import not_traced
-from .discovery import Block, OffloadPlan, discover_blocks
+from .discovery import OffloadPlan
+from .distributed import build_streamed
 from .executor import LayerwiseExecutor, StepHook
-from .host_store import HostStore, Progress, copy_from_image
-from .layout import block_tensors, build_layout, check_not_shared
-from .misuse import (
-    AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, UnsupportedOperationError, WeightUpdateError,
+from .misuse import UnsupportedOperationError
+from .tracing import not_traced
+from .streamed import (  # noqa: F401  (re-exported: callers import these from here)
+    HostStateDictHook, StreamedBlocks, _all_tensors, check_update_value, check_wrappable, drop_storage,
+    explain_failure, install_state_dict_hook, resolve_device, tensor_bytes,
 )
-from .schedule import Schedule
-
-
-def resolve_device(device) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda[:N]'")
-    return dev
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class StreamedBlocks:
-    """The layerwise machinery for one DiT: blocks, host store, executor.
-
-    Built in one place so that wrappers (OffloadedTransformer, pipelines, the
-    graph executor) share it.
-    """
-
-    # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
-    supports_next_step = True
-    # stream/event backend handed to the executor (streams.py); None: the device's default
-    streams = None
-
-    def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
-        t0 = time.perf_counter()
-        check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
-        self.module, self.config, self.device = module, config, device
-        self.blocks: list[Block] = discover_blocks(module, plan)
-        resident = config.resident_layers
-        if resident >= len(self.blocks):
-            raise ValueError(
-                f"layer_options.dit.resident_layers={resident} leaves no block to stream: "
-                f"{type(module).__name__} has {len(self.blocks)} blocks; allowed: 0..{len(self.blocks) - 1}"
-            )
-        self.schedule = self._schedule(len(self.blocks), resident)
-        check_not_shared(self.blocks, module)
-        streamed = [self.blocks[i] for i in self.schedule.streamed]
-        tensors = [block_tensors(b.module) for b in streamed]
-        layouts = [build_layout(b.index, b.name, ts) for b, ts in zip(streamed, tensors)]
-        streamed_ids = {id(t) for ts in tensors for _, _, t in ts}
-        rest = [t for t in _all_tensors(module) if id(t) not in streamed_ids]
-        self.resident_bytes = sum(tensor_bytes(t) for t in rest)
-        slot_total = self.schedule.slots * max(lay.nbytes for lay in layouts)
-        budget = config.device_memory_budget_gb
-        if budget is not None and self.resident_bytes + slot_total > budget * 1e9:
-            raise ValueError(
-                f"device_memory_budget_gb={budget} is too small: resident modules need "
-                f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.slots} slots "
-                f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
-            )
-        self.tensors = tensors
-        self.layouts = layouts
-        self.store = self._build_store(layouts, tensors)
-        with torch.no_grad():
-            for t in rest:
-                if t.device != device:
-                    t.data = t.data.to(device)
-        # id(tensor object) -> its host view, for state_dict() and weight updates
-        self.host_views: dict[int, torch.Tensor] = self._host_views()
-        self.executor = self._build_executor()
-        self.executor.attach_root(module)
-        self.setup_s = time.perf_counter() - t0
-
-    # -- overridable construction steps (the DLO variant shards the store) ----
-    def _schedule(self, num_blocks: int, resident: int) -> Schedule:
-        """The ring; CUDA graphs change where a step's boundary loads are issued
-        (a graph waits for every copy it holds, see Schedule): with resident
-        blocks every load stays in its step and the first ones hide behind the
-        resident blocks; without, the load waiting for the last block stays at
-        the graph's end ('in-graph') or starts the next step's graph
-        ('next-step'; 'auto' where the streamed blocks support it)."""
-        cfg = self.config
-        graphs = cfg.cuda_graphs == "on"
-        next_step = cfg.graph_boundary_loads == "next-step" or (
-            cfg.graph_boundary_loads == "auto" and self.supports_next_step)
-        return Schedule(
-            num_blocks, resident, cfg.num_slots,
-            step_local=graphs and resident > 0,
-            defer_last=graphs and resident == 0 and next_step,
-        )
-
-    def _build_store(self, layouts, tensors) -> HostStore:
-        """Pack every streamed block into one host store and drop the originals."""
-        cfg, device = self.config, self.device
-        pin_budget = cfg.pinned_memory_budget_gb
-        store = HostStore(
-            layouts,
-            pin=cfg.pin_memory and device.type == "cuda",
-            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
-        )
-        progress = Progress(f"packing {len(layouts)} blocks into host memory", store.nbytes, cfg.progress)
-        objs = [[t for _, _, t in ts] for ts in tensors]
-        # Packing is page-fault and memcpy bound: blocks are packed on worker
-        # threads (torch copies release the GIL); registration, dropping the
-        # originals and progress stay on this thread, in block order.
-        workers = max(1, min(8, os.cpu_count() or 1, len(layouts)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-pack") as pool:
-            packed = [pool.submit(store.pack, k, objs[k]) for k in range(len(layouts))]
-            dropped = 0
-            try:
-                for k, fut in enumerate(packed):
-                    fut.result()
-                    drop_storage(objs[k], device)  # the store is now the one host copy
-                    dropped = k + 1
-                    store.pin(k)
-                    progress.update(layouts[k].nbytes)
-            except BaseException:
-                for f in packed:
-                    f.cancel()
-                with torch.no_grad():  # nothing lost: give dropped tensors their weights back
-                    for k in range(dropped):
-                        for t, hv in zip(objs[k], store.views(k)):
-                            t.data = hv.clone()
-                store.close()
-                raise
-        return store
-
-    def _host_views(self) -> dict[int, torch.Tensor]:
-        views = {}
-        for k, ts in enumerate(self.tensors):
-            for (_, _, t), hv in zip(ts, self.store.views(k)):
-                views[id(t)] = hv
-        return views
-
-    def _build_executor(self) -> LayerwiseExecutor:
-        return LayerwiseExecutor(
-            self.blocks, self.store, self.schedule, self.device, record_events=self.config.record_events,
-            streams=self.streams,
-        )
-
-    def stats(self) -> dict:
-        s = self.schedule
-        return {
-            "blocks_streamed": s.n,
-            "blocks_resident": s.resident,
-            "num_slots": s.slots,
-            "slot_bytes": s.slots * self.executor.slot_bytes,
-            "host_bytes": self.store.nbytes,
-            "pinned": self.store.pinned,
-            "pinned_bytes": self.store.pinned_bytes,
-            "pin_failure": self.store.pin_failure,
-            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.store.layouts),
-            "resident_bytes": self.resident_bytes,
-            "setup_s": self.setup_s,
-            "device": str(self.device),
-        }
-
-    def _current_for_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> dict:
-        """The module's tensors by key, after checking ``state_dict``'s keys against them."""
-        if not isinstance(state_dict, Mapping):
-            raise WeightUpdateError(
-                f"update_weights: state_dict is a {type(state_dict).__name__}; pass a mapping of key -> tensor")
-        current = self.module.state_dict(keep_vars=True)
-        unknown = [k for k in state_dict if k not in current]
-        if unknown:
-            raise WeightUpdateError(
-                f"update_weights: unknown keys {unknown[:5]}{'...' if len(unknown) > 5 else ''}; nothing was "
-                f"written. Keys are the wrapped model's state_dict() keys, e.g. {next(iter(current), None)!r}")
-        if strict:
-            missing = [k for k in current if k not in state_dict]
-            if missing:
-                raise WeightUpdateError(
-                    f"update_weights(strict=True): missing keys {missing[:5]}; nothing was written. "
-                    "Pass every key, or strict=False")
-        return current
-
-    def _plan_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> list:
-        """(key, destination, new value) for every key, each checked (name, type, shape,
-        dtype) before anything is written: an update applies whole or not at all."""
-        current = self._current_for_update(state_dict, strict)
-        plan = []
-        for key, new in state_dict.items():
-            obj = current[key]
-            dst = self.host_views.get(id(obj))
-            if dst is None:
-                dst = obj.data
-            check_update_value(key, new, tuple(dst.shape), dst.dtype)
-            plan.append((key, dst, new))
-        return plan
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
-        """Write new weights: streamed tensors into the host store, others in place.
-
-        Atomic: every key is checked (name, shape, dtype) before the first
-        write; a rejected update raises :class:`WeightUpdateError` and writes
-        nothing. Waits for in-flight copies first (not a hot-path call), then
-        reloads the slots already prefetched for the next step, so the very
-        next forward uses the new weights under every schedule. Returns the
-        keys written. ``strict`` requires every key of the module.
-        """
-        plan = self._plan_update(state_dict, strict)
-        self.executor.synchronize()
-        try:
-            with torch.no_grad():
-                for _, dst, new in plan:
-                    dst.copy_(new)
-        finally:
-            # slots prefetched before the update hold old weights (also after a
-            # write that failed part-way, e.g. out of memory moving ``new``)
-            self.executor.reload_pending()
-        return [key for key, _, _ in plan]
-
-    def restore(self) -> nn.Module:
-        """Give every streamed tensor a device copy of its host weights; tear down."""
-        self.executor.remove()
-        with torch.no_grad():
-            for k, ts in enumerate(self.tensors):
-                image = torch.empty(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
-                copy_from_image(image, self.store.image(k))  # chunk-safe: one registration per copy
-                for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
-                    t.data = spec.view_of(image).clone()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.store.close()
-        self.host_views.clear()
-        return self.module
-
-
-def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
-    """Raise WeightUpdateError unless ``new`` is a tensor of ``shape`` and ``dtype``."""
-    if not isinstance(new, torch.Tensor):
-        raise WeightUpdateError(
-            f"update_weights: {key!r} is a {type(new).__name__}, not a Tensor; nothing was written. "
-            f"Pass a {dtype} tensor of shape {shape}")
-    if tuple(new.shape) != shape or new.dtype != dtype:
-        raise WeightUpdateError(
-            f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has {dtype} {shape}; "
-            "nothing was written. Cast/reshape the new value, or rebuild the offloaded model for a new architecture")
-
-
-def check_wrappable(module: nn.Module, *, allow_meta: bool = False) -> None:
-    """Raise AlreadyOffloadedError if ``module`` is already wrapped or streamed by
-    weightstream, carries accelerate or diffusers offload hooks, or (unless
-    ``allow_meta``) holds meta tensors. Reads only; nothing moves."""
-    for name, m in module.named_modules():
-        where = f"{type(module).__name__}" + (f".{name}" if name else "")
-        if isinstance(m, OffloadedTransformer):
-            raise AlreadyOffloadedError(
-                f"{where} is already an OffloadedTransformer: use it as is, or call its disable() and wrap "
-                "the plain module it returns")
-        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
-        ours = [h for h in hooks if type(getattr(h, "__self__", None)).__module__.startswith("weightstream.")]
-        if ours:
-            raise AlreadyOffloadedError(
-                f"{where} is already streamed or offloaded by weightstream ({ours[0].__self__!r}); "
-                "disable() the existing offload first, or keep using it")
-        if hasattr(m, "_hf_hook"):
-            raise AlreadyOffloadedError(
-                f"{where} carries accelerate offload/dispatch hooks (_hf_hook: {type(m._hf_hook).__name__}); "
-                "remove them first (accelerate.hooks.remove_hook_from_module(model, recurse=True), or load "
-                "the model without device_map / enable_model_cpu_offload / cpu_offload)")
-        if getattr(m, "_diffusers_hook", None) is not None:
-            raise AlreadyOffloadedError(
-                f"{where} carries diffusers hooks (_diffusers_hook, e.g. group offload or layerwise casting); "
-                "remove them first (model.disable_group_offload() / building the model without "
-                "enable_group_offload), then wrap it")
-    if not allow_meta:
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if t.device.type == "meta":
-                raise AlreadyOffloadedError(
-                    f"{type(module).__name__}.{name} is on the meta device (accelerate init_empty_weights, "
-                    "device_map offload or low_cpu_mem_usage left it unloaded): load real weights first, or "
-                    "stream from the checkpoint with weightstream.offload_from_safetensors")
-
-
-def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedModuleAccessError | None:
-    """After a failed forward: if a submodule of a streamed block ran while its block
-    was not bound (the model reads it outside the block's forward), the named error
-    saying which block to keep resident; else None. Walks the traceback only on
-    failure, so the hot path pays nothing."""
-    if isinstance(exc, OffloadMisuseError):
-        return None  # already named
-    ex = streamed.executor
-    owner = {}
-    for i in ex.schedule.streamed:
-        b = streamed.blocks[i]
-        for sub_name, sub in b.module.named_modules():
-            owner[id(sub)] = (i - ex.schedule.resident, b.name, f"{b.name}.{sub_name}" if sub_name else b.name)
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        hit = owner.get(id(frame.f_locals.get("self"))) if frame.f_code.co_name == "forward" else None
-        if hit is not None and hit[0] != ex._bound:
-            found = hit  # keep the innermost
-        tb = tb.tb_next
-    if found is None:
-        return None
-    _, block, sub = found
-    return StreamedModuleAccessError(
-        f"{sub} (part of the streamed block {block!r}) ran outside {block!r}'s own forward, when its "
-        f"weights are not on the device (the model reads it directly, e.g. a DiT that calls "
-        f"transformer_blocks[0].norm1.emb after the block loop); this failed with {type(exc).__name__}: "
-        f"{str(exc)[:200]}. Keep {block!r} resident: layer_options.dit.resident_layers (it must then be "
-        "among the first blocks) or an OffloadPlan whose containers leave it out"
-    )
-
-
-def drop_storage(tensors, device: torch.device) -> None:
-    """Point tensors at shared empty placeholders (identity kept, storage released)."""
-    empties: dict[torch.dtype, torch.Tensor] = {}
-    for t in tensors:
-        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
-
-
-class HostStateDictHook:
-    """Named, removable ``state_dict`` post-hook: offloaded tensors read from their host owner.
-
-    Installed on the module whose tensors are offloaded (the wrapped DiT, each
-    module-offloaded component), so every path that reaches its
-    ``state_dict()`` (its own, a parent module's, diffusers ``save_pretrained``,
-    ``torch.save``, peft, accelerate) sees the real weights, never the empty
-    placeholders that stand in between forwards. Entries become the host
-    views themselves (zero-copy). ``keep_vars=True`` entries are the live
-    tensor objects and stay as they are (update paths look tensors up by
-    identity). ``lookup(tensor)`` gives the host view, None to leave the entry,
-    or raises (a DLO AllGather rank holds no tensor whole).
-    """
-
-    def __init__(self, name: str, module: nn.Module, lookup, offloaded):
-        self.name = name
-        self._lookup = lookup
-        # key relative to the module -> tensor object, for every offloaded tensor (tied ones under each key)
-        self._keys = {k: t for k, t in module.state_dict(keep_vars=True).items() if offloaded(t)}
-        self._handle = module.register_state_dict_post_hook(self)
-
-    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        for key, t in self._keys.items():
-            v = state_dict.get(prefix + key)
-            if v is None or v is t:
-                continue  # not in this dict, or keep_vars=True: the live tensor object
-            hv = self._lookup(t)
-            if hv is not None:
-                state_dict[prefix + key] = hv
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-    @property
-    def removed(self) -> bool:
-        return self._handle is None
-
-    def __repr__(self) -> str:
-        state = "removed" if self.removed else "active"
-        return f"HostStateDictHook({self.name}, {len(self._keys)} offloaded tensors, {state})"
-
-
-def install_state_dict_hook(module: nn.Module, streamed: StreamedBlocks) -> HostStateDictHook:
-    """The hook that makes ``module.state_dict()`` read streamed tensors from ``streamed``'s host store."""
-    views = streamed.host_views
-    return HostStateDictHook(
-        f"weightstream.state_dict[{type(module).__name__}]", module,
-        lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
-    )
-
-
-def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
 
 def layer_config(config, who: str) -> OffloadConfig:
     """``config`` as an OffloadConfig for streaming one DiT (layer mode, 'dit' selected)."""
@@ -422,8 +42,6 @@ def build_streamed_blocks(module: nn.Module, cfg: OffloadConfig, device: torch.d
         return streamed
     if parallel is not None:
         # distributed layerwise offload (DLO) over an existing torch.distributed topology
-        from .distributed import build_streamed
-
         return build_streamed(module, cfg, device, plan, parallel)
     if cfg.weight_transfer == "allgather":
         raise ValueError(
@@ -599,6 +217,8 @@ class OffloadedTransformer(nn.Module):
     ``streamed``: streaming machinery already built over ``module`` (other
     weight sources, see :func:`weightstream.offload.mmap_source.offload_from_safetensors`).
     """
+
+    _weightstream_wrapper = True  # check_wrappable refuses to wrap one again
 
     def __init__(
         self,
@@ -786,3 +406,4 @@ class OffloadedTransformer(nn.Module):
             f"slot_bytes={s['slot_bytes']}, host_bytes={s['host_bytes']}, pinned={s['pinned']}, "
             f"device={s['device']}"
         )
+
