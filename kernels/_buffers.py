@@ -1,5 +1,8 @@
-"""The argument checks byte-moving launchers share (materialise, codec decode)."""
+"""What the byte-moving launchers share (materialise, codec decode): argument
+checks and the per-device table lookup that must not upload inside a capture."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,3 +32,29 @@ def check_byte_buffers(src, dst, table, table_type: type, op: str) -> None:
         s0, d0 = src.data_ptr(), dst.data_ptr()
         if s0 < d0 + dst.numel() and d0 < s0 + src.numel():
             raise ValueError(f"src and dst overlap in memory; {op} needs distinct buffers")
+
+
+def canonical_device(device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``; other devices as they are."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_table(src, dst, table, table_type: type, op: str):
+    """Check a launch's arguments and return ``table``'s tensor on ``dst``'s device
+    (uploaded on first use, never inside a CUDA-graph capture), or None when the
+    table moves nothing."""
+    check_byte_buffers(src, dst, table, table_type, op)
+    if dst.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"src and dst must be CUDA tensors (or set TRITON_INTERPRET=1), got {dst.device}")
+    if table.num_tiles == 0:
+        return None
+    device = canonical_device(dst.device)
+    tab = table._device.get(device)
+    if tab is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("table is not on this device yet: call table.upload(device) before graph capture")
+        tab = table.upload(device)
+    return tab

@@ -98,7 +98,6 @@ element: ~1.4 bytes read (raw, codes, escapes) and 2 written.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -106,7 +105,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ._buffers import check_byte_buffers
+from ._buffers import canonical_device, check_byte_buffers, device_table
 
 __all__ = [
     "CodedHeader",
@@ -603,11 +602,7 @@ class DecodeTable:
         )
 
 
-def _canonical_device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+_canonical_device = canonical_device
 
 
 def bytes_moved(table: DecodeTable) -> int:
@@ -636,17 +631,11 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
     Launch order is the caller's current stream. Capturable in a CUDA graph
     after `table.upload(dst.device)` and one eager call (compilation).
     """
-    _check_buffers(src, dst, table)
-    if dst.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"src and dst must be CUDA tensors (or set TRITON_INTERPRET=1), got {dst.device}")
-    if table.num_tiles == 0:
-        return 0
-    device = _canonical_device(dst.device)
-    tab = table._device.get(device)
+    tab = device_table(src, dst, table, DecodeTable, "decode")
+    if dst.numel() and dst.data_ptr() % 2:
+        raise ValueError("dst must start at an even address (16-bit elements are stored)")
     if tab is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("table is not on this device yet: call table.upload(device) before graph capture")
-        tab = table.upload(device)
+        return 0
     from ._codec_kernels import _decode_kernel  # triton is imported only when launching
 
     _decode_kernel[(table.num_tiles,)](

@@ -69,13 +69,12 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-from ._buffers import check_byte_buffers
+from ._buffers import canonical_device, check_byte_buffers, device_table
 
 __all__ = [
     "Transform",
@@ -321,11 +320,7 @@ class SegmentTable:
         )
 
 
-def _canonical_device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+_canonical_device = canonical_device
 
 
 def _merge_identity(segs: Sequence[Segment]) -> list[Segment]:
@@ -394,17 +389,9 @@ def materialise(src: torch.Tensor, dst: torch.Tensor, table: SegmentTable) -> in
     order is the caller's current stream. Capturable in a CUDA graph after
     `table.upload(dst.device)` and one eager call (kernel compilation).
     """
-    _check_buffers(src, dst, table)
-    if dst.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"src and dst must be CUDA tensors (or set TRITON_INTERPRET=1), got {dst.device}")
-    if table.num_tiles == 0:
-        return 0
-    device = _canonical_device(dst.device)
-    tab = table._device.get(device)
+    tab = device_table(src, dst, table, SegmentTable, "materialise")
     if tab is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("table is not on this device yet: call table.upload(device) before graph capture")
-        tab = table.upload(device)
+        return 0
     from ._materialise_kernels import _materialise_kernel  # triton is imported only when launching
 
     _materialise_kernel[(table.num_tiles,)](
