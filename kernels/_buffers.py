@@ -58,3 +58,21 @@ def device_table(src, dst, table, table_type: type, op: str):
             raise RuntimeError("table is not on this device yet: call table.upload(device) before graph capture")
         tab = table.upload(device)
     return tab
+
+
+class PackedTable:
+    """What a launch table shares: a packed int64 table on the host (``_host``) and its
+    copies per device (``_device``), uploaded once, before any capture."""
+
+    def packed(self) -> torch.Tensor:
+        """The packed int64 table on the host (a copy)."""
+        return self._host.clone()
+
+    def upload(self, device) -> torch.Tensor:
+        """Copy the packed table to `device` once and keep it (call before capture)."""
+        device = canonical_device(device)
+        tab = self._device.get(device)
+        if tab is None:
+            tab = self._host if device.type == "cpu" else self._host.to(device)
+            self._device[device] = tab
+        return tab

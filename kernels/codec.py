@@ -105,7 +105,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ._buffers import canonical_device, check_byte_buffers, device_table
+from ._buffers import PackedTable, canonical_device, check_byte_buffers, device_table
 
 __all__ = [
     "CodedHeader",
@@ -518,7 +518,7 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
     return torch.tensor(starts + records, dtype=torch.int64), starts[-1]
 
 
-class DecodeTable:
+class DecodeTable(PackedTable):
     """Validated, packed segments of one decode launch, with cached device copies.
 
     All non-empty segments must share one tile size; destination ranges must
@@ -581,19 +581,6 @@ class DecodeTable:
     def bits_per_weight(self) -> float:
         n = self.decoded_nbytes // 2
         return 8.0 * self.coded_nbytes / n if n else 0.0
-
-    def packed(self) -> torch.Tensor:
-        """The packed int64 table on the host (a copy)."""
-        return self._host.clone()
-
-    def upload(self, device: torch.device | str) -> torch.Tensor:
-        """Copy the packed table to `device` once and keep it (call before capture)."""
-        device = _canonical_device(device)
-        tab = self._device.get(device)
-        if tab is None:
-            tab = self._host if device.type == "cpu" else self._host.to(device)
-            self._device[device] = tab
-        return tab
 
     def __repr__(self) -> str:
         return (

@@ -74,7 +74,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ._buffers import canonical_device, check_byte_buffers, device_table
+from ._buffers import PackedTable, canonical_device, check_byte_buffers, device_table
 
 __all__ = [
     "Transform",
@@ -240,7 +240,7 @@ def _num_tiles(seg: Segment, tile_bytes: int) -> tuple[int, int]:
     return tiles_per_row, full_rows * tiles_per_row + -(-tail // tile_bytes)
 
 
-class SegmentTable:
+class SegmentTable(PackedTable):
     """A validated, packed segment table with cached device copies.
 
     `segments` is kept as given. Construction checks that destination ranges
@@ -295,19 +295,6 @@ class SegmentTable:
     def num_segments(self) -> int:
         """Segments after merging contiguous identity runs (what the kernel sees)."""
         return len(self._runs)
-
-    def packed(self) -> torch.Tensor:
-        """The packed int64 table on the host (a copy)."""
-        return self._host.clone()
-
-    def upload(self, device: torch.device | str) -> torch.Tensor:
-        """Copy the packed table to `device` once and keep it (call before capture)."""
-        device = _canonical_device(device)
-        tab = self._device.get(device)
-        if tab is None:
-            tab = self._host if device.type == "cpu" else self._host.to(device)
-            self._device[device] = tab
-        return tab
 
     def __repr__(self) -> str:
         kinds = {}

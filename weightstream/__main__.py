@@ -21,24 +21,21 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not allowed; give an integer >= 1")
-    return v
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (argparse prints the one-line error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is not allowed; give an integer >= {minimum}")
+        return v
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} is not allowed; give an integer >= 0")
-    return v
+_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
 def _device(text: str | None) -> str:
