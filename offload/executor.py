@@ -209,7 +209,7 @@ class LayerwiseExecutor:
         streamed = [blocks[i] for i in schedule.streamed]
         self.slot_bytes = self._slot_size()
         self.slots = [
-            torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.slots)
+            torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.ring_slots)
         ]
         if self.streams is not None:
             self.copy_stream = self.streams.new_stream(self.device)
@@ -239,7 +239,7 @@ class LayerwiseExecutor:
         # in an earlier capture ran inside that graph's replay, which the
         # launching stream already orders after; it needs no wait.
         self.capture_tag = None
-        self._load_tag = [None] * schedule.slots
+        self._load_tag = [None] * schedule.ring_slots
         self._bound: int | None = None  # streamed index currently bound
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:

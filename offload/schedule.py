@@ -82,8 +82,9 @@ class Schedule:
         return self.num_blocks - self.resident
 
     @property
-    def slots(self) -> int:
-        """Slots actually used: never more than streamed blocks."""
+    def ring_slots(self) -> int:
+        """Slots actually used (a count: never more than streamed blocks). The
+        executor's ``slots`` are the device tensors themselves."""
         return min(self.num_slots, self.n)
 
     def is_streamed(self, block: int) -> bool:
@@ -94,8 +95,8 @@ class Schedule:
 
     def slot_at(self, position: int) -> int:
         if self.step_local:
-            return position % self.n % self.slots
-        return position % self.slots
+            return position % self.n % self.ring_slots
+        return position % self.ring_slots
 
     @property
     def has_step_start(self) -> bool:
@@ -105,11 +106,11 @@ class Schedule:
     def _at_step_start(self, position: int) -> bool:
         i = position % self.n
         if self.step_local:
-            return i < self.slots
-        return self.defer_last and i == self.slots - 1
+            return i < self.ring_slots
+        return self.defer_last and i == self.ring_slots - 1
 
     def load(self, position: int) -> Load:
-        prev = position - self.slots
+        prev = position - self.ring_slots
         if self._at_step_start(position):
             prev = -1  # a step-start load: ordered after the previous step as a whole
         return Load(position, self.block_at(position), self.slot_at(position), prev if prev >= 0 else None)
@@ -122,7 +123,7 @@ class Schedule:
     def _first_loads(self, step: int, at_start: bool | None = None) -> list[Load]:
         """Loads of ``step``'s first ``S`` positions: all of them, or only those
         issued at the step's start (``at_start=True``) or before it (False)."""
-        first = (step * self.n + i for i in range(self.slots))
+        first = (step * self.n + i for i in range(self.ring_slots))
         return [self.load(p) for p in first if at_start is None or self._at_step_start(p) == at_start]
 
     def carried(self, step: int) -> list[Load]:
@@ -142,9 +143,9 @@ class Schedule:
     def after_compute(self, position: int) -> Load | None:
         """The load that may start once ``position`` finished computing (None when
         that load is issued at the next step's start, or not at all)."""
-        if self.step_local and position % self.n + self.slots >= self.n:
+        if self.step_local and position % self.n + self.ring_slots >= self.n:
             return None
-        nxt = position + self.slots
+        nxt = position + self.ring_slots
         if self.defer_last and self._at_step_start(nxt):  # only a step's last position reaches it
             return None
         return self.load(nxt)
@@ -154,7 +155,7 @@ class Schedule:
         """Steps after which the slot pattern repeats (one graph per phase)."""
         from math import gcd
 
-        return 1 if self.step_local else self.slots // gcd(self.n, self.slots)
+        return 1 if self.step_local else self.ring_slots // gcd(self.n, self.ring_slots)
 
     def step_of(self, position: int) -> int:
         return position // self.n

@@ -8,9 +8,7 @@ none of them.
 """
 from __future__ import annotations
 
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
 import torch
@@ -19,7 +17,8 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
-from .host_store import HostStore, Progress, copy_from_image
+from .host_store import HostStore, copy_from_image
+from .packing import pack_blocks
 from .layout import block_tensors, build_layout, check_not_shared
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -79,12 +78,12 @@ class StreamedBlocks:
         streamed_ids = {id(t) for ts in tensors for _, _, t in ts}
         rest = [t for t in _all_tensors(module) if id(t) not in streamed_ids]
         self.resident_bytes = sum(tensor_bytes(t) for t in rest)
-        slot_total = self.schedule.slots * max(lay.nbytes for lay in layouts)
+        slot_total = self.schedule.ring_slots * max(lay.nbytes for lay in layouts)
         budget = config.device_memory_budget_gb
         if budget is not None and self.resident_bytes + slot_total > budget * 1e9:
             raise ValueError(
                 f"device_memory_budget_gb={budget} is too small: resident modules need "
-                f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.slots} slots "
+                f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.ring_slots} slots "
                 f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
             )
         self.tensors = tensors
@@ -127,31 +126,9 @@ class StreamedBlocks:
             pin=cfg.pin_memory and device.type == "cuda",
             budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
         )
-        progress = Progress(f"packing {len(layouts)} blocks into host memory", store.nbytes, cfg.progress)
         objs = [[t for _, _, t in ts] for ts in tensors]
-        # Packing is page-fault and memcpy bound: blocks are packed on worker
-        # threads (torch copies release the GIL); registration, dropping the
-        # originals and progress stay on this thread, in block order.
-        workers = max(1, min(8, os.cpu_count() or 1, len(layouts)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-pack") as pool:
-            packed = [pool.submit(store.pack, k, objs[k]) for k in range(len(layouts))]
-            dropped = 0
-            try:
-                for k, fut in enumerate(packed):
-                    fut.result()
-                    drop_storage(objs[k], device)  # the store is now the one host copy
-                    dropped = k + 1
-                    store.pin(k)
-                    progress.update(layouts[k].nbytes)
-            except BaseException:
-                for f in packed:
-                    f.cancel()
-                with torch.no_grad():  # nothing lost: give dropped tensors their weights back
-                    for k in range(dropped):
-                        for t, hv in zip(objs[k], store.views(k)):
-                            t.data = hv.clone()
-                store.close()
-                raise
+        pack_blocks(store, objs, lambda ts: drop_storage(ts, device), progress=cfg.progress,
+                    what=f"packing {len(layouts)} blocks into host memory")
         return store
 
     def _host_views(self) -> dict[int, torch.Tensor]:
@@ -172,8 +149,8 @@ class StreamedBlocks:
         return {
             "blocks_streamed": s.n,
             "blocks_resident": s.resident,
-            "num_slots": s.slots,
-            "slot_bytes": s.slots * self.executor.slot_bytes,
+            "num_slots": s.ring_slots,
+            "slot_bytes": s.ring_slots * self.executor.slot_bytes,
             "host_bytes": self.store.nbytes,
             "pinned": self.store.pinned,
             "pinned_bytes": self.store.pinned_bytes,

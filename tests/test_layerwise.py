@@ -332,10 +332,10 @@ def test_defer_last_schedule_bit_exact(name):
             outs.append(first(model(**x)))
             # between steps only the first S - 1 loads of the next step are in flight
             assert [p for p, _ in sb.executor.pending_loads()] == [
-                sb.executor.position + i for i in range(sched.slots - 1)]
+                sb.executor.position + i for i in range(sched.ring_slots - 1)]
     assert all(torch.equal(o, expected) for o in outs)
     copies = [e for e in sb.executor.events() if e["lane"] == "copy"]
-    assert len(copies) == 3 * sched.n + sched.slots - 1  # every step's n, plus the primed next ones
+    assert len(copies) == 3 * sched.n + sched.ring_slots - 1  # every step's n, plus the primed next ones
     sb.restore()
 
 

@@ -41,8 +41,8 @@ def test_slot_reuse_never_overlaps(num_blocks, slots):
         assert all(ld.block >= resident for ld in issued)
         # at most `slots` loads are outstanding (issued, not yet computed) at a time
         for p in range(len(seen)):
-            outstanding = [ld for ld in issued if ld.position > p and ld.position <= p + sched.slots]
-            assert len({ld.slot for ld in outstanding}) == len(outstanding) <= sched.slots
+            outstanding = [ld for ld in issued if ld.position > p and ld.position <= p + sched.ring_slots]
+            assert len({ld.slot for ld in outstanding}) == len(outstanding) <= sched.ring_slots
 
 
 def test_last_block_prefetches_first_of_next_step():
@@ -66,7 +66,7 @@ def test_resident_blocks_shift_the_ring():
 
 
 def test_slots_capped_by_streamed_blocks():
-    assert Schedule(4, 3, 2).slots == 1
+    assert Schedule(4, 3, 2).ring_slots == 1
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def simulate_step_local(sched: Schedule, steps: int):
                 assert sched.step_of(nxt.position) == step and nxt.slot == slot and nxt.after_position == p
                 contents[nxt.slot] = (nxt.position, nxt.block)
             else:
-                assert k + sched.slots >= sched.n
+                assert k + sched.ring_slots >= sched.n
     return seen
 
 
@@ -127,11 +127,11 @@ def simulate_defer_last(sched: Schedule, steps: int):
     plain = Schedule(sched.num_blocks, sched.resident, sched.num_slots)
     contents, deferred = {}, []
     for load in sched.priming():
-        assert load.after_position is None and load.position < sched.slots - 1
+        assert load.after_position is None and load.position < sched.ring_slots - 1
         contents[load.slot] = (load.position, load.block)
     for step in range(steps):
         starts = sched.step_start(step)
-        assert [ld.position for ld in starts] == [step * sched.n + sched.slots - 1]
+        assert [ld.position for ld in starts] == [step * sched.n + sched.ring_slots - 1]
         for load in starts:
             assert load.after_position is None  # ordered after the previous step as a whole
             # the slot's previous reader is the previous step's last block: it has finished
@@ -158,8 +158,8 @@ def test_defer_last_moves_only_the_boundary_load(num_blocks, slots):
     sched = Schedule(num_blocks, 0, slots, defer_last=True)
     simulate_defer_last(sched, steps=4)
     assert sched.has_step_start and sched.phase_period == Schedule(num_blocks, 0, slots).phase_period
-    assert len(sched.carried(1)) == sched.slots - 1
-    assert sched.refill(2) == [sched.load(2 * sched.n + i) for i in range(sched.slots)]
+    assert len(sched.carried(1)) == sched.ring_slots - 1
+    assert sched.refill(2) == [sched.load(2 * sched.n + i) for i in range(sched.ring_slots)]
 
 
 def test_defer_last_and_step_local_exclude_each_other():

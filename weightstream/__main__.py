@@ -190,7 +190,7 @@ def cmd_plan(args) -> int:
     cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers)
     blocks = discover_blocks(model)
     sched = Schedule(len(blocks), cfg.resident_layers, cfg.num_slots)
-    print(f"{type(model).__name__}: {len(blocks)} blocks, {sched.n} streamed through {sched.slots} slots")
+    print(f"{type(model).__name__}: {len(blocks)} blocks, {sched.n} streamed through {sched.ring_slots} slots")
     for b in blocks:
         lay = build_layout(b.index, b.name, block_tensors(b.module))
         where = "resident" if b.index < sched.resident else f"streamed (step 0 slot {sched.slot_at(b.index - sched.resident)})"
