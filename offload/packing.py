@@ -37,7 +37,7 @@ def malloc_trim() -> Callable[[], None]:
     (glibc ``malloc_trim(0)``); a no-op where the C library has none."""
     try:
         fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
         return lambda: None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: fn(0)
@@ -54,8 +54,8 @@ def pack_blocks(store, objs: list[list[torch.Tensor]], drop, *, progress: bool |
 
     Packing is page-fault and memcpy bound: blocks are packed on worker threads
     (torch copies release the GIL), at most :func:`ahead_bytes` of them ahead
-    of the drop; dropping, trimming the heap, pinning and progress stay on
-    this thread, in block order.
+    of the drop; dropping, pinning and progress stay on this thread, in block
+    order. Each drop is followed by a trim of malloc's heap on a worker.
     """
     sizes = [lay.nbytes for lay in store.layouts]
     bar = Progress(what, sum(sizes), progress)
@@ -70,7 +70,7 @@ def pack_blocks(store, objs: list[list[torch.Tensor]], drop, *, progress: bool |
                 window.take(k)
                 drop(objs[k])  # the store is now the one host copy
                 dropped = k + 1
-                trim()
+                pool.submit(trim)  # off this thread (pinning waits on it otherwise), before the next packs
                 window.fill(pool)  # the next packs run while this block pins
                 store.pin(k)
                 bar.update(sizes[k])

@@ -54,6 +54,19 @@ def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def process_rss_peak_bytes() -> int:
+    """This process's own peak RSS (VmHWM): ru_maxrss may also carry the RSS of
+    the process that spawned it (Linux keeps the pre-exec high-water mark)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return host_rss_peak_bytes()
+
+
 # issue 15: the process's peak RSS up to the end of setup (imports, build,
 # packing) at most this many times the model's bytes
 TARGET_SETUP_PEAK_RSS_RATIO = 1.15
@@ -151,7 +164,7 @@ def run_mode(args, prefix: str) -> dict:
     _sync(device)
     setup_s = time.perf_counter() - t
     del model
-    setup_peak = host_rss_peak_bytes()  # the build and the setup, before any step
+    setup_peak = process_rss_peak_bytes()  # the build and the setup, before any step
     log(prefix, f"set up in {setup_s:.2f} s (peak RSS so far {setup_peak / GB:.2f} GB, "
                 f"{setup_peak / max(model_bytes, 1):.3f}x the model); {args.warmup} warm-up + {args.steps} timed steps")
     rss_after_setup = host_rss_bytes()
