@@ -2,18 +2,20 @@
 
 The store becomes the one host copy of each block as soon as it is packed:
 the block's original tensors are dropped right after, and the memory they
-held goes back to the operating system before the next block is dropped.
-The setup's host peak is therefore the model plus the bytes packed ahead of
-the drop (at most ``max(largest block, AHEAD_FRACTION x the store)``), not
-two models. A failure part-way gives the dropped tensors their weights back
-from the store before it is closed, so nothing is lost.
+held goes back to the operating system before the next packs start. The
+setup's host peak is therefore the model plus the bytes packed ahead of the
+drop (at most ``max(largest block, AHEAD_FRACTION x the store)``), not two
+models. A failure part-way gives the dropped tensors their weights back from
+the store before it is closed, so nothing is lost.
 
-Where freed memory goes: large tensors live in their own mappings and are
-unmapped when freed; smaller ones (a few MB, below glibc's mmap threshold)
-sit in malloc's heap, which keeps freed chunks mapped. Without a trim a
-packed Flux-sized model held its originals' heap pages until the end of
-setup (measured: 2.1x the model bytes over the interpreter on a 437 MB
-model of 8 MB tensors, 1.06x with the trim).
+Where the peak came from (issue 15): every block was submitted to the packers
+at once, so while the drop and pin thread lagged (pinning is the slow step on
+a GPU host) the packers filled the store far ahead of it (H200, Flux: 35.8 GB
+peak RSS for 23.8 GB); and tensors below glibc's mmap threshold (a few MB)
+live in malloc's heap, which keeps freed chunks mapped until trimmed.
+tests/test_pack_rss.py, setup peak over the interpreter less the CPU slots:
+1.77x / 1.97x the model before (Flux- / Wan-shaped, ~400 MB), 1.02x / 1.05x
+with both fixed.
 """
 from __future__ import annotations
 
