@@ -295,3 +295,61 @@ def test_device_bytes_match_the_executor_on_tiny_flux(slots):
         # resident blocks are counted as aligned images: at most 512 B of padding per tensor more
         slack = sum(512 * len(lay.tensors) for lay in layouts[:k])
         assert want <= got <= want + slack, (k, got, want)
+
+
+# -- the config keys auto placement reads -------------------------------------------------
+
+from weightstream import OffloadConfig  # noqa: E402
+from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB  # noqa: E402
+
+
+def dit_resident(value, **kw):
+    return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": value}}, **kw}
+
+
+@pytest.mark.parametrize("value, stored", [
+    ("auto", "auto"), ([3, 1], (1, 3)), ((5,), (5,)), ([0, 1, 2], 3), ([2, 0, 1], 3), ([], 0), (4, 4),
+])
+def test_resident_layers_accepts_auto_and_block_lists(value, stored):
+    c = OffloadConfig.from_dict(dit_resident(value))
+    assert c.resident_layers == stored and type(c.resident_layers) is type(stored)
+    assert c.resident_auto == (stored == "auto")
+    again = OffloadConfig.from_json(c.to_json())  # a tuple travels as a JSON list
+    assert again == c and hash(again) == hash(c) and again.resident_layers == stored
+    assert OffloadConfig.layerwise(resident_layers=value) == c
+
+
+def test_auto_with_a_device_budget_and_the_stated_margin():
+    c = OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=12)
+    assert c.resident_auto and c.device_memory_budget_gb == 12.0
+    assert OffloadConfig.layerwise(resident_layers="auto").device_memory_budget_gb is None
+    assert AUTO_DEVICE_MARGIN_GB > 0
+
+
+@pytest.mark.parametrize("value, kw, error, words", [
+    ("Auto", {}, TypeError, ["layer_options.dit.resident_layers='Auto'", "'auto'", "int >= 0", "got str"]),
+    ([1, -2], {}, ValueError, ["layer_options.dit.resident_layers=[1, -2]", "ints >= 0"]),
+    ([1, 1], {}, ValueError, ["resident_layers=[1, 1]", "each block index at most once"]),
+    ([1, 2.0], {}, TypeError, ["layer_options.dit.resident_layers[1]=2.0", "block index"]),
+    ([True], {}, TypeError, ["layer_options.dit.resident_layers[0]=True", "block index"]),
+    ({"a": 1}, {}, TypeError, ["resident_layers={'a': 1}", "'auto'"]),
+    ("auto", {"layer_options": {"dit": {"resident_layers": "auto", "weight_transfer": "allgather"}}}, ValueError,
+     ["layer_options.dit.resident_layers='auto'", "resident layers require rank-local"]),
+    ([2, 5], {"cuda_graphs": "on", "graph_boundary_loads": "next-step"}, ValueError,
+     ["graph_boundary_loads='next-step'", "resident_layers=(2, 5)", "in-graph"]),
+    ("auto", {"cuda_graphs": "on", "graph_boundary_loads": "next-step"}, ValueError,
+     ["graph_boundary_loads='next-step'", "resident_layers='auto'"]),
+])
+def test_resident_layers_rejections_name_key_value_and_allowed(value, kw, error, words):
+    d = dit_resident(value, **kw)
+    with pytest.raises(error) as e:
+        OffloadConfig.from_dict(d)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_resident_auto_on_text_encoder_is_rejected():
+    d = {"mode": "layer", "components": ["dit", "text_encoder"],
+         "layer_options": {"text_encoder": {"resident_layers": "auto"}}}
+    with pytest.raises(ValueError, match="layer_options.text_encoder.resident_layers='auto'.*only to dit"):
+        OffloadConfig.from_dict(d)
