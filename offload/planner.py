@@ -43,11 +43,13 @@ budget with what a smaller one found), not by proof.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
-from weightstream.offload.config import ConfigTypeError
+from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB, ConfigTypeError
 
-__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms"]
+__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms", "AutoPlan", "plan_from_events",
+           "compute_from_events", "h2d_from_events", "auto_budget_bytes", "describe"]
 
 _MAX_STEPS = 64  # steps simulated before giving up on exact periodicity
 _MAX_PERIOD = 4  # longest step period searched for
@@ -460,3 +462,177 @@ def _moves(n: int, res: frozenset):
     for r in sorted(res):
         for i in out:
             yield (res - {r}) | {i}
+
+
+
+# -- from an executor's event log ----------------------------------------------------
+
+_EVENT_KEYS = ("step", "block", "lane", "start_ms", "end_ms")
+
+
+def _check_events(events, num_blocks: int) -> list[dict]:
+    """The records of ``EventLog.resolve()``, checked (ValueError naming the record)."""
+    if isinstance(events, (str, bytes, dict)) or not hasattr(events, "__iter__"):
+        raise ConfigTypeError(f"events={events!r} must be a list of dicts with keys {', '.join(_EVENT_KEYS)}")
+    out = list(events)
+    for i, ev in enumerate(out):
+        missing = [k for k in _EVENT_KEYS if not isinstance(ev, dict) or k not in ev]
+        if missing:
+            raise ValueError(f"events[{i}]={ev!r} is not allowed; allowed: a dict with keys "
+                             f"{', '.join(_EVENT_KEYS)} (missing {', '.join(missing)})")
+        b, lane = ev["block"], ev["lane"]
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+            raise ValueError(f"events[{i}].block={b!r} is not allowed; allowed: block indices 0..{num_blocks - 1}")
+        if lane not in ("copy", "compute"):
+            raise ValueError(f"events[{i}].lane={lane!r} is not allowed; allowed: copy, compute")
+        start, end = ev["start_ms"], ev["end_ms"]
+        if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) for t in (start, end)) \
+                or end < start:
+            raise ValueError(f"events[{i}]: start_ms={start!r}, end_ms={end!r} is not allowed; allowed: finite "
+                             "times with end_ms >= start_ms")
+    return out
+
+
+def compute_from_events(events, device_bytes, *, prior_compute_ms=None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per-block compute ms from the log's compute records (the median over the
+    steps present), and the blocks that had none (resident while measured).
+    Those take ``prior_compute_ms[i]`` when given (an earlier plan's figures),
+    else the median of the measured blocks of the same ``device_bytes`` (the
+    same layout computes alike), else the median measured ms per byte times
+    their bytes. Returns (compute_ms, estimated block indices)."""
+    dev = _int_seq("device_bytes", device_bytes, 1)
+    per: dict[int, list[float]] = {}
+    for ev in _check_events(events, len(dev)):
+        if ev["lane"] == "compute":
+            per.setdefault(ev["block"], []).append(float(ev["end_ms"]) - float(ev["start_ms"]))
+    if not per:
+        raise ValueError("events hold no compute record; allowed: the event log of at least one step "
+                         "(record_events=True)")
+    measured = {b: statistics.median(v) for b, v in per.items()}
+    prior = None
+    if prior_compute_ms is not None:
+        prior = tuple(_number(f"prior_compute_ms[{i}]", v, positive=False) for i, v in enumerate(prior_compute_ms))
+        if len(prior) != len(dev):
+            raise ValueError(f"prior_compute_ms has {len(prior)} entries; allowed: one per block ({len(dev)})")
+    per_byte = statistics.median(ms / dev[b] for b, ms in measured.items())
+    out, estimated = [], []
+    for i, nbytes in enumerate(dev):
+        if i in measured:
+            out.append(measured[i])
+            continue
+        estimated.append(i)
+        same = [ms for b, ms in measured.items() if dev[b] == nbytes]
+        out.append(prior[i] if prior is not None else statistics.median(same) if same else per_byte * nbytes)
+    return tuple(out), tuple(estimated)
+
+
+def h2d_from_events(events, link_bytes, *, device_bytes=None, decode_gbps=None) -> float:
+    """Link bandwidth (GB/s) from the log's copy records: the link bytes of the
+    copied blocks over the copies' summed duration. With ``decode_gbps`` a copy
+    record is taken to span its decode too (a decode on the copy stream), and
+    the modelled decode time (``device_bytes / decode_gbps``) is subtracted."""
+    link = _int_seq("link_bytes", link_bytes, 1)
+    copies = [ev for ev in _check_events(events, len(link)) if ev["lane"] == "copy"]
+    if not copies:
+        raise ValueError("events hold no copy record; allowed: the event log of a step that streamed, "
+                         "or give h2d_gbps")
+    total_ms = sum(float(ev["end_ms"]) - float(ev["start_ms"]) for ev in copies)
+    if decode_gbps is not None:
+        dev = _int_seq("device_bytes", device_bytes, 1)
+        total_ms -= sum(dev[ev["block"]] for ev in copies) / (_number("decode_gbps", decode_gbps, positive=True) * 1e6)
+    if total_ms <= 0:
+        raise ValueError(f"the copy records of events span {total_ms:.6f} ms (after decode) for "
+                         f"{len(copies)} copies: no bandwidth can be measured from them; give h2d_gbps")
+    return sum(link[ev["block"]] for ev in copies) / (total_ms * 1e6)
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """A placement planned from measurements, with what was measured."""
+
+    inputs: PlanInputs
+    placement: Placement
+    estimated_blocks: tuple[int, ...]  # compute not in the event log (see compute_from_events)
+    h2d_measured: bool  # h2d_gbps from the log's copy records (else given)
+    compute_source: str = "the event log"
+    estimate_source: str = "same-size blocks"
+
+    def describe(self) -> str:
+        return describe(self)
+
+    def stats(self) -> dict:
+        """Plain-JSON figures for ``stats()``."""
+        p = self.placement
+        return {
+            "resident_blocks": list(p.resident), "num_slots": p.num_slots, "predicted_ms": p.predicted_ms,
+            "floor_ms": p.floor_ms, "device_bytes": p.device_bytes, "budget_bytes": p.budget_bytes,
+            "h2d_gbps": self.inputs.h2d_gbps, "h2d_measured": self.h2d_measured,
+            "compute_ms": list(self.inputs.compute_ms), "estimated_blocks": list(self.estimated_blocks),
+            "describe": self.describe(),
+        }
+
+
+def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d_gbps: float | None = None,
+                     fixed_device_bytes: int = 0, decode_gbps: float | None = None,
+                     slot_counts=(2, 3, 4), decode_on_copy_stream: bool = True,
+                     prior_compute_ms=None) -> AutoPlan:
+    """Plan from an executor's event log (``EventLog.resolve()``: dicts with
+    step, block, lane, start_ms, end_ms; block = index in execution order):
+    per-block compute from its compute records (:func:`compute_from_events`),
+    the link bandwidth from its copy records unless ``h2d_gbps`` is given
+    (:func:`h2d_from_events`), then :func:`plan` under ``budget_bytes``."""
+    events = list(events) if hasattr(events, "__iter__") and not isinstance(events, (str, bytes, dict)) else events
+    compute, estimated = compute_from_events(events, device_bytes, prior_compute_ms=prior_compute_ms)
+    measured = h2d_gbps is None
+    if measured:
+        h2d_gbps = h2d_from_events(events, link_bytes, device_bytes=device_bytes,
+                                   decode_gbps=decode_gbps if decode_on_copy_stream else None)
+    inputs = PlanInputs(link_bytes=link_bytes, device_bytes=device_bytes, compute_ms=compute, h2d_gbps=h2d_gbps,
+                        budget_bytes=budget_bytes, fixed_device_bytes=fixed_device_bytes, decode_gbps=decode_gbps,
+                        slot_counts=slot_counts, decode_on_copy_stream=decode_on_copy_stream)
+    source = "the earlier plan" if prior_compute_ms is not None else "same-size blocks"
+    return AutoPlan(inputs, plan(inputs), estimated, measured, estimate_source=source)
+
+
+def auto_budget_bytes(*, free_bytes: int, reserved_bytes: int, peak_allocated_bytes: int, weight_bytes: int,
+                      margin_bytes: int | None = None) -> int:
+    """The device weight budget of ``resident_layers="auto"`` without
+    ``device_memory_budget_gb``, from figures read after the first eager step:
+    what torch may use (``free_bytes`` from ``torch.cuda.mem_get_info`` plus
+    ``reserved_bytes``, ``torch.cuda.memory_reserved``: the caching allocator's
+    blocks, the weights it holds now among them), less the step's activations
+    (``peak_allocated_bytes`` of the step, ``torch.cuda.max_memory_allocated``,
+    less the ``weight_bytes`` held then: fixed modules + resident blocks +
+    slots), less ``margin_bytes`` (default ``AUTO_DEVICE_MARGIN_GB``)."""
+    margin = int(AUTO_DEVICE_MARGIN_GB * 1e9) if margin_bytes is None else margin_bytes
+    figures = dict(free_bytes=free_bytes, reserved_bytes=reserved_bytes, peak_allocated_bytes=peak_allocated_bytes,
+                   weight_bytes=weight_bytes, margin_bytes=margin)
+    for name, v in figures.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigTypeError(f"auto_budget_bytes: {name}={v!r} must be an int >= 0")
+        if v < 0:
+            raise ValueError(f"auto_budget_bytes: {name}={v} is not allowed; allowed: ints >= 0")
+    activations = max(0, peak_allocated_bytes - weight_bytes)
+    budget = free_bytes + reserved_bytes - activations - margin
+    if budget <= 0:
+        raise ValueError(
+            f"resident_layers='auto': free {free_bytes} + reserved {reserved_bytes} bytes less the step's "
+            f"activations {activations} and the margin {margin} leave {budget} bytes for weights; allowed: "
+            "a positive budget (free device memory, or give device_memory_budget_gb)")
+    return budget
+
+
+def describe(plan_or_placement) -> str:
+    """One paragraph for printing: the placement (``Placement.describe``), and
+    for an :class:`AutoPlan` where its figures came from."""
+    if isinstance(plan_or_placement, Placement):
+        return plan_or_placement.describe()
+    if not isinstance(plan_or_placement, AutoPlan):
+        raise ConfigTypeError(f"describe({plan_or_placement!r}): expected a Placement or an AutoPlan")
+    a = plan_or_placement
+    n = a.inputs.num_blocks
+    got = f"per-block compute of {n - len(a.estimated_blocks)} of {n} blocks from {a.compute_source}"
+    if a.estimated_blocks:
+        got += f" (blocks {_ranges(a.estimated_blocks)}: from {a.estimate_source})"
+    link = "measured from the copy records" if a.h2d_measured else "given"
+    return f"{a.placement.describe()} Inputs: {got}; H2D {a.inputs.h2d_gbps:.1f} GB/s {link}."
