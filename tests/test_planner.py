@@ -160,9 +160,10 @@ def test_describe_states_what_stays_streams_and_floors():
 
 # -- the model matches the ring of offload/schedule.py -------------------------------
 
-def schedule_reference(inp: PlanInputs, resident: int, num_slots: int, steps: int = 60) -> float:
+def schedule_reference(inp: PlanInputs, resident, num_slots: int, steps: int = 60) -> float:
     """Steady-state step of the ring, driven by Schedule's priming/after_compute
-    (serial copy engine, loads in issue order), measured over the last 12 steps."""
+    (serial copy engine, loads in issue order), measured over the last 12 steps.
+    ``resident``: an int (first N) or any subset of block indices."""
     sched = Schedule(inp.num_blocks, resident, num_slots)
     ready, done, copy_free, ends, t = {}, {}, 0.0, [], 0.0
 
@@ -178,7 +179,7 @@ def schedule_reference(inp: PlanInputs, resident: int, num_slots: int, steps: in
         for b in range(inp.num_blocks):
             t += inp.compute_ms[b] if not sched.is_streamed(b) else 0.0
             if sched.is_streamed(b):
-                p = step * sched.n + b - sched.resident
+                p = step * sched.n + sched.index(b)
                 assert sched.block_at(p) == b
                 t = max(t, ready[p]) + inp.compute_ms[b]
                 done[p] = t
@@ -214,6 +215,23 @@ def test_simulation_matches_schedule_driven_reference(seed):
             # never below either floor
             p = evaluate(inp, range(k), s)
             assert got >= p.floor_ms - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_simulation_matches_the_schedule_for_any_resident_subset(seed):
+    """The placements plan() returns are subsets: the model must be the ring that
+    Schedule(num_blocks, subset) runs."""
+    rng = random.Random(5000 + seed)
+    inp = random_inputs(rng, rng.randint(2, 10))
+    n = inp.num_blocks
+    for _ in range(6):
+        res = tuple(sorted(rng.sample(range(n), rng.randint(0, n - 1))))
+        for s in (1, 2, 3):
+            got, want = step_ms(inp, res, s), schedule_reference(inp, res, s)
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-9), (seed, res, s)
+    p = plan(inp)
+    assert step_ms(inp, p.resident, p.num_slots) == pytest.approx(
+        schedule_reference(inp, p.resident, p.num_slots), rel=1e-9, abs=1e-9)
 
 
 # -- seeded random properties of plan() ------------------------------------------------
