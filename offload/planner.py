@@ -245,21 +245,33 @@ class Placement:
 
     def describe(self) -> str:
         n_res = len(self.resident)
-        res_gb = (self.device_bytes - self.slots_used * self.slot_bytes) / 1e9
+        res_bytes = self.device_bytes - self.slots_used * self.slot_bytes
         kept = f"blocks {_ranges(self.resident)}" if self.resident else "no block"
-        floors = f"compute {self.compute_ms:.1f} ms, transfer {self.transfer_ms:.1f} ms"
+        floors = f"compute {_ms(self.compute_ms)} ms, transfer {_ms(self.transfer_ms)} ms"
         if self.decode_ms:
-            floors += f", decode {self.decode_ms:.1f} ms"
+            floors += f", decode {_ms(self.decode_ms)} ms"
         bound = "compute" if self.compute_ms >= self.floor_ms else "transfer"
         slots = f"{self.slots_used} slot{'s' if self.slots_used != 1 else ''}"
         return (
-            f"{n_res} of {self.num_blocks} blocks stay resident ({kept}; {res_gb:.2f} GB with the fixed modules); "
-            f"{self.num_blocks - n_res} stream ({self.streamed_link_bytes / 1e9:.2f} GB per step) through "
-            f"{slots} of {self.slot_bytes / 1e9:.3f} GB; device {self.device_bytes / 1e9:.2f} GB "
-            f"of {self.budget_bytes / 1e9:.2f} GB. Predicted step {self.predicted_ms:.1f} ms "
-            f"({self.predicted_ms / max(self.floor_ms, 1e-12):.3f}x the floor {self.floor_ms:.1f} ms); "
+            f"{n_res} of {self.num_blocks} blocks stay resident ({kept}; {_size(res_bytes)} with the fixed "
+            f"modules); {self.num_blocks - n_res} stream ({_size(self.streamed_link_bytes)} per step) through "
+            f"{slots} of {_size(self.slot_bytes)}; device {_size(self.device_bytes)} of "
+            f"{_size(self.budget_bytes)}. Predicted step {_ms(self.predicted_ms)} ms "
+            f"({self.predicted_ms / max(self.floor_ms, 1e-12):.3f}x the floor {_ms(self.floor_ms)} ms); "
             f"floors: {floors} ({bound}-bound)."
         )
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in decimal units, three or four significant figures."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _ms(t: float) -> str:
+    return f"{t:.1f}" if t >= 1 else f"{t:.3g}"
 
 
 def _ranges(idx) -> str:

@@ -151,9 +151,9 @@ def test_spread_resident_blocks_beat_a_run_at_the_start():
 def test_describe_states_what_stays_streams_and_floors():
     p = evaluate(inputs([10, 10, 10, 40], [1.0] * 4, budget_mb=90), (0, 1, 3), 2)
     text = p.describe()
-    for words in ("3 of 4 blocks stay resident (blocks 0-1, 3", "1 stream (0.01 GB per step)",
-                  "1 slot of 0.010 GB", "Predicted step 11.0 ms", "compute 4.0 ms, transfer 10.0 ms",
-                  "transfer-bound"):
+    for words in ("3 of 4 blocks stay resident (blocks 0-1, 3; 60.00 MB with the fixed modules)",
+                  "1 stream (10.00 MB per step)", "1 slot of 10.00 MB", "device 70.00 MB of 90.00 MB",
+                  "Predicted step 11.0 ms", "compute 4.0 ms, transfer 10.0 ms", "transfer-bound"):
         assert words in text, (words, text)
     assert "\n" not in text
 
@@ -556,5 +556,11 @@ def test_auto_budget_from_free_memory():
 def test_describe_a_placement_is_its_paragraph():
     p = plan(inputs([10] * 4, [1.0] * 4, budget_mb=100))
     assert describe(p) == p.describe()
+    tiny = evaluate(PlanInputs(link_bytes=[2500] * 3, device_bytes=[2500] * 3, compute_ms=[0.01] * 3,
+                               h2d_gbps=50.0, budget_bytes=2_000_000_000), (1,), 2)
+    text = tiny.describe()  # small figures keep their digits
+    for words in ("2 stream (5.00 kB per step) through 2 slots of 2.50 kB", "device 7.50 kB of 2.00 GB",
+                  "compute 0.03 ms, transfer 0.0001 ms", "compute-bound"):
+        assert words in text, (words, text)
     with pytest.raises(TypeError, match="expected a Placement or an AutoPlan"):
         describe("x")
