@@ -28,8 +28,17 @@ bytes: fixed + resident blocks + ``min(S, streamed)`` slots sized to the
 largest streamed block, as the executor allocates them. At least one block
 streams (the schedule needs one; a model that fits whole needs no planner).
 
+``step_local=True`` models the CUDA-graph schedule with resident blocks
+(``Schedule(step_local=True)``): each step starts after the previous one as a
+whole, issues the loads of its first ``S`` streamed positions at its start and
+the others once the slot's previous user in the same step finished; nothing
+crosses the step boundary, so every step takes the same time (one step is
+simulated). A placement with no resident block runs the plain ring there too
+(the executor's ``next-step`` boundary loads), and is modelled as the ring.
+
 Not modelled: decode kernels slowing compute (they share the SMs), the
-step-local schedule of CUDA graphs with resident blocks, DLO all-gathers.
+in-graph boundary load (``graph_boundary_loads="in-graph"``, about 1% on
+Flux-1024), DLO all-gathers.
 
 Search (:func:`plan`): candidates are every first-N placement and greedy fills
 (saved load time per device byte, one fill per slot-size cap), refined by
@@ -93,6 +102,7 @@ class PlanInputs:
     decode_gbps: decode rate in decoded (device) bytes per s; None: no decode.
     slot_counts: slot counts the planner may choose from (>= 2, as ``num_slots``).
     decode_on_copy_stream: whether a decode delays the next copy (see module doc).
+    step_local: the CUDA-graph schedule with resident blocks (see module doc).
     """
 
     link_bytes: tuple[int, ...]
@@ -104,6 +114,7 @@ class PlanInputs:
     decode_gbps: float | None = None
     slot_counts: tuple[int, ...] = (2, 3, 4)
     decode_on_copy_stream: bool = True
+    step_local: bool = False
 
     def __post_init__(self):
         link = _int_seq("link_bytes", self.link_bytes, 1)
@@ -133,8 +144,9 @@ class PlanInputs:
                 raise ConfigTypeError(f"PlanInputs.{name}={v!r} must be an int >= {minimum}")
             if v < minimum:
                 raise ValueError(f"PlanInputs.{name}={v} is not allowed; allowed: ints >= {minimum}")
-        if not isinstance(self.decode_on_copy_stream, bool):
-            raise ConfigTypeError(f"PlanInputs.decode_on_copy_stream={self.decode_on_copy_stream!r} must be a bool")
+        for name in ("decode_on_copy_stream", "step_local"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(f"PlanInputs.{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def num_blocks(self) -> int:
@@ -183,6 +195,8 @@ def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
               for i, c in enumerate(inputs.compute_ms)]
     s = min(num_slots, inputs.num_blocks - len(res))
     separate = inputs.decode_gbps is not None and not inputs.decode_on_copy_stream
+    if inputs.step_local and res:
+        return _simulate_step_local(blocks, s, separate)
     t = copy_free = dec_free = 0.0
     done_at: list[float] = []  # compute end per streamed position
     ends, states = [], []
@@ -206,6 +220,38 @@ def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
             if _same(states[-1], states[-1 - period], t):
                 return (t - ends[-1 - period]) / period
     return (ends[-1] - ends[-9]) / 8  # not periodic within _MAX_STEPS: average of the last steps
+
+
+def _simulate_step_local(blocks: list, s: int, separate: bool) -> float:
+    """One step of the step-local schedule (every step is the same): the first
+    ``s`` streamed positions load at the step start, position ``k + s`` once
+    ``k`` computed; the copy stream is serial in issue order (the step-start
+    loads first, then each after its compute, which issues it)."""
+    loads = [load for _, load in blocks if load is not None]
+    n = len(loads)
+    t = copy_free = dec_free = 0.0
+    ready = [0.0] * n
+
+    def issue(k: int, after: float) -> None:
+        nonlocal copy_free, dec_free
+        copy_free = max(copy_free, after) + loads[k][0]
+        if separate:
+            ready[k] = dec_free = max(copy_free, dec_free) + loads[k][1]
+        else:
+            ready[k] = copy_free = copy_free + loads[k][1]
+
+    for k in range(s):
+        issue(k, 0.0)
+    k = 0
+    for c, load in blocks:
+        if load is None:
+            t += c
+            continue
+        t = max(t, ready[k]) + c
+        if k + s < n:
+            issue(k + s, t)
+        k += 1
+    return t
 
 
 def _same(a: tuple, b: tuple, scale: float) -> bool:
@@ -579,6 +625,7 @@ class AutoPlan:
             "resident_blocks": list(p.resident), "num_slots": p.num_slots, "predicted_ms": p.predicted_ms,
             "floor_ms": p.floor_ms, "device_bytes": p.device_bytes, "budget_bytes": p.budget_bytes,
             "h2d_gbps": self.inputs.h2d_gbps, "h2d_measured": self.h2d_measured,
+            "step_local": self.inputs.step_local,
             "compute_ms": list(self.inputs.compute_ms), "estimated_blocks": list(self.estimated_blocks),
             "describe": self.describe(),
         }
@@ -587,7 +634,7 @@ class AutoPlan:
 def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d_gbps: float | None = None,
                      fixed_device_bytes: int = 0, decode_gbps: float | None = None,
                      slot_counts=(2, 3, 4), decode_on_copy_stream: bool = True,
-                     prior_compute_ms=None) -> AutoPlan:
+                     prior_compute_ms=None, step_local: bool = False) -> AutoPlan:
     """Plan from an executor's event log (``EventLog.resolve()``: dicts with
     step, block, lane, start_ms, end_ms; block = index in execution order):
     per-block compute from its compute records (:func:`compute_from_events`),
@@ -601,7 +648,8 @@ def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d
                                    decode_gbps=decode_gbps if decode_on_copy_stream else None)
     inputs = PlanInputs(link_bytes=link_bytes, device_bytes=device_bytes, compute_ms=compute, h2d_gbps=h2d_gbps,
                         budget_bytes=budget_bytes, fixed_device_bytes=fixed_device_bytes, decode_gbps=decode_gbps,
-                        slot_counts=slot_counts, decode_on_copy_stream=decode_on_copy_stream)
+                        slot_counts=slot_counts, decode_on_copy_stream=decode_on_copy_stream,
+                        step_local=step_local)
     source = "the earlier plan" if prior_compute_ms is not None else "same-size blocks"
     return AutoPlan(inputs, plan(inputs), estimated, measured, estimate_source=source)
 

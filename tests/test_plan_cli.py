@@ -107,3 +107,17 @@ def test_listing_without_a_budget_is_unchanged(capsys):
     assert main(["plan", "--model", "tiny-flux", "--resident-layers", "2"]) == 0
     out = capsys.readouterr().out
     assert "5 blocks, 3 streamed through 2 slots" in out
+
+
+def test_cuda_graphs_plans_the_step_local_schedule(capsys):
+    fig = figures("tiny-wan", count_flops=False)
+    budget = repr((fig.fixed_bytes + fig.block_bytes[0] * 3) / 1e9)
+    h2d = repr(fig.block_bytes[0] / 10e6)  # 10 ms loads
+    argv = ["--model", "wan", "--budget-gb", budget, "--compute-ms", "0.5,0.5,50", "--h2d-gbps", h2d, "--slots", "2"]
+    eager, graphs = run_json(capsys, *argv), run_json(capsys, *argv, "--cuda-graphs")
+    assert not eager["cuda_graphs"] and graphs["cuda_graphs"]
+    # in a graph the one streamed block's 10 ms load starts with the step and cannot hide under
+    # block 2's 50 ms: streaming 0 costs 10 + 1 + 50, streaming 1 10 + 0.5 + 50, streaming 2
+    # (behind the two short resident blocks) 10 + 50
+    assert graphs["resident_blocks"] == [0, 1] and graphs["predicted_ms"] == pytest.approx(60.0)
+    assert eager["resident_blocks"] == [0, 2] and eager["predicted_ms"] == pytest.approx(51.0)

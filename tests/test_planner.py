@@ -49,6 +49,7 @@ GOOD = dict(link_bytes=[10, 10], device_bytes=[10, 10], compute_ms=[1.0, 1.0], h
     ("slot_counts", (), "slot_counts=()"),
     ("slot_counts", (2, 1), "slot_counts[1]=1"),
     ("decode_on_copy_stream", 1, "decode_on_copy_stream=1"),
+    ("step_local", "yes", "step_local='yes'"),
 ])
 def test_inputs_rejected_with_key_value_and_allowed(key, value, words):
     with pytest.raises(ValueError) as e:  # ConfigTypeError is a ValueError too
@@ -564,3 +565,69 @@ def test_describe_a_placement_is_its_paragraph():
         assert words in text, (words, text)
     with pytest.raises(TypeError, match="expected a Placement or an AutoPlan"):
         describe("x")
+
+
+# -- the step-local schedule of CUDA graphs with resident blocks ---------------------------
+
+def step_local_reference(inp: PlanInputs, resident, num_slots: int) -> float:
+    """One step driven by Schedule(step_local=True): step_start loads, then each
+    after_compute load, on one serial copy engine in issue order."""
+    sched = Schedule(inp.num_blocks, resident, num_slots, step_local=True)
+    ready, copy_free, t = {}, 0.0, 0.0
+
+    def issue(load, after):
+        nonlocal copy_free
+        copy_free = max(copy_free, after) + inp.load_ms(load.block) + inp.decode_ms(load.block)
+        ready[load.position] = copy_free
+
+    for load in sched.step_start(0):
+        assert load.after_position is None
+        issue(load, 0.0)
+    for b in range(inp.num_blocks):
+        if not sched.is_streamed(b):
+            t += inp.compute_ms[b]
+            continue
+        p = sched.index(b)
+        t = max(t, ready[p]) + inp.compute_ms[b]
+        nxt = sched.after_compute(p)
+        if nxt is not None:
+            assert nxt.after_position == p
+            issue(nxt, t)
+    return t
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_step_local_model_matches_the_schedule(seed):
+    rng = random.Random(11_000 + seed)
+    inp = replace_inputs(random_inputs(rng, rng.randint(2, 10)), step_local=True)
+    n = inp.num_blocks
+    for _ in range(6):
+        res = tuple(sorted(rng.sample(range(n), rng.randint(1, n - 1))))
+        for s in (1, 2, 3):
+            assert step_ms(inp, res, s) == pytest.approx(step_local_reference(inp, res, s), rel=1e-9, abs=1e-9)
+            assert step_ms(inp, res, s) >= step_ms(replace_inputs(inp, step_local=False), res, s) - 1e-9
+    # no resident block: the graphs run the plain ring (next-step boundary loads)
+    assert step_ms(inp, (), 2) == step_ms(replace_inputs(inp, step_local=False), (), 2)
+
+
+def test_step_local_prefers_leading_resident_blocks():
+    # 6 blocks, 20 ms loads, 10 ms computes, 3 resident, 2 slots. Eager: spreading them wins
+    # (test above). Graphs: leading residents hide the two step-start loads (30 ms of compute),
+    # trailing ones hide nothing (no load crosses the step's end)
+    inp = inputs([20] * 6, [10.0] * 6, budget_mb=100, slot_counts=(2,), step_local=True)
+    # L3 0-20, L4 20-40, block 3 30-40, L5 40-60, block 4 40-50, block 5 60-70
+    assert step_ms(inp, [0, 1, 2], 2) == pytest.approx(70.0, abs=1e-9)
+    # L0 0-20, L1 20-40, block 0 20-30, L2 40-60, block 1 40-50, block 2 60-70, resident 70-100
+    assert step_ms(inp, [3, 4, 5], 2) == pytest.approx(100.0, abs=1e-9)
+    p = plan(inp)
+    assert p.predicted_ms == pytest.approx(exhaustive_best(inp), abs=1e-9) and p.predicted_ms <= 70.0
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_step_local_plan_properties(seed):
+    rng = random.Random(12_000 + seed)
+    inp = replace_inputs(random_inputs(rng, rng.randint(2, 7)), step_local=True)
+    p = plan(inp)
+    assert p.fits and p.predicted_ms == step_ms(inp, p.resident, p.num_slots)
+    assert p.predicted_ms <= first_n_best(inp) + 1e-9
+    assert p.predicted_ms == pytest.approx(exhaustive_best(inp), rel=1e-9, abs=1e-9)

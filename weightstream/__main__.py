@@ -283,6 +283,8 @@ def _parser() -> argparse.ArgumentParser:
                          "wan-14b-480p 530; others 430)")
     pl.add_argument("--slots", type=_slot_counts, default=(2, 3, 4), metavar="N[,N...]",
                     help="slot counts the planner may choose from (each >= 2; default 2,3,4)")
+    pl.add_argument("--cuda-graphs", action="store_true",
+                    help="plan for cuda_graphs='on' (with resident blocks, loads stay inside their step)")
     pl.add_argument("--json", action="store_true", help="print the placement as one JSON object")
     pl.add_argument("--resident-layers", type=_non_negative_int, default=0,
                     help="without --budget-gb: the first N blocks resident in the listing")

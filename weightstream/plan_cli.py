@@ -195,7 +195,8 @@ def run(args) -> int:
                   f"TFLOP/s ({rate}); no GPU measured here: pass --compute-ms with measured figures")
     inputs = PlanInputs(link_bytes=fig.block_bytes, device_bytes=fig.block_bytes, compute_ms=compute,
                         h2d_gbps=args.h2d_gbps, budget_bytes=int(args.budget_gb * 1e9),
-                        fixed_device_bytes=fig.fixed_bytes, slot_counts=args.slots)
+                        fixed_device_bytes=fig.fixed_bytes, slot_counts=args.slots,
+                        step_local=args.cuda_graphs)
     placement = plan(inputs)
     first_n = min((evaluate(inputs, range(k), s) for s in inputs.slot_counts for k in range(n)),
                   key=lambda p: (not p.fits, p.predicted_ms, p.device_bytes))
@@ -206,6 +207,8 @@ def run(args) -> int:
           f"modules {_size(fig.fixed_bytes)}; budget {args.budget_gb:g} GB; H2D {args.h2d_gbps:g} GB/s")
     print(f"model: {MODELS[name]}")
     print(f"per-block compute: {source}")
+    if args.cuda_graphs:
+        print("schedule: CUDA graphs (with resident blocks every load stays inside its step)")
     print(f"plan: {placement.describe()}")
     print(f"resident blocks: {', '.join(fig.block_names[i] for i in placement.resident) or 'none'}")
     if first_n.fits:
@@ -222,7 +225,7 @@ def _as_json(fig: ModelFigures, inputs, placement, first_n, source: str) -> dict
     return {
         "model": fig.name, "blocks": list(fig.block_names), "block_bytes": list(fig.block_bytes),
         "fixed_bytes": fig.fixed_bytes, "compute_ms": list(inputs.compute_ms), "compute_source": source,
-        "h2d_gbps": inputs.h2d_gbps, "budget_bytes": inputs.budget_bytes,
+        "h2d_gbps": inputs.h2d_gbps, "budget_bytes": inputs.budget_bytes, "cuda_graphs": inputs.step_local,
         "resident_blocks": list(placement.resident), "num_slots": placement.num_slots,
         "predicted_ms": placement.predicted_ms, "floor_ms": placement.floor_ms,
         "device_bytes": placement.device_bytes, "describe": placement.describe(),
