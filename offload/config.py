@@ -179,7 +179,7 @@ class LayerOptions:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                out[f.name] = value
+                out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
 

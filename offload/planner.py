@@ -640,7 +640,8 @@ def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d
     per-block compute from its compute records (:func:`compute_from_events`),
     the link bandwidth from its copy records unless ``h2d_gbps`` is given
     (:func:`h2d_from_events`), then :func:`plan` under ``budget_bytes``."""
-    events = list(events) if hasattr(events, "__iter__") and not isinstance(events, (str, bytes, dict)) else events
+    if hasattr(events, "__iter__") and not isinstance(events, (str, bytes, dict)):
+        events = list(events)  # read twice: compute records, then copy records
     compute, estimated = compute_from_events(events, device_bytes, prior_compute_ms=prior_compute_ms)
     measured = h2d_gbps is None
     if measured:

@@ -337,6 +337,9 @@ def test_resident_layers_accepts_auto_and_block_lists(value, stored):
     assert c.resident_layers == stored and type(c.resident_layers) is type(stored)
     assert c.resident_auto == (stored == "auto")
     again = OffloadConfig.from_json(c.to_json())  # a tuple travels as a JSON list
+    if isinstance(stored, tuple):
+        assert c.to_dict()["layer_options"]["dit"]["resident_layers"] == list(stored)
+    assert OffloadConfig.from_dict(c.to_dict()) == c
     assert again == c and hash(again) == hash(c) and again.resident_layers == stored
     assert OffloadConfig.layerwise(resident_layers=value) == c
 
@@ -631,3 +634,49 @@ def test_step_local_plan_properties(seed):
     assert p.fits and p.predicted_ms == step_ms(inp, p.resident, p.num_slots)
     assert p.predicted_ms <= first_n_best(inp) + 1e-9
     assert p.predicted_ms == pytest.approx(exhaustive_best(inp), rel=1e-9, abs=1e-9)
+
+
+# -- on the device: a real CUDA event log ------------------------------------------------------
+
+@pytest.mark.gpu
+def test_plan_from_a_cuda_event_log_predicts_the_streamed_step():
+    """The eager all-streamed step of a mid-size Flux on the GPU: the H2D rate measured
+    from the copy records is a PCIe rate, and the model's prediction for the placement
+    that ran (nothing resident, 2 slots) is within 25% of the measured step."""
+    import statistics
+
+    import torch
+
+    from weightstream import OffloadedTransformer
+    from weightstream.models import flux_inputs, tiny_flux
+    from weightstream.offload.discovery import discover_blocks
+    from weightstream.offload.layout import block_tensors, build_layout
+
+    model = tiny_flux(dtype=torch.bfloat16, num_layers=4, num_single_layers=9, attention_head_dim=128,
+                      num_attention_heads=8, joint_attention_dim=1024, pooled_projection_dim=256,
+                      in_channels=64, axes_dims_rope=(16, 56, 56))
+    kw = flux_inputs(model, device="cuda", image_tokens=1024, text_tokens=128)
+    images = [build_layout(b.index, b.name, block_tensors(b.module)).nbytes for b in discover_blocks(model)]
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True, progress=False), device="cuda")
+    times = []
+    with torch.no_grad():
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            w(**kw)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    log = [e for e in w.events() if e["step"] >= 2]  # past the warm-up steps
+    st = w.stats()
+    budget = auto_budget_bytes(free_bytes=torch.cuda.mem_get_info()[0], reserved_bytes=torch.cuda.memory_reserved(),
+                               peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                               weight_bytes=st["resident_bytes"] + st["slot_bytes"])
+    w.disable()
+    auto = plan_from_events(log, link_bytes=images, device_bytes=images, budget_bytes=budget,
+                            fixed_device_bytes=st["resident_bytes"])
+    assert auto.estimated_blocks == () and 10.0 < auto.inputs.h2d_gbps < 80.0, auto.inputs.h2d_gbps
+    ran = evaluate(auto.inputs, (), 2)
+    measured = statistics.median(times[2:])
+    assert 0.75 < ran.predicted_ms / measured < 1.25, (ran.predicted_ms, measured, auto.describe())
+    assert auto.placement.fits and auto.placement.predicted_ms <= ran.predicted_ms
