@@ -85,6 +85,8 @@ def test_flux_12b_on_meta(capsys):
     (["--model", "toy", "--budget-gb", "1", "--compute-ms", "a"], "--compute-ms 'a' is not allowed"),
     (["--model", "toy", "--budget-gb", "1", "--compute-ms", "-1"], "--compute-ms '-1' is not allowed"),
     (["--model", "flux-12b"], "--model flux-12b: listing blocks without --budget-gb"),
+    (["--model", "toy", "--budget-gb", "1", "--resident-layers", "2"], "--resident-layers 2 is not allowed with"),
+    (["--model", "toy", "--json", "--cuda-graphs"], "--cuda-graphs, --json need --budget-gb"),
 ])
 def test_bad_values_are_one_line_errors(argv, message, capsys):
     assert main(["plan", *argv]) == 2

@@ -38,18 +38,15 @@ def _int_at_least(minimum: int):
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
-def _positive_float(flag: str):
-    """An argparse type: a finite number > 0."""
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (v > 0 and v != float("inf")):
-            raise argparse.ArgumentTypeError(f"{text} is not allowed; give a finite number > 0")
-        return v
-
-    return parse
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (argparse names the flag)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; give a finite number > 0")
+    return v
 
 
 def _slot_counts(text: str) -> tuple[int, ...]:
@@ -203,7 +200,16 @@ def cmd_demo(args) -> int:
     return demo_layer(args)
 
 
+_PLAN_ONLY = ("compute_ms", "tflops", "cuda_graphs", "json")  # flags of the placement view
+
+
 def cmd_plan(args) -> int:
+    if args.budget_gb is not None and args.resident_layers:
+        raise CliError(f"--resident-layers {args.resident_layers} is not allowed with --budget-gb: the planner "
+                       "picks the resident blocks; drop one of them")
+    given = [f"--{k.replace('_', '-')}" for k in _PLAN_ONLY if getattr(args, k) not in (None, False)]
+    if args.budget_gb is None and given:
+        raise CliError(f"{', '.join(given)} need --budget-gb (the placement view); without it plan lists blocks")
     if args.budget_gb is not None:
         from weightstream import plan_cli
 
@@ -271,13 +277,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="flux", metavar="MODEL",
                     help="tiny-flux, tiny-wan, toy, flux-12b-1024 (= flux-12b), flux-12b-512, wan-14b-480p "
                          "(= wan-14b); flux / wan = the tiny ones (default flux)")
-    pl.add_argument("--budget-gb", type=_positive_float("--budget-gb"), default=None,
+    pl.add_argument("--budget-gb", type=_positive_float, default=None,
                     help="device budget for weights in GB (1e9 bytes): fixed modules + resident blocks + slots")
-    pl.add_argument("--h2d-gbps", type=_positive_float("--h2d-gbps"), default=55.0,
+    pl.add_argument("--h2d-gbps", type=_positive_float, default=55.0,
                     help="host-to-device GB/s (default 55, one H200's pinned rate)")
     pl.add_argument("--compute-ms", default=None, metavar="MS[,MS...]",
                     help="measured per-block compute in ms: one value for every block or one per block")
-    pl.add_argument("--tflops", type=_positive_float("--tflops"), default=None,
+    pl.add_argument("--tflops", type=_positive_float, default=None,
                     help="effective TFLOP/s for the FLOP-based estimate (default: one H200 in bf16, calibrated "
                          "per model on its measured resident step: flux-12b-1024 430, flux-12b-512 330, "
                          "wan-14b-480p 530; others 430)")
