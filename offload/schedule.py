@@ -90,7 +90,8 @@ class Schedule:
             object.__setattr__(self, "resident", len(resident))
         else:
             object.__setattr__(self, "resident", resident)
-        streamed = tuple(b for b in range(self.num_blocks) if b not in set(resident))
+        kept = set(resident)
+        streamed = tuple(b for b in range(self.num_blocks) if b not in kept)
         object.__setattr__(self, "_streamed", streamed)
         object.__setattr__(self, "_index", {b: k for k, b in enumerate(streamed)})
 
