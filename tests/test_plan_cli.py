@@ -87,6 +87,7 @@ def test_flux_12b_on_meta(capsys):
     (["--model", "flux-12b"], "--model flux-12b: listing blocks without --budget-gb"),
     (["--model", "toy", "--budget-gb", "1", "--resident-layers", "2"], "--resident-layers 2 is not allowed with"),
     (["--model", "toy", "--json", "--cuda-graphs"], "--cuda-graphs, --json need --budget-gb"),
+    (["--model", "toy", "--budget-gb", "1", "--codec-ratio", "1.5"], "--codec-ratio 1.5 is not allowed"),
 ])
 def test_bad_values_are_one_line_errors(argv, message, capsys):
     assert main(["plan", *argv]) == 2
@@ -123,3 +124,16 @@ def test_cuda_graphs_plans_the_step_local_schedule(capsys):
     # (behind the two short resident blocks) 10 + 50
     assert graphs["resident_blocks"] == [0, 1] and graphs["predicted_ms"] == pytest.approx(60.0)
     assert eager["resident_blocks"] == [0, 2] and eager["predicted_ms"] == pytest.approx(51.0)
+
+
+def test_codec_ratio_and_decode_rate_enter_the_model(capsys):
+    fig = figures("tiny-wan", count_flops=False)
+    base = ["--model", "wan", "--budget-gb", repr((fig.fixed_bytes + 2 * fig.block_bytes[0]) / 1e9),
+            "--compute-ms", "1", "--h2d-gbps", repr(fig.block_bytes[0] / 10e6), "--slots", "2"]
+    raw = run_json(capsys, *base)  # streams all three: 10 ms loads, transfer-bound
+    coded = run_json(capsys, *base, "--codec-ratio", "0.5", "--decode-gbps", repr(fig.block_bytes[0] / 1e6))
+    assert raw["resident_blocks"] == [] and raw["predicted_ms"] == pytest.approx(30.0)
+    assert coded["link_bytes"] == [-(-b // 2) for b in fig.block_bytes]
+    assert coded["predicted_ms"] == pytest.approx(3 * (5.0 + 1.0), rel=1e-3)  # copy 5 ms + decode 1 ms per block
+    assert main(["plan", *base, "--codec-ratio", "0.5"]) == 0
+    assert "codec: 0.5 of the raw bytes cross the link, no decode time" in capsys.readouterr().out

@@ -200,7 +200,7 @@ def cmd_demo(args) -> int:
     return demo_layer(args)
 
 
-_PLAN_ONLY = ("compute_ms", "tflops", "cuda_graphs", "json")  # flags of the placement view
+_PLAN_ONLY = ("compute_ms", "tflops", "codec_ratio", "decode_gbps", "cuda_graphs", "json")  # flags of the placement view
 
 
 def cmd_plan(args) -> int:
@@ -289,6 +289,10 @@ def _parser() -> argparse.ArgumentParser:
                          "wan-14b-480p 530; others 430)")
     pl.add_argument("--slots", type=_slot_counts, default=(2, 3, 4), metavar="N[,N...]",
                     help="slot counts the planner may choose from (each >= 2; default 2,3,4)")
+    pl.add_argument("--codec-ratio", type=_positive_float, default=None, metavar="R",
+                    help="weight codec: coded / raw bytes crossing the link, in (0, 1] (e.g. 0.7)")
+    pl.add_argument("--decode-gbps", type=_positive_float, default=None, metavar="D",
+                    help="weight codec: decode rate in decoded GB/s, on the copy stream (e.g. 450)")
     pl.add_argument("--cuda-graphs", action="store_true",
                     help="plan for cuda_graphs='on' (with resident blocks, loads stay inside their step)")
     pl.add_argument("--json", action="store_true", help="print the placement as one JSON object")

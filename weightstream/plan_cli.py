@@ -12,6 +12,7 @@ assumption, printed as such; on a GPU, ``resident_layers="auto"`` measures.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 # Sized like the perf scenarios (perf/scenarios.py): Flux.1-dev and Wan2.1-T2V-14B, bf16.
@@ -193,7 +194,11 @@ def run(args) -> int:
                                             else "an H200's, calibrated on flux-12b-1024")
         source = (f"ESTIMATED from FLOPs ({sum(fig.block_flops) / 1e12:.4g} TFLOP per step) at {tflops:g} "
                   f"TFLOP/s ({rate}); no GPU measured here: pass --compute-ms with measured figures")
-    inputs = PlanInputs(link_bytes=fig.block_bytes, device_bytes=fig.block_bytes, compute_ms=compute,
+    ratio = args.codec_ratio if args.codec_ratio is not None else 1.0
+    if ratio > 1:
+        raise ValueError(f"--codec-ratio {ratio:g} is not allowed; give the coded / raw bytes, a number in (0, 1]")
+    link = tuple(max(1, math.ceil(b * ratio)) for b in fig.block_bytes)
+    inputs = PlanInputs(link_bytes=link, device_bytes=fig.block_bytes, compute_ms=compute, decode_gbps=args.decode_gbps,
                         h2d_gbps=args.h2d_gbps, budget_bytes=int(args.budget_gb * 1e9),
                         fixed_device_bytes=fig.fixed_bytes, slot_counts=args.slots,
                         step_local=args.cuda_graphs)
@@ -207,6 +212,9 @@ def run(args) -> int:
           f"modules {_size(fig.fixed_bytes)}; budget {args.budget_gb:g} GB; H2D {args.h2d_gbps:g} GB/s")
     print(f"model: {MODELS[name]}")
     print(f"per-block compute: {source}")
+    if args.codec_ratio is not None or args.decode_gbps is not None:
+        decode = f"decoded at {args.decode_gbps:g} GB/s on the copy stream" if args.decode_gbps else "no decode time"
+        print(f"codec: {ratio:g} of the raw bytes cross the link, {decode}")
     if args.cuda_graphs:
         print("schedule: CUDA graphs (with resident blocks every load stays inside its step)")
     print(f"plan: {placement.describe()}")
@@ -225,6 +233,7 @@ def _as_json(fig: ModelFigures, inputs, placement, first_n, source: str) -> dict
     return {
         "model": fig.name, "blocks": list(fig.block_names), "block_bytes": list(fig.block_bytes),
         "fixed_bytes": fig.fixed_bytes, "compute_ms": list(inputs.compute_ms), "compute_source": source,
+        "link_bytes": list(inputs.link_bytes), "decode_gbps": inputs.decode_gbps,
         "h2d_gbps": inputs.h2d_gbps, "budget_bytes": inputs.budget_bytes, "cuda_graphs": inputs.step_local,
         "resident_blocks": list(placement.resident), "num_slots": placement.num_slots,
         "predicted_ms": placement.predicted_ms, "floor_ms": placement.floor_ms,
