@@ -1,7 +1,6 @@
 """The mmap checkpoint source on the CPU: binding, errors, both copy paths, staging bounds."""
 import json
 import threading
-import types
 import warnings
 
 import pytest
@@ -14,7 +13,6 @@ from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_in
 from weightstream.offload.host_store import PAGE
 from weightstream.offload.mmap_source import (
     Checkpoint,
-    MmapStore,
     WeightsSource,
     merge_runs,
     Run,
@@ -22,6 +20,7 @@ from weightstream.offload.mmap_source import (
     offload_from_safetensors,
     on_meta,
     plan_registration,
+    split_run,
 )
 
 DEV = "cpu"
@@ -29,6 +28,11 @@ DEV = "cpu"
 
 def first(out):
     return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def _source(wrapped):
+    """The wrapper's weight source (an MmapSource)."""
+    return wrapped.executor.source
 
 
 def _save_diffusers(model, path, **kw):
@@ -146,7 +150,7 @@ def test_checkpoint_dtype_wins_over_the_meta_dtype(tmp_path):
 def test_layouts_follow_file_order_and_merge_copies(tmp_path):
     _, _, cls, folder = _diffusers_case("flux", tmp_path)
     wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV, copy_path="direct")
-    store = wrapped.executor.store
+    store = _source(wrapped)
     for lay, plan, ts in zip(store.layouts, store.plans, store.tensors):
         assert all(spec.offset % 512 == 0 for spec in lay.tensors)
         srcs = [store.bindings[id(t)].src.offset for t in ts]
@@ -444,7 +448,7 @@ def test_kernel_transform_grouped_qkv(copy_path, tmp_path):
                                            device=DEV, copy_path=copy_path)
         outs = [wrapped(_x()) for _ in range(3)]
     assert all(torch.equal(o, want) for o in outs)
-    store = wrapped.executor.store
+    store = _source(wrapped)
     s = wrapped.stats()
     if copy_path == "direct":
         # wire bytes land in a per-slot wire buffer, one materialise launch per block writes the runtime rows
@@ -497,13 +501,13 @@ def test_staging_never_exceeds_two_buffers(threads, tmp_path):
         steps = 4
         for _ in range(steps):
             assert torch.equal(wrapped(**toy_inputs()), want)
-    ex = wrapped.executor
-    st = ex.stager
+    src = _source(wrapped)
+    st = src.stager
     s = wrapped.stats()
     n = s["blocks_streamed"]
     assert n == 7 and s["staged_blocks"] == n
     assert len(st.buffers) == 2 and s["staging_buffers"] == 2
-    largest = max(lay.nbytes for lay in ex.store.layouts)
+    largest = max(lay.nbytes for lay in src.layouts)
     assert s["staging_bytes"] == 2 * largest
     assert 1 <= s["staging_max_ready"] <= 2  # packed-but-unconsumed buffers at any time
     # every load of every step came through the stager, plus at most two packed ahead
@@ -512,12 +516,12 @@ def test_staging_never_exceeds_two_buffers(threads, tmp_path):
     # threads only, never on the forward thread
     assert s["staging_threads"] == threads
     if threads == 1:
-        assert ex.store.pack_threads == {"weightstream-stager"} and st.pool is None
+        assert src.pack_threads == {"weightstream-stager"} and st.pool is None
     else:
-        assert "weightstream-stager" in ex.store.pack_threads and len(ex.store.pack_threads) >= 2
-        assert all(t.startswith("weightstream-stager") for t in ex.store.pack_threads)
-        assert st.pool.bytes >= steps * sum(lay.nbytes for lay in ex.store.layouts)
-    assert threading.current_thread().name not in ex.store.pack_threads
+        assert "weightstream-stager" in src.pack_threads and len(src.pack_threads) >= 2
+        assert all(t.startswith("weightstream-stager") for t in src.pack_threads)
+        assert st.pool.bytes >= steps * sum(lay.nbytes for lay in src.layouts)
+    assert threading.current_thread().name not in src.pack_threads
 
 
 @pytest.mark.parametrize("where", ["inside", "between"])
@@ -617,7 +621,7 @@ def test_event_log_and_repr(tmp_path):
         wrapped(**x)
     lanes = {e["lane"] for e in wrapped.events()}
     assert lanes == {"copy", "compute"}
-    assert "MmapStore(" in repr(wrapped.executor.store) and "Stager(" in repr(wrapped.executor.stager)
+    assert "MmapSource(" in repr(_source(wrapped)) and "Stager(" in repr(_source(wrapped).stager)
 
 
 # ----------------------------------------------------------------- sources and options
@@ -701,11 +705,11 @@ def test_plan_registration_never_registers_a_page_twice():
 
 
 def test_copies_are_cut_where_registrations_meet():
-    store = types.SimpleNamespace(chunk_bounds={0: {0, 4096, 8192}})
-    assert MmapStore.split(store, Run(0, 100, 1000, 9000)) == [
+    bounds = {0: {0, 4096, 8192}}
+    assert split_run(Run(0, 100, 1000, 9000), bounds) == [
         Run(0, 100, 1000, 3996), Run(0, 4096, 4996, 4096), Run(0, 8192, 9092, 908)]
-    assert MmapStore.split(store, Run(0, 4096, 0, 4096)) == [Run(0, 4096, 0, 4096)]
-    assert MmapStore.split(store, Run(1, 0, 0, 9000)) == [Run(1, 0, 0, 9000)]
+    assert split_run(Run(0, 4096, 0, 4096), bounds) == [Run(0, 4096, 0, 4096)]
+    assert split_run(Run(1, 0, 0, 9000), bounds) == [Run(1, 0, 0, 9000)]
 
 
 def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
