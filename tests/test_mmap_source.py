@@ -757,3 +757,104 @@ def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
     assert bench_mmap.staging_threads("layerwise-mmap-staging-t4") == 4
     assert bench_mmap.staging_threads("layerwise-mmap-staging") is None
     assert not bench_mmap.known_mode("layerwise-mmap-staging-t0") and bench_mmap.known_mode("layerwise-mmap")
+
+
+# ----------------------------------------------------------------- the WeightSource protocol
+
+
+def _runtime_tensors(model):
+    """name -> tensor of every parameter and buffer (non-persistent ones included)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_source_keeps_the_protocol_and_images_hold_the_runtime_weights(copy_path, tmp_path):
+    from weightstream.offload.misuse import WeightUpdateError
+    from weightstream.offload.sources.base import WeightSource as SourceProtocol, check_stats
+
+    model = _toy(_GQA)  # a kernel transform (fused QKV rows) and a non-persistent buffer per block
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    wrapped = offload_from_safetensors(_meta(_GQA), path, device=DEV, copy_path=copy_path)
+    src = _source(wrapped)
+    assert isinstance(src, SourceProtocol) and src.name == "mmap" and not src.collective
+    s = check_stats(src.stats())
+    assert s["host_bytes"] == sum(lay.nbytes for lay in src.layouts)
+    assert s["slot_bytes"] == src.slot_bytes == max(lay.nbytes for lay in src.layouts)
+    if copy_path == "direct":  # the checkpoint bytes and the private buffers, no padding
+        h2d = sum(r.nbytes for p in src.plans for r in p.runs + p.wire_runs)
+        h2d += sum(h.numel() for p in src.plans for h, _ in p.local)
+        assert h2d < s["host_bytes"]
+    else:  # whole packed images
+        h2d = s["host_bytes"]
+    assert s["h2d_bytes_per_step"] == h2d
+    want = _runtime_tensors(model)
+    for k, lay in enumerate(src.layouts):
+        img = src.image(k)  # what restore() clones: runtime layout, offsets of src.layouts
+        assert img.dtype == torch.uint8 and img.numel() == lay.nbytes and img.device.type == DEV
+        for spec in lay.tensors:
+            assert torch.equal(spec.view_of(img), want[f"{lay.name}.{spec.name}"]), (lay.name, spec.name)
+    names = [spec.name for spec in src.layouts[1].tensors]
+    with pytest.raises(WeightUpdateError, match="'blocks.1.qkv.weight' stream from the read-only checkpoint"):
+        src.write(1, names.index("qkv.weight"), torch.zeros_like(want["blocks.1.qkv.weight"]))
+    with torch.no_grad():
+        plain = wrapped.disable()
+        assert torch.equal(plain(_x()), model(_x()))
+    src.close()  # a second close (disable closed it) is harmless
+    assert src.stats()["registered_bytes"] == 0 and src.stats()["copies_per_step"] == 0
+
+
+BENCH_KEYS = ("direct_blocks", "staged_blocks", "registered_bytes", "registration_chunks", "register_flags", "open_s",
+              "bind_s", "resident_load_s", "store_s", "copies_per_step", "staging_bytes", "pinned_bytes",
+              "host_bytes", "streamed_bytes_per_step", "blocks_streamed", "checkpoint_files", "wire_bytes",
+              "materialise_launches_per_step", "staged_because")
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_stats_carry_what_bench_mmap_reads(copy_path, tmp_path):
+    model = _toy()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    wrapped = offload_from_safetensors(_meta(), path, device=DEV, copy_path=copy_path)
+    with torch.no_grad():
+        wrapped(_x())
+    s = wrapped.stats()
+    assert [k for k in BENCH_KEYS if k not in s] == []
+    staging = ("staging_kind", "staging_threads", "staging_packs", "staging_wait_s", "staging_pack_s")
+    assert all((k in s) == (copy_path == "staging") for k in staging)
+    assert s["source"] == "mmap" and s["streamed_bytes_per_step"] == s["host_bytes"]
+    runs = sum(len(p.runs) + len(p.local) for p in _source(wrapped).plans)
+    assert s["copies_per_step"] == (runs if copy_path == "direct" else 0) and runs >= 3
+    assert min(s[k] for k in ("open_s", "bind_s", "resident_load_s", "store_s")) >= 0
+
+
+def test_direct_kernel_transform_is_ordered_on_the_copy_stream(tmp_path):
+    """The wire buffer of a kernel-transformed block is written and read on the copy
+    stream only, between the slot's previous reader and its next one (recorded
+    stream operations, checked for happens-before)."""
+    from stream_trace import RULES, check, counts
+
+    from weightstream import OffloadedTransformer
+    from weightstream.offload.mmap_source import as_sources, mmap_streamed_blocks
+    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.streams import RecordingStreams
+
+    rec = RecordingStreams()
+
+    class Recorded(StreamedBlocks):
+        streams = rec
+
+    model = _toy(_GQA)
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    meta = _meta(_GQA)
+    cfg = OffloadConfig.layerwise()
+    streamed = mmap_streamed_blocks(meta, cfg, torch.device(DEV), None, Checkpoint(as_sources(path, meta)), "direct",
+                                    1, cls=Recorded)
+    wrapped = OffloadedTransformer(meta, cfg, device=DEV, streamed=streamed)
+    steps = 3
+    with torch.no_grad():
+        assert all(torch.equal(wrapped(_x()), model(_x())) for _ in range(steps))
+    v = check(rec.trace)
+    assert {r: v[r][:1] for r in RULES if v[r]} == {}
+    assert counts(rec.trace)["reads"] >= steps * 3 * 2  # the blocks' slot reads and the wire reads
+    wire = [op for op in rec.trace if op.kind == "access" and isinstance(op.slot, tuple) and op.slot[0] == "wire"]
+    assert len(wire) >= steps * 3 * 3  # write, read_begin, read_end per load
+    assert len({op.stream for op in wire}) == 1 and wire[0].stream != rec.compute.name
