@@ -595,6 +595,11 @@ def test_update_weights_is_refused_for_streamed_tensors(tmp_path):
     wrapped = offload_from_safetensors(_meta(), path, device=DEV)
     with pytest.raises(ValueError, match="'blocks.0.0.weight' stream from the read-only checkpoint mapping"):
         wrapped.update_weights({"blocks.0.0.weight": torch.zeros(32, 16)})
+    # a mixed update is refused whole: the resident key listed first is not written either
+    before = wrapped.state_dict()["head.bias"].clone()
+    with pytest.raises(ValueError, match="'blocks.1.0.weight' stream from the read-only checkpoint mapping"):
+        wrapped.update_weights({"head.bias": torch.full((4,), 0.25), "blocks.1.0.weight": torch.zeros(32, 16)})
+    assert torch.equal(wrapped.state_dict()["head.bias"], before)
     new = torch.full((4,), 0.5)
     assert wrapped.update_weights({"head.bias": new}) == ["head.bias"]
     assert torch.equal(wrapped.state_dict()["head.bias"], new)
