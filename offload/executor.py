@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from .discovery import Block
-from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .misuse import ConcurrentUseError, InferenceOnlyError, StreamedWriteError
 from .schedule import Load, Schedule
@@ -186,28 +185,42 @@ class EventLog:
 
 
 class LayerwiseExecutor:
-    """Streams the blocks of ``schedule.streamed`` through fixed device slots."""
+    """Streams the blocks of ``schedule.streamed`` through fixed device slots.
+
+    The bytes come from ``source`` (a :class:`~.sources.base.WeightSource`): the
+    executor owns the ring (slots, copy stream, loaded/freed events, bindings,
+    capture tags) and calls ``source.load`` for every load. ``guard`` (DLO, see
+    :mod:`.dlo_guard`): sticky failures and the decisions every rank takes together.
+    """
 
     def __init__(
         self,
         blocks: list[Block],
-        store: HostStore,
+        source,
         schedule: Schedule,
         device: torch.device,
         *,
         record_events: bool = False,
         prime: str = "now",
         streams=None,
+        guard=None,
     ):
         self.blocks = blocks
-        self.store = store
+        self.source = source
+        self.guard = guard
         self.schedule = schedule
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"  # tensors on CUDA (non-blocking copies, record_stream)
         # stream/event backend (streams.py): CUDA streams on CUDA, None (no streams) on the CPU
         self.streams = resolve_streams(streams, self.device)
-        streamed = [blocks[i] for i in schedule.streamed]
-        self.slot_bytes = self._slot_size()
+        # source index k of every block the source holds (under resident_layers="auto" the
+        # source holds every block and the schedule streams a subset of them)
+        self.k_of = {lay.index: k for k, lay in enumerate(source.layouts)}
+        missing = [i for i in schedule.streamed if i not in self.k_of]
+        if missing:
+            raise ValueError(f"the weight source holds no image of streamed block(s) {missing[:5]}")
+        of = getattr(source, "slot_bytes_of", None)  # a slot for the blocks this schedule streams
+        self.slot_bytes = of([self.k_of[i] for i in schedule.streamed]) if of is not None else source.slot_bytes
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.ring_slots)
         ]
@@ -219,17 +232,25 @@ class LayerwiseExecutor:
                 slot.record_stream(self.copy_stream)
             self.loaded = [self.streams.new_event() for _ in self.slots]
             self.freed = [self.streams.new_event() for _ in self.slots]
+            with self.streams.stream(self.copy_stream):  # attach runs with the copy stream current
+                source.attach(self.slots, self.streams, self.device)
+        else:
+            source.attach(self.slots, None, self.device)
+        # optional source hooks, looked up once (sources/base.py)
+        self._source_check = getattr(source, "check", None)
+        self._source_reload = getattr(source, "reload", None)
         # targets[k]: tensor objects of streamed block k in layout order;
         # views[k][s]: their views in slot s; placeholders[k]: empty stand-ins.
         self.targets = []
         self.views = []
         self.placeholders = []
         empties: dict[torch.dtype, torch.Tensor] = {}
-        for k, b in enumerate(streamed):
-            objs = [t for _, _, t in block_tensors(b.module)]
+        for lay in source.layouts:
+            objs = [t for _, _, t in block_tensors(blocks[lay.index].module)]
             self.targets.append(objs)
-            specs = store.layouts[k].tensors
-            self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots])
+            specs = lay.tensors
+            streams_here = schedule.is_streamed(lay.index)  # else resident under auto placement: no slot views
+            self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots] if streams_here else None)
             self.placeholders.append(
                 [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
             )
@@ -244,7 +265,7 @@ class LayerwiseExecutor:
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
-        self.hooks = [BlockHook(self, b) for b in streamed]
+        self.hooks = [BlockHook(self, blocks[i]) for i in schedule.streamed]
         self._compute_stream = None
         # Step-start loads of the defer_last schedule are issued when the step's
         # first streamed block starts, ordered only after the step's start by an
@@ -256,26 +277,22 @@ class LayerwiseExecutor:
         self._late: tuple | None = None
         # Misuse guards (see acquire, _bind, _unbind, _check_host_edits):
         # _versions[k]: the version counters of block k's tensors while unbound; a
-        # change means a write that streaming would lose. _arena: the host store's
-        # one tensor, whose version counter every host view (state_dict()) shares.
+        # change means a write that streaming would lose. host_version(): the
+        # source's host views (state_dict()) share one version counter.
         self._versions = [[t._version for t in objs] for objs in self.targets]
-        self._arena = getattr(store, "arena", None)
-        self._host_version = self._arena._version if self._arena is not None else 0
+        self._host_version_of = getattr(source, "host_version", None)
+        self._host_version = self._host_version_of() if self._host_version_of is not None else 0
         self._started: int | None = None  # position whose step-start work was done
         self._owner: int | None = None  # thread running a step (or holding the model)
         self._hold = 0  # nested acquire() of the owner
         self._owner_lock = threading.Lock()
-        for k in range(len(streamed)):
-            self._unbind(k)
+        for i in schedule.streamed:
+            self._unbind(self.k_of[i])
         if prime not in ("now", "first_forward"):
             raise ValueError(f"prime={prime!r} is not allowed; choose from: now, first_forward")
         self._primed = False
         if prime == "now":
             self._prime()
-
-    def _slot_size(self) -> int:
-        """Bytes of one slot (subclasses with padded wire images override)."""
-        return max(lay.nbytes for lay in self.store.layouts)
 
     def _prime(self) -> None:
         """Issue the loads every slot's first user needs. Collective executors
@@ -333,6 +350,8 @@ class LayerwiseExecutor:
     def _start_step(self) -> None:
         """Work at a step boundary, once per step: pick up host edits, step-start loads."""
         self._started = self.position
+        if self._source_check is not None:
+            self._source_check()  # once per step, however the step was entered or skipped into
         self._check_host_edits()
         if self.schedule.has_step_start:
             self._step_start_loads()
@@ -343,8 +362,8 @@ class LayerwiseExecutor:
         every host view shares the arena's version counter, so this is one integer
         read per step). Writes that bypass torch (numpy, ctypes, ``.data`` of a
         view) do not move the counter and are not detected."""
-        arena = self._arena
-        if arena is None or arena._version == self._host_version:
+        version = self._host_version_of
+        if version is None or version() == self._host_version:
             return
         if self.streams is not None:  # order the reloads after every reader and loader of the slots so far
             compute = self.streams.current_stream(self.device)
@@ -382,38 +401,50 @@ class LayerwiseExecutor:
 
     # -- copies ----------------------------------------------------------------
     def _issue(self, load: Load, *, wait_free: bool = True) -> None:
-        """Order and record one load; the bytes themselves move in :meth:`_copy`."""
+        """Order and record one load; the source moves the bytes (``source.load``)."""
+        if self.guard is None:
+            self._issue_load(load, wait_free)
+            return
+        self.guard.check()
+        try:
+            self._issue_load(load, wait_free)
+        except Exception as e:
+            self.guard.mark_failed(f"{type(e).__name__}: {e} (loading block {self.blocks[load.block].name!r}, "
+                                   f"step {self.schedule.step_of(load.position)})")
+            raise
+
+    def _issue_load(self, load: Load, wait_free: bool) -> None:
         rec = None
         if self.log is not None:
             rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
             self.log.records.append(rec)
+        k = self.k_of[load.block]
+        after = self.freed[load.slot] if self.streams is not None and wait_free and \
+            load.after_position is not None else None
         if self.streams is None:
             if rec is not None:
                 rec.start = self.log.mark()
-            self._copy(load)
+            self.source.load(k, load.slot, position=load.position, after=None, tag=None)
             if rec is not None:
                 rec.end = self.log.mark()
             return
         cs = self.copy_stream
-        if wait_free and load.after_position is not None:
-            cs.wait_event(self.freed[load.slot])
+        if after is not None and not self.source.waits_for_free:
+            cs.wait_event(after)
         with self.streams.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
-            self._copy(load)
-            self.streams.access("write", load.slot, load.block)
-            self.loaded[load.slot].record(cs)
+            done = self.source.load(k, load.slot, position=load.position, after=after, tag=self.capture_tag)
+            if done is None or done is cs:
+                done = cs
+                self.streams.access("write", load.slot, load.block)
+            else:
+                with self.streams.stream(done):  # the slot's last write ran there (a gather)
+                    self.streams.access("write", load.slot, load.block)
+            self.loaded[load.slot].record(done)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
-                rec.end = self.log.mark(cs)
-
-    def _copy(self, load: Load) -> None:
-        """Move the block image of ``load`` into its slot (on the current stream,
-        which is the copy stream on CUDA). Sources other than the host store
-        override this."""
-        k = load.block - self.schedule.resident
-        src = self.store.image(k)
-        copy_from_image(self.slots[load.slot][: src.numel()], src)
+                rec.end = self.log.mark(done)
 
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:
@@ -439,8 +470,8 @@ class LayerwiseExecutor:
         return written
 
     def _names(self, k: int, idx) -> list[str]:
-        name = self.blocks[self.schedule.resident + k].name
-        specs = self.store.layouts[k].tensors
+        name = self.source.layouts[k].name
+        specs = self.source.layouts[k].tensors
         return [f"{name}.{specs[i].name}" for i in idx]
 
     def _refuse_placeholder_edit(self, k: int) -> None:
@@ -461,7 +492,7 @@ class LayerwiseExecutor:
 
     def _written_in_forward(self, k: int, idx: list[int]) -> StreamedWriteError:
         return StreamedWriteError(
-            f"block {self.blocks[self.schedule.resident + k].name!r} wrote to its streamed tensor(s) "
+            f"block {self.source.layouts[k].name!r} wrote to its streamed tensor(s) "
             f"{self._names(k, idx)[:5]} during its forward (in place: e.g. BatchNorm running statistics in "
             "train mode, a counter or a cache buffer); streamed tensors are reloaded from the host store "
             "every step, so the write is lost. Call eval() on the model, keep this block resident "
@@ -471,6 +502,32 @@ class LayerwiseExecutor:
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
+        g = self.guard
+        if g is None:
+            self._before_block(block)
+            return
+        g.check()
+        if not g.sticky_blocks:
+            self._before_block(block)
+            return
+        try:
+            self._before_block(block)
+        except Exception as e:
+            g.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def after_block(self, block: int) -> None:
+        g = self.guard
+        if g is None or not g.sticky_blocks:
+            self._after_block(block)
+            return
+        try:
+            self._after_block(block)
+        except Exception as e:
+            g.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def _before_block(self, block: int) -> None:
         if self._owner != threading.get_ident():
             self._claim()
         if not self._primed:
@@ -482,17 +539,17 @@ class LayerwiseExecutor:
         if block != expected:
             if not interrupted and self._hold:  # inside the DiT's forward: the blocks in between were skipped
                 self._skip_to(block)
-            elif block == self.schedule.resident:
+            elif block == self.schedule.first:
                 self._resync()
             else:
                 raise RuntimeError(
                     f"streamed block {self.blocks[block].name!r} ran out of order: the schedule expected "
                     f"{self.blocks[expected].name!r}. Blocks must run at most once per step in discovery order "
-                    f"({self.blocks[self.schedule.resident].name!r} first), inside the DiT's forward (blocks "
+                    f"({self.blocks[self.schedule.first].name!r} first), inside the DiT's forward (blocks "
                     "skipped there, e.g. by SD3's skip_layers, are fine)."
                 )
         p = self.position
-        if self._started != p and block == self.schedule.resident:
+        if self._started != p and block == self.schedule.first:
             self._start_step()  # a step entered without the DiT's hook (root.forward(...)), or the plain ring
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
@@ -503,13 +560,13 @@ class LayerwiseExecutor:
                 cs.wait_event(self.loaded[slot])
             self._compute_stream = cs
             self.streams.access("read_begin", slot, block)
-        self._bind(block - self.schedule.resident, slot)
+        self._bind(self.k_of[block], slot)
         if self.log is not None:
             self._compute_rec = _Record(self.schedule.step_of(p), block, "compute")
             self._compute_rec.start = self.log.mark(self._compute_stream)
             self.log.records.append(self._compute_rec)
 
-    def after_block(self, block: int) -> None:
+    def _after_block(self, block: int) -> None:
         p = self.position
         slot = self.schedule.slot_at(p)
         if self.log is not None:
@@ -517,7 +574,7 @@ class LayerwiseExecutor:
         if self.streams is not None:
             self.streams.access("read_end", slot, block)
             self.freed[slot].record(self._compute_stream)
-        written = self._unbind(block - self.schedule.resident)
+        written = self._unbind(self.k_of[block])
         self.position = p + 1
         nxt = self.schedule.after_compute(p)
         if nxt is not None:
@@ -525,7 +582,7 @@ class LayerwiseExecutor:
         if not self._hold and self.position % self.schedule.n == 0:
             self._owner = None  # the step is over (a step held by acquire() ends at release())
         if written:
-            raise self._written_in_forward(block - self.schedule.resident, written)
+            raise self._written_in_forward(self.k_of[block], written)
 
     # -- skipped blocks ----------------------------------------------------------
     def _skip_to(self, block: int) -> None:
@@ -559,6 +616,25 @@ class LayerwiseExecutor:
         if nxt is not None:
             self._issue(nxt)
 
+    def drain_step(self, forward_start: int) -> None:
+        """Issue the loads the rest of this step would have issued, with no compute
+        (a collective source's rank that stopped part-way: its peers issued them)."""
+        n, p = self.schedule.n, self.position
+        end = p + n if p == forward_start else -(-p // n) * n
+        if not self._primed:
+            self._prime()
+        if self._bound is not None:
+            self._unbind(self._bound)
+        self._late = None
+        if self.streams is not None:  # after whatever compute the step did launch
+            for side in self.side_streams():
+                side.wait_stream(self.streams.current_stream(self.device))
+        for q in range(p, end):
+            nxt = self.schedule.after_compute(q)
+            if nxt is not None:
+                self._issue(nxt, wait_free=False)
+        self.position = end
+
     def _resync(self) -> None:
         """A step started while the previous one was cut short (an exception
         inside the model): wait for outstanding work, unbind, re-prime. Not on
@@ -570,8 +646,8 @@ class LayerwiseExecutor:
         )
         self._to_step_boundary()
         self._started = self.position
-        if self._arena is not None:
-            self._host_version = self._arena._version  # the refill reads the store as it is now
+        if self._host_version_of is not None:
+            self._host_version = self._host_version_of()  # the refill reads the store as it is now
         self._step_start_loads(self.schedule.refill(self.schedule.step_of(self.position)))
 
     def _to_step_boundary(self) -> None:
@@ -586,13 +662,14 @@ class LayerwiseExecutor:
     def synchronize(self) -> None:
         """Wait for in-flight copies (used outside the hot path: teardown, weight updates)."""
         if self.streams is not None:
-            self.copy_stream.synchronize()
+            for side in self.side_streams():
+                side.synchronize()
             self.streams.current_stream(self.device).synchronize()
 
     def side_streams(self) -> list:
         """Streams besides the compute stream that a step issues work on (a graph
         capture joins each back into the capturing stream)."""
-        return [self.copy_stream] if self.streams is not None else []
+        return [self.copy_stream, *self.source.side_streams()] if self.streams is not None else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
         """(position, slot) of the loads already issued for the next step's first
@@ -609,13 +686,27 @@ class LayerwiseExecutor:
                 stream.wait_event(self.loaded[slot])
 
     def agree_capture(self, ok: bool) -> bool:
-        """Whether a CUDA-graph capture succeeded; collective executors decide it with their peers."""
-        return ok
+        """Whether a CUDA-graph capture succeeded; collective sources decide it with their peers."""
+        return ok if self.guard is None else self.guard.agree_capture(self, ok)
 
     # -- the surface graph capture uses (graphs/runner.py never touches fields) ---------
-    def check_usable(self) -> None:
-        """Raise before a replay when this executor cannot run a step (a failed DLO
-        backend, a changed checkpoint file); nothing to check here."""
+    @property
+    def failure(self) -> str | None:
+        """Why this executor stopped for good (a DLO failure); None while usable."""
+        return None if self.guard is None else self.guard.failure
+
+    def check_usable(self, what: str = "this forward") -> None:
+        """Raise before a step or a replay when it cannot run: a failed DLO backend
+        (no collective is issued after a failure), a changed checkpoint file."""
+        if self.guard is not None:
+            self.guard.check(what)
+        if self._source_check is not None:
+            self._source_check()
+
+    def uncapturable(self) -> str | None:
+        """Why a CUDA graph cannot hold this source's loads (None: it can)."""
+        why = getattr(self.source, "uncapturable", None)
+        return why() if why is not None else None
 
     @property
     def step_index(self) -> int:
@@ -634,6 +725,8 @@ class LayerwiseExecutor:
 
     def begin_capture(self, tag: int) -> int:
         """Loads issued from now on belong to capture ``tag``; returns the position."""
+        if self.guard is not None and self.capture_tag is None:
+            self.guard.capture_start = self.position  # where every rank resets to if it fails anywhere
         self.capture_tag = tag
         return self.position
 
@@ -648,9 +741,13 @@ class LayerwiseExecutor:
 
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
-        Used after a failed capture; not on the normal path."""
+        Used after a failed capture; not on the normal path. Under a collective
+        source only a reset every rank agreed to runs (:meth:`agree_capture`)."""
+        target = self.guard.reset_target(self) if self.guard is not None and self.guard.collective else None
         self.synchronize()
         self._to_step_boundary()
+        if target is not None:
+            self.position = target
         self.capture_tag = None
         self.reload_pending()
 
@@ -658,18 +755,40 @@ class LayerwiseExecutor:
         """Re-copy the slots already loaded for upcoming positions (after the host
         store changed). Callers order the copy streams after the slots' readers
         first (synchronize, or wait on the compute stream); not a hot-path call."""
-        if self._arena is not None:
-            self._host_version = self._arena._version
+        if self._source_check is not None:
+            self._source_check()
+        if self._source_reload is not None:
+            self._source_reload()
+        if self._host_version_of is not None:
+            self._host_version = self._host_version_of()
         for position, _ in (self.pending_loads() if self._primed else []):
             self._issue(self.schedule.load(position), wait_free=False)
 
     def events(self) -> list[dict]:
         return [] if self.log is None else self.log.resolve()
 
+    def log_next_step(self) -> None:
+        """Record the event log for the coming step even without record_events
+        (auto placement measures a signature's first step); :meth:`take_events` ends it."""
+        if self.log is None:
+            self.log = EventLog(cuda=self.cuda)
+            self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
+            self._log_once = True
+
+    def take_events(self) -> list[dict]:
+        """The event log so far (synchronises); a log opened by log_next_step() closes."""
+        out = self.events()
+        if getattr(self, "_log_once", False):
+            self.log, self._log_once = None, False
+        return out
+
     def remove(self) -> None:
         self.synchronize()
         for h in self.hooks:
             h.remove()
+        stop = getattr(self.source, "remove", None)
+        if stop is not None:
+            stop()
         self.slots = []
         self.views = []
 
