@@ -524,6 +524,28 @@ def test_staging_never_exceeds_two_buffers(threads, tmp_path):
     assert threading.current_thread().name not in src.pack_threads
 
 
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+@pytest.mark.parametrize("resident", [[1, 3], [0, 6]])
+def test_explicit_resident_block_sets(resident, copy_path, tmp_path):
+    """Resident blocks anywhere (not the first N): the streamed ones load, direct or
+    staged, in the schedule's order; the resident ones hold private device copies."""
+    model = ToyDiT()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        want = model(**toy_inputs())
+        wrapped = offload_from_safetensors(_meta(_ToyMmap), path, OffloadConfig.layerwise(resident_layers=resident),
+                                           device=DEV, copy_path=copy_path)
+        outs = [wrapped(**toy_inputs()) for _ in range(4)]
+    assert all(torch.equal(o, want) for o in outs)
+    s = wrapped.stats()
+    assert s["resident_blocks"] == resident and s["blocks_streamed"] == 5
+    assert [lay.index for lay in _source(wrapped).layouts] == [i for i in range(7) if i not in resident]
+    blocks = list(wrapped.module.double_blocks) + list(wrapped.module.single_blocks)
+    assert all(p.numel() > 0 for i in resident for p in blocks[i].parameters())
+    if copy_path == "staging":
+        assert s["staging_packs"] >= 4 * 5 and s["staging_restarts"] == 0
+
+
 @pytest.mark.parametrize("where", ["inside", "between"])
 def test_staging_recovers_after_an_exception_mid_forward(tmp_path, where):
     """Raised inside a streamed block (left bound): the next forward re-primes and
@@ -671,6 +693,8 @@ def test_source_errors(tmp_path):
         (dict(config={"mode": "module", "components": ["dit"]}), "mode='module' is not allowed"),
         (dict(config=OffloadConfig.layerwise(weight_transfer="allgather")), "weight_transfer='allgather' is not allowed"),
         (dict(config=OffloadConfig.layerwise(resident_layers=3)), "resident_layers=3 leaves no block to stream"),
+        (dict(config=OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=1.0)),
+         "resident_layers='auto' is not allowed for the mmap source"),
     ],
 )
 def test_option_rejections(kw, match, tmp_path):

@@ -194,6 +194,9 @@ class MmapSource:
             self._access("read_end", ("wire", s), k)
 
     def _load_staged(self, k: int, s: int, position: int) -> None:
+        if position % len(self.plans) != k:  # the stager packs block p % n for position p: never another block
+            raise RuntimeError(f"mmap source: position {position} loads block {k}, but the stager packs block "
+                               f"{position % len(self.plans)} there (a schedule over a subset of the source's blocks)")
         try:
             b = self.stager.acquire(position)
         except StagingError as e:  # a file changed under the packer: the named error, not a packing failure
@@ -267,6 +270,10 @@ class MmapSource:
         return self._views
 
     def write(self, k: int, index: int, value: torch.Tensor) -> None:
+        self.check_write(k, index)
+
+    def check_write(self, k: int, index: int) -> None:
+        """Streamed tensors are read-only here (update_weights calls this before any write)."""
         raise WeightUpdateError(
             f"update_weights: {_listing([self._name(k, index)])} stream from the read-only checkpoint mapping, "
             "which is immutable; load the new weights through an in-memory OffloadedTransformer instead")
@@ -477,6 +484,12 @@ def offload_from_safetensors(
         raise ValueError(
             "layer_options.dit.weight_transfer='allgather' is not allowed for the mmap source; choose from: "
             "rank-local (every process maps the same checkpoint and shares its page cache)"
+        )
+    if cfg.resident_layers == "auto":
+        raise ValueError(
+            "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes "
+            "a demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int "
+            ">= 0, or a list of block indices"
         )
     dev = resolve_device(device)
     check_opt_in(model_on_meta)
