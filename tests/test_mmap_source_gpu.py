@@ -173,3 +173,30 @@ def test_mmap_truncation_on_cuda_is_a_named_error_not_sigbus(tmp_path):
     from test_trust_mmap import test_truncation_is_a_named_error_not_sigbus
 
     test_truncation_is_a_named_error_not_sigbus("auto", tmp_path, device=DEV)
+
+
+@pytest.mark.parametrize("budget", [None, 1e-9])  # None: direct copies; 1e-9: every block stages
+def test_explicit_resident_set_on_cuda(budget, tmp_path):
+    """Resident blocks anywhere (blocks 1 and 3 of 7): direct or staged loads of the
+    other five on the copy stream, bit-exact over several steps; image() (disable)
+    reads registered pages without spanning two registrations."""
+    from test_trust_mmap import _pair, _wrap
+
+    from weightstream.models import toy_inputs
+
+    path, _, a, _ = _pair(tmp_path)
+    x = toy_inputs(device=DEV)
+    ref = a.to(DEV)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tiny budget warns once (tested above)
+        want = ref(**x)
+        wrapped = _wrap(path, "auto", DEV, resident_layers=[1, 3], pinned_memory_budget_gb=budget)
+        outs = [wrapped(**x) for _ in range(4)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o in outs)
+    s = wrapped.stats()
+    assert s["resident_blocks"] == [1, 3] and s["blocks_streamed"] == 5
+    assert (s["direct_blocks"], s["staged_blocks"]) == ((5, 0) if budget is None else (0, 5))
+    with torch.no_grad():
+        plain = wrapped.disable()
+        assert torch.equal(plain(**x), want)

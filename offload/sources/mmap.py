@@ -54,6 +54,10 @@ during a step is seen at the next check; a writer that keeps both the size and
 the mtime (``cp -p`` of a same-size file) is not detected. ``state_dict()``
 values are views of the mapping: read them before replacing anything in place.
 
+Resident blocks may be any set (``resident_layers=[1, 3]``); ``'auto'`` is
+refused: auto placement writes demoted blocks back into their source, and
+this source is read-only (as ``update_weights`` of streamed tensors is).
+
 Entry point: :func:`offload_from_safetensors` (re-exported by
 :mod:`weightstream.offload.mmap_source`). Checkpoint parsing and meta binding
 live in :mod:`..checkpoint`, registration in :mod:`..host_memory`, copy plans
