@@ -139,6 +139,8 @@ class MmapSource:
         self._materialise = materialise if use_kernel else materialise_torch
         # _copies[k][s]: (destination view, source view) pairs of direct block k into slot s
         self._copies = [self._pairs(p) if p.direct else None for p in self.plans]
+        if self.stager is not None:  # attached again (a rebuilt ring): the old packer goes first
+            self.stager.stop()
         self.stager = self._start_stager()
 
     def _pairs(self, p: BlockPlan) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
