@@ -301,3 +301,44 @@ def test_missing_h2d_done_record_is_caught():
     assert not slots_bad and {"write_after_previous_read", "no_concurrent_write"} <= set(stage_bad), stage_bad
     assert _violations(_run_traced(Twin, 2, "ring")) == ({}, {})
 
+
+
+# ----------------------------------------------------------------- perf modes (CPU plumbing)
+def test_half_pinned_modes_parse_and_ratio():
+    from perf.modes import parse_mode
+    from perf.results import summarise
+
+    pinned, pageable = parse_mode("layerwise-pinned-half"), parse_mode("layerwise-pageable-half")
+    assert (pinned.half_pinned, pinned.stage) == (True, True) and (pageable.half_pinned, pageable.stage) == (True, False)
+    out = summarise({"resident": {"step_ms": 10.0}, "layerwise": {"step_ms": 20.0, "streamed_gb": 1.0},
+                     "layerwise-pinned-half": {"step_ms": 24.0, "streamed_gb": 1.0},
+                     "layerwise-pageable-half": {"step_ms": 40.0, "streamed_gb": 1.0}}, 50.0)
+    assert out["layerwise-pinned-half"]["ratio_to_pinned"] == pytest.approx(1.2)
+    assert out["layerwise-pageable-half"]["ratio_to_pinned"] == pytest.approx(2.0)
+    assert "ratio_to_pinned" not in out["layerwise"]
+
+
+def test_half_pinned_modes_run_tiny_on_cpu(tmp_path):
+    """The harness end to end (--tiny, CPU): both modes run in workers, compute the
+    resident output bit for bit, and report ratio_to_pinned and the staging figures."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from perf.harness import run
+
+    modes = ["layerwise", "layerwise-pinned-half", "layerwise-pageable-half"]
+    result, _, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path / "res", tiny=True,
+                        device="cpu", touch_gb=0, mode_timeout=300)
+    assert ok, result.get("failed")
+    figs = result["modes"]
+    for mode in modes[1:]:
+        f = figs[mode]
+        assert f["output_equals_resident"] is True, mode
+        assert f["ratio_to_pinned"] == pytest.approx(f["step_ms"] / figs["layerwise"]["step_ms"], rel=1e-2)
+        assert "pinned_memory_budget_gb" in repr(f["notes"]["config"])
+    staged, pageable = figs["layerwise-pinned-half"]["stats"], figs["layerwise-pageable-half"]["stats"]
+    n = staged["blocks_streamed"]
+    # CPU pins nothing: the pinned-half mode stages every block, the pageable one none
+    assert staged["staged_blocks"] == n and staged["staging_packs"] >= 3 * n and staged["staging_pack_gbps"] > 0
+    assert pageable["staged_blocks"] == 0 and pageable["staging_buffers"] == 0
