@@ -342,3 +342,24 @@ def test_half_pinned_modes_run_tiny_on_cpu(tmp_path):
     # CPU pins nothing: the pinned-half mode stages every block, the pageable one none
     assert staged["staged_blocks"] == n and staged["staging_packs"] >= 3 * n and staged["staging_pack_gbps"] > 0
     assert pageable["staged_blocks"] == 0 and pageable["staging_buffers"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:weightstream. a forward started before")
+@pytest.mark.parametrize("at", range(1, 7))
+def test_edit_after_an_interrupted_step_reaches_the_next_forward(at):
+    """An interrupted step, then a state_dict edit: the re-prime reads the store
+    as it is now, whatever the packer packed ahead before the edit (a re-prime at
+    exactly the packer's next position restarts nothing: at=5 failed before the
+    version check in _load_staged). at=0 is left out: interrupted in the step's
+    first streamed block, the next forward resumes that step without re-reading
+    the store, and the plain pinned path (stage=False) keeps the stale slot too
+    (executor behaviour, reported to the lead)."""
+    case = Bounce("toy", slots=2)
+    case.check()
+    case.interrupt(at)
+    assert case.source.stager.wait_idle(10)
+    key = next(k for k in case.wrapped.state_dict() if k.startswith("double_blocks.0."))
+    with torch.no_grad():
+        case.wrapped.state_dict()[key].mul_(-0.5)
+        case.ref.state_dict()[key].mul_(-0.5)
+    case.check(steps=2)

@@ -100,6 +100,9 @@ class PinnedSource:
         self.streams = None
         self.stager: Stager | None = None
         self._packer: _Packer | None = None
+        # bounce buffer's data_ptr -> the arena's version when its pack began: a pack older than an
+        # in-place host edit is never handed out, whichever executor path re-primes
+        self._packed_version: dict[int, int] = {}
 
     # -- the executor's side --------------------------------------------------------
     def attach(self, slots, streams, device) -> None:
@@ -114,10 +117,11 @@ class PinnedSource:
                              pin=self.device.type == "cuda", threads=self.staging_threads,
                              new_event=None if streams is None else streams.new_event)
         weakref.finalize(self, self.stager.stop)
+        self._buffer_ptrs = [buf.tensor.data_ptr() for buf in self.stager.buffers]
 
     def packer(self) -> "_Packer":
         """The stager's pack function (runs on its threads)."""
-        return _Packer(self.store, self.pool_min_bytes)
+        return _Packer(self.store, self.pool_min_bytes, self._packed_version)
 
     def side_streams(self) -> list:
         return []
@@ -134,6 +138,9 @@ class PinnedSource:
         it on the current (copy) stream, record ``h2d_done``, hand it back."""
         st, streams = self.stager, self.streams
         b = st.acquire(position)
+        if self._packed_version.get(self._buffer_ptrs[b]) != self.store.arena._version:  # packed before a host edit
+            st.invalidate()
+            b = st.acquire(position)
         if streams is not None:
             streams.access("read_begin", ("stage", b), k)
         copy_from_image(self.slots[slot][: self.layouts[k].nbytes], st.buffers[b].tensor)
@@ -208,7 +215,8 @@ class PinnedSource:
         self._views.clear()
 
     def __repr__(self) -> str:
-        return f"PinnedSource({self.store!r})"
+        staged = f", {sum(self.staged)} staged through {self.stager!r}" if self.stager is not None else ""
+        return f"PinnedSource({self.store!r}{staged})"
 
 
 def pinned_source(req: SourceRequest) -> PinnedSource:
@@ -230,15 +238,17 @@ class _Packer:
     """Copies block ``k``'s pageable image into a bounce buffer (on the stager's
     threads). Holds the store weakly: a dropped source stops its stager."""
 
-    def __init__(self, store: HostStore, pool_min_bytes: int):
+    def __init__(self, store: HostStore, pool_min_bytes: int, versions: dict):
         self._store = weakref.ref(store)
         self.pool_min_bytes = pool_min_bytes
+        self.versions = versions  # bounce buffer's data_ptr -> arena version its pack read
         self.bytes = 0
 
     def __call__(self, k: int, buf: torch.Tensor, pool) -> None:
         store = self._store()
         if store is None:
             raise RuntimeError("weightstream: the host store was released while its stager ran")
+        version = store.arena._version
         img = store.image(k)
         n = img.numel()
         if n > buf.numel():
@@ -249,3 +259,4 @@ class _Packer:
             with torch.no_grad():
                 buf[:n].copy_(img)
         self.bytes += n
+        self.versions[buf.data_ptr()] = version
