@@ -41,7 +41,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb)$")
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,16 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
-                raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, "
+                raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), auto "
+                                 "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
+            elif v == "auto":
+                kw["resident_layers"] = "auto"  # the planner picks the resident set after the first step
+            elif m.group(3) is not None:
+                kw["device_memory_budget_gb"] = float(m.group(3))
             elif v == "mmap":
                 source = "mmap"
             elif v == "nextstep":
@@ -122,6 +127,7 @@ class Prepared:
     events: Callable[[], list] | None = None
     pinned_bytes: int | None = None
     notes: dict = field(default_factory=dict)
+    refresh: Callable[[], None] | None = None        # after the timed steps: re-read stats (auto placement)
 
 
 class GraphedResident:
@@ -272,11 +278,26 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
     pinned = stats.get("pinned_bytes")
     if pinned is None and stats.get("pinned"):
         pinned = stats.get("host_bytes")
-    # half-pinned modes: the staging counters (staging_pack_gbps: the staged copy rate) after the timed steps
-    after = (lambda: stats.update(m.stats())) if spec.half_pinned else None
-    return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats, after_step=after,
-                    events=m.events if record_events else None, pinned_bytes=pinned,
-                    notes={"config": cfg.to_dict()})
+    prepared = Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+                        events=m.events if record_events else None, pinned_bytes=pinned,
+                        notes={"config": cfg.to_dict()})
+
+    def refresh() -> None:  # the placement (and so the streamed bytes) is known after the first step
+        prepared.stats = m.stats()
+        prepared.streamed_bytes = placed_streamed_bytes(prepared.stats)
+
+    prepared.refresh = refresh
+    return prepared
+
+
+def placed_streamed_bytes(stats: dict) -> int:
+    """Bytes a step moves under the current placement: the streamed blocks' images."""
+    placed = stats.get("placement")
+    if placed is None:
+        return int(stats["streamed_bytes_per_step"])
+    resident = set(placed["resident_blocks"])
+    return int(sum(b for i, b in enumerate(placed.get("link_bytes", [])) if i not in resident)) \
+        or int(stats["streamed_bytes_per_step"])
 
 
 def model_sizes(model: nn.Module, scenario: Scenario) -> tuple[int, int]:

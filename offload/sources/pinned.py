@@ -95,7 +95,9 @@ class PinnedSource:
                        for t, hv in zip(req.objects(k), self.store.views(k))}
         on = stage if stage is not None else req.device.type == "cuda"
         self.staged = [bool(on) and not self.store.is_pinned(k) for k in range(len(self.layouts))]
-        self.num_positions = req.schedule.n  # position p loads streamed block p % n
+        self.num_positions = req.schedule.n  # position p loads streamed block p % n (unless slot_bytes_of says)
+        self._ring: list[int] = []  # source index of the block each ring position loads
+        self._next_ring: list[int] | None = None
         self.slots: list[torch.Tensor] = []
         self.streams = None
         self.stager: Stager | None = None
@@ -104,16 +106,31 @@ class PinnedSource:
         # in-place host edit is never handed out, whichever executor path re-primes
         self._packed_version: dict[int, int] = {}
 
+    def slot_bytes_of(self, ks) -> int:
+        """Bytes of a slot that holds any of blocks ``ks`` (auto placement streams a subset).
+
+        The executor calls this with the blocks its schedule streams, in ring order,
+        right before :meth:`attach`: the stager walks that order (position p loads
+        ``ks[p % len(ks)]``; every load checks it)."""
+        self._next_ring = list(ks)
+        return max(self.layouts[k].nbytes for k in ks)
+
     # -- the executor's side --------------------------------------------------------
     def attach(self, slots, streams, device) -> None:
         self.slots, self.streams = slots, streams
-        staged = frozenset(k for k, s in enumerate(self.staged) if s)
+        if self.stager is not None:  # attached again (a rebuilt ring): the old packer goes first
+            self.stager.stop()
+            self.stager = None
+        ring = self._next_ring if self._next_ring is not None else list(range(self.num_positions))
+        self._ring, self._next_ring = ring, None
+        staged = frozenset(p for p, k in enumerate(ring) if self.staged[k])
         if not staged:
             return
-        n = self.num_positions
+        n = len(ring)
+        self._packed_version.clear()
         self._packer = self.packer()
-        self.stager = Stager(self._packer, _positions(staged, n), lambda p: p % n,
-                             max(self.layouts[k].nbytes for k in staged), self.device,
+        self.stager = Stager(self._packer, _positions(staged, n), lambda p: ring[p % n],
+                             max(self.layouts[ring[p]].nbytes for p in staged), self.device,
                              pin=self.device.type == "cuda", threads=self.staging_threads,
                              new_event=None if streams is None else streams.new_event)
         weakref.finalize(self, self.stager.stop)
@@ -136,7 +153,10 @@ class PinnedSource:
     def _load_staged(self, k: int, slot: int, position: int):
         """Wait for the packer thread's buffer (no host copy on this thread), H2D
         it on the current (copy) stream, record ``h2d_done``, hand it back."""
-        st, streams = self.stager, self.streams
+        st, streams, ring = self.stager, self.streams, self._ring
+        if ring[position % len(ring)] != k:  # the packer packs ring[p % n] for position p: never another block
+            raise RuntimeError(f"pinned source: position {position} loads block {k}, but the stager packs block "
+                               f"{ring[position % len(ring)]} there (the executor did not report its ring order)")
         b = st.acquire(position)
         if self._packed_version.get(self._buffer_ptrs[b]) != self.store.arena._version:  # packed before a host edit
             st.invalidate()
