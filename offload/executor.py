@@ -265,6 +265,7 @@ class LayerwiseExecutor:
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
+        self._share_log()
         self.hooks = [BlockHook(self, blocks[i]) for i in schedule.streamed]
         self._compute_stream = None
         # Step-start loads of the defer_last schedule are issued when the step's
@@ -446,7 +447,7 @@ class LayerwiseExecutor:
             self.loaded[load.slot].record(done)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
-                rec.end = self.log.mark(done)
+                rec.end = self.log.mark(cs)  # the copy; a source's later stages log their own lanes
 
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:
@@ -776,13 +777,21 @@ class LayerwiseExecutor:
             self.log = EventLog(cuda=self.cuda)
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
             self._log_once = True
+            self._share_log()
 
     def take_events(self) -> list[dict]:
         """The event log so far (synchronises); a log opened by log_next_step() closes."""
         out = self.events()
         if getattr(self, "_log_once", False):
             self.log, self._log_once = None, False
+            self._share_log()
         return out
+
+    def _share_log(self) -> None:
+        """Sources with stages of their own (a gather, a decode) log them as lanes of this log."""
+        if hasattr(self.source, "event_log"):
+            self.source.event_log = self.log
+            self.source.step_of = self.schedule.step_of
 
     def remove(self) -> None:
         self.synchronize()

@@ -272,9 +272,11 @@ class StreamedBlocks:
     def restore(self) -> nn.Module:
         """Give every streamed tensor a device copy of its weights; tear down.
 
-        Every block image is read (under DLO AllGather: gathered, a collective)
-        before any tensor changes, so a failure part-way leaves everything as it was."""
-        images = self._images()
+        One block image at a time after the slots are freed (device memory peaks at the
+        model plus one block image). Under DLO AllGather every block is gathered (a
+        collective) before any tensor changes, so a failure part-way leaves everything
+        as it was on every rank."""
+        images = self._images() if self.source.collective else None
         keep = self.placement.resident_tensors() if self.placement is not None else set()
         for h in self._root_hooks:
             h.remove()
@@ -282,10 +284,15 @@ class StreamedBlocks:
         self.executor.remove()
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
+                if all(id(t) in keep for _, _, t in ts):
+                    continue  # resident under auto placement: its device tensors already
+                image = images[k] if images is not None else self.source.image(k)
                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
-                    if id(t) not in keep:  # resident under auto placement: its device tensor already
-                        t.data = spec.view_of(images[k]).clone()
-        del images
+                    if id(t) not in keep:
+                        t.data = spec.view_of(image).clone()
+                del image
+                if images is not None:
+                    images[k] = None
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.source.close()

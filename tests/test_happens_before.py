@@ -40,7 +40,7 @@ MODES = {"ring": {}, "step_local": {"step_local": True}, "defer_last": {"defer_l
 
 # ----------------------------------------------------------------- building traced models
 class _Done:
-    def wait(self):
+    def wait(self, timeout=None):
         return None
 
 
@@ -224,6 +224,8 @@ def test_dlo_allgather_ring_is_ordered(slots):
     _assert_clean(case, min_reads=3 * 7)
     shards = [s for s in stream_trace.accesses(case.rec.trace).reads if isinstance(s, tuple)]
     assert shards, "the gathers note their reads of the shard slots"
+    lanes = [e["lane"] for e in case.wrapped.events()]
+    assert lanes.count("gather") == lanes.count("copy") > 0, "every load logs its copy and its gather"
 
 
 def gloo_trace_rank(rank: int, world: int) -> dict:

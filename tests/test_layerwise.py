@@ -386,3 +386,26 @@ def test_step_local_schedule_bit_exact(name, resident):
     assert [e["step"] for e in copies] == [s for s in range(3) for _ in range(n)]
     assert sb.executor.pending_loads() == []
     sb.restore()
+
+
+@pytest.mark.parametrize("source", ["pinned", "dlo"])
+def test_disable_lets_go_of_the_slots(source):
+    """After disable() nothing keeps the device slots alive (on CUDA their memory
+    returns to the allocator): the executor and its source both drop them."""
+    import gc
+    import weakref
+
+    from test_happens_before import fake_dlo
+    from weightstream.offload.streamed import StreamedBlocks
+
+    model = ToyDiT()
+    cfg = OffloadConfig.layerwise(progress=False)
+    streamed = fake_dlo(model, cfg, StreamedBlocks) if source == "dlo" else None
+    wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=streamed)
+    with torch.no_grad():
+        wrapped(**toy_inputs())
+    refs = [weakref.ref(s) for s in wrapped.executor.slots]
+    wrapped.disable()
+    del wrapped, streamed
+    gc.collect()
+    assert all(r() is None for r in refs)

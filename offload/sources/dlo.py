@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..dlo_control import ShardPiece, bounded_wait
+from ..executor import _Record
 from ..dlo_topology import shard_size
 from ..host_store import HostStore, copy_from_image
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec
@@ -169,6 +170,8 @@ class ShardSource:
     name = "dlo-allgather"
     collective = True
     waits_for_free = True  # the shard's H2D runs ahead; only the gather waits for the slot
+    event_log = None  # the executor's EventLog while it records: gathers are its "gather" lane
+    step_of = None
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
@@ -256,11 +259,18 @@ class ShardSource:
         shard = self.shard_slots[slot][:sb]
         full = self.slots[slot][: self.world * sb]
         name = self.layouts[k].name
+        log = self.event_log
+        rec = None if log is None else _Record(self.step_of(position), self.layouts[k].index, "gather")
         if self.streams is None:
             copy_from_image(shard, src)
+            if rec is not None:
+                rec.start = log.mark()
             work = self.all_gather(full, shard, async_op=True)
             self.ncoll += 1
             bounded_wait(work, self.timeout_s, f"the gather of block {name!r}")
+            if rec is not None:
+                rec.end = log.mark()
+                log.records.append(rec)
             return None
         streams, comm = self.streams, self.comm_stream
         cs = streams.current_stream(self.device)  # the executor's copy stream
@@ -278,6 +288,8 @@ class ShardSource:
         if after is not None:
             comm.wait_event(after)  # compute no longer reads this block slot
         with streams.stream(comm):
+            if rec is not None:
+                rec.start = log.mark(comm)
             streams.access("read_begin", ("shard", slot), block)
             work = self.all_gather(full, shard, async_op=True)
             work.wait()  # the comm stream waits for the collective's stream (no host block)
@@ -285,6 +297,9 @@ class ShardSource:
             streams.access("read_end", ("shard", slot), block)
             self.shard_read[slot].record(comm)
             self._read_tag[slot] = tag
+            if rec is not None:
+                rec.end = log.mark(comm)
+                log.records.append(rec)
         return comm
 
     # -- host side -----------------------------------------------------------------------
@@ -344,7 +359,7 @@ class ShardSource:
                 "slot_bytes": self.slot_bytes, "gather": self.gather, "shard_bytes": sum(s.shard_bytes)}
 
     def remove(self) -> None:
-        self.shard_slots = []
+        self.slots, self.shard_slots = [], []
 
     def close(self) -> None:
         self.store.close()

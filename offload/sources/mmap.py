@@ -254,7 +254,7 @@ class MmapSource:
         """Executor teardown: stop the packer thread, drop the per-slot copy pairs."""
         if self.stager is not None:
             self.stager.stop()
-        self._copies, self.wire = [], []
+        self._copies, self.wire, self.slots = [], [], []
 
     # -- host side ---------------------------------------------------------------
     def _host_views(self) -> "_HostViews":

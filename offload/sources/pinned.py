@@ -186,9 +186,11 @@ class PinnedSource:
                 "is pinned, or use cuda_graphs='off'")
 
     def remove(self) -> None:
-        """Executor teardown: stop the packer thread (waits for its pack in progress)."""
+        """Executor teardown: stop the packer thread (waits for its pack in progress) and
+        let go of the slots (their device memory goes with the executor's)."""
         if self.stager is not None:
             self.stager.stop()
+        self.slots = []
 
     def host_version(self) -> int:
         """Moves when any host view is written in place through torch (one integer read)."""
