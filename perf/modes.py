@@ -8,6 +8,16 @@
   the same random weights, mapped read-only: `offload_from_safetensors`; the
   harness writes the checkpoint first, untimed), `graphs` (CUDA graphs on);
   `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
+- coded: `layerwise-coded`, `graphs-coded` (`-coded` combines like the others):
+  `weight_codec="exp-k"`, block images stored losslessly coded, H2D of the
+  coded bytes, decode on the copy stream. Their weights are Student-t filled
+  (`weightstream.fills`, df=4, std 0.02: heavy tails like trained weights;
+  the normal fill of the other modes codes a little better than real
+  checkpoints do), so their outputs are not compared with the resident one.
+  `streamed_bytes` stays the RAW bytes: ratio_to_floor is against the
+  uncoded floor (raw streamed bytes / best H2D of the run), so a coded mode
+  below 1.0 beats what any uncoded stream can do. `coded_bytes` and
+  `bits_per_weight` come from the source's stats.
 - peers: `diffusers-block` (group offload, block level, 1 block per group,
   stream + record_stream), `diffusers-leaf` (leaf level, stream),
   `diffusers-model` (model-level offload as `enable_model_cpu_offload` does it,
@@ -31,7 +41,8 @@ from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
 PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|coded)$")
+CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class ModeSpec:
     peer_kw: dict = field(default_factory=dict)     # apply_group_offloading(**peer_kw)
     source: str = "memory"                          # weightstream: "memory" (host model) | "mmap" (checkpoint)
     compile: bool = False                           # diffusers' regional compile (compile_repeated_blocks)
+    weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
 
     @property
     def builds_on_device(self) -> bool:
@@ -62,12 +74,13 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
         source = "memory"
         compiled = False
+        weight_fill = "normal"
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
-                                 "compile (regional compile of the repeated blocks)")
+                                 "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k')")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "mmap":
@@ -78,9 +91,16 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 kw["graph_boundary_loads"] = "in-graph"
             elif v == "compile":
                 compiled = True
+            elif v == "coded":
+                kw["weight_codec"] = "exp-k"
+                weight_fill = CODED_FILL
             else:
                 kw["cuda_graphs"] = "on"
-        return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled)
+        if source == "mmap" and "weight_codec" in kw:
+            raise ValueError(f"mode {name!r}: coded weights are not supported by the mmap source yet; "
+                             "drop -coded or -mmap")
+        return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
+                        weight_fill=weight_fill)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -96,7 +116,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
-                     f"resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile], graphs[-nextstep|-ingraph], {', '.join(PEER_MODES)}")
+                     f"resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], graphs[-nextstep|-ingraph|-coded], "
+                     f"{', '.join(PEER_MODES)}")
 
 
 @dataclass
@@ -229,9 +250,31 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
     pinned = stats.get("pinned_bytes")
     if pinned is None and stats.get("pinned"):
         pinned = stats.get("host_bytes")
-    return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+    return Prepared(m, streamed_bytes=_streamed_bytes(spec, stats), stats=stats,
                     events=m.events if record_events else None, pinned_bytes=pinned,
-                    notes={"config": cfg.to_dict()})
+                    notes=_notes(spec, cfg))
+
+
+def _streamed_bytes(spec: ModeSpec, stats: dict) -> int:
+    """Bytes the floor counts: the raw (uncoded) streamed bytes, also for coded modes."""
+    if spec.config_kw.get("weight_codec", "none") != "none":
+        if "coded_bytes" not in stats or "raw_bytes" not in stats:
+            raise RuntimeError(f"mode {spec.name!r}: the model's stats() carry no coded_bytes/raw_bytes; "
+                               "weight_codec did not reach a coded source")
+        return int(stats["raw_bytes"])
+    return int(stats["streamed_bytes_per_step"])
+
+
+def _notes(spec: ModeSpec, cfg) -> dict:
+    notes = {"config": cfg.to_dict()}
+    if spec.weight_fill != "normal":
+        notes["weight_fill"] = f"{spec.weight_fill} (df=4, std 0.02): outputs differ from the resident mode's"
+    return notes
+
+
+def coded_figures(stats: dict) -> dict:
+    """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
+    return {k: stats[k] for k in ("coded_bytes", "bits_per_weight") if k in stats}
 
 
 def model_sizes(model: nn.Module, scenario: Scenario) -> tuple[int, int]:
