@@ -4,13 +4,12 @@ image, special values survive, edits/writes re-encode, nothing is lost on a fail
 The source is driven directly (as the executor does: attach, then load per block) and,
 through the wrapper, compared with the unwrapped model (see test_coded_model_* below).
 """
-import math
-
 import pytest
 import torch
+from layerwise_cases import build, check_equal_outputs, first
 from torch import nn
 
-from weightstream import OffloadConfig
+from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.fills import fill
 from weightstream.models import tiny_flux, tiny_wan
 from weightstream.offload.discovery import discover_blocks
@@ -241,3 +240,92 @@ def test_config_weight_codec():
     with pytest.raises(ValueError, match="weight_codec='exp-k' is not allowed with the mmap source"):
         check_codec_supported(cfg, "the mmap source")
     check_codec_supported(OffloadConfig.layerwise(), "the mmap source")
+
+
+# -- the whole model through the wrapper (StreamedBlocks picks the coded source) -------------------
+
+CODED = dict(weight_codec="exp-k")
+
+
+def _coded_stats(wrapped):
+    s = wrapped.stats()
+    assert str(s["source"]).startswith("coded"), s.get("source")
+    assert s["coded_bytes"] > 0 and s["raw_bytes"] > 0 and s["h2d_bytes_per_step"] >= s["coded_bytes"]
+    return s
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("resident,slots", [(0, 2), (1, 2), (0, 3)], ids=["r0s2", "r1s2", "r0s3"])
+def test_coded_model_bit_exact(name, dtype, resident, slots):
+    wrapped, _, _ = check_equal_outputs(name, "cpu", dtype=dtype, steps=3, resident_layers=resident,
+                                        num_slots=slots, **CODED)
+    _coded_stats(wrapped)
+
+
+def _streamed_keys(wrapped, ref):
+    sd = ref.state_dict()
+    streamed = [k for k in sd if k.startswith(("transformer_blocks.", "single_transformer_blocks.", "blocks."))
+                and sd[k].dtype == torch.bfloat16 and sd[k].dim() == 2]
+    assert len(streamed) > 4
+    return streamed
+
+
+def test_coded_model_state_dict_and_edits():
+    model, ref, x = build("flux", "cpu", torch.bfloat16)
+    ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    with torch.no_grad():
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**CODED), device="cpu")
+        first(wrapped(**x))
+    sd = wrapped.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    bad = [k for k in sd if not torch.equal(sd[k].view(torch.uint8) if sd[k].dim() else sd[k],
+                                             ref_sd[k].view(torch.uint8) if ref_sd[k].dim() else ref_sd[k])]
+    assert not bad, bad
+    keys = _streamed_keys(wrapped, ref)
+    with torch.no_grad():
+        for k in (keys[0], keys[-1]):  # the first block is prefetched for the next step already
+            sd[k].mul_(0.75)
+            ref.state_dict()[k].mul_(0.75)
+        for _ in range(2):
+            assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+        del sd
+        wrapped.state_dict()[keys[1]].add_(0.25)  # a state_dict() dropped at once: the edit still lands
+        ref.state_dict()[keys[1]].add_(0.25)
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+
+
+def test_coded_model_update_weights_and_restore():
+    model, ref, x = build("wan", "cpu", torch.bfloat16)
+    with torch.no_grad():
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(resident_layers=1, **CODED), device="cpu")
+        first(wrapped(**x))
+        new = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
+        ref.load_state_dict(new)
+        wrapped.update_weights(new)
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+        plain = wrapped.disable()
+        assert all(p.numel() for p in plain.parameters())
+        for (k, a), b in zip(plain.state_dict().items(), ref.state_dict().values()):
+            assert torch.equal(a, b), k
+        assert torch.equal(first(plain(**x)), first(ref(**x)))
+
+
+def test_coded_model_special_weights_round_trip():
+    model, ref, x = build("flux", "cpu", torch.bfloat16)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, -1e-40],
+                            dtype=torch.bfloat16)
+    w = model.transformer_blocks[0].attn.to_q.weight
+    with torch.no_grad():
+        w.view(-1)[: specials.numel()] = specials
+        w.view(-1)[10] = torch.tensor(0x7FC3, dtype=torch.int16).view(torch.bfloat16)  # a NaN payload
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**CODED), device="cpu")
+    with torch.no_grad():
+        first(wrapped(**x))
+    for k, v in wrapped.state_dict().items():
+        assert torch.equal(v.view(torch.uint8) if v.dim() else v,
+                           want[k].view(torch.uint8) if want[k].dim() else want[k]), k
+    plain = wrapped.disable()
+    got = plain.transformer_blocks[0].attn.to_q.weight
+    assert torch.equal(got.view(torch.int16), want["transformer_blocks.0.attn.to_q.weight"].view(torch.int16))
