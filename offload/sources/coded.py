@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...kernels.codec import DEFAULT_TILE, CodecSegment, DecodeTable, HEADER_BYTES, decode, decode_torch, encode
+from ...kernels._buffers import canonical_device
 from ...kernels.codec import read_header
 from ..host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister
 from ..host_store import PAGE, copy_from_image
@@ -222,7 +223,7 @@ class CodedSource:
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None):
         self.layouts = list(layouts)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
         self._ids = {id(t): (k, i) for k, ts in enumerate(objs) for i, t in enumerate(ts)}
         self._init_arena()
@@ -312,17 +313,20 @@ class CodedSource:
         return old != 0
 
     def _pin(self, k: int) -> None:
-        """Register block ``k``'s copied bytes unless pinning is off, failed, or over budget."""
-        if not self.want_pin or self.pin_failure is not None:
+        """Register block ``k``'s copied bytes, whole or not at all (a copy must not read past its
+        registration), unless pinning is off, failed, or over budget."""
+        if not self.want_pin:
+            return
+        self._regs[k].release()  # callers made sure no copy reads the region now
+        if self.pin_failure is not None:
             return
         size = align_up(self.copy_bytes[k], PAGE)
-        total = sum(r.bytes for r in self._regs) - self._regs[k].bytes
+        total = sum(r.bytes for r in self._regs)
         if self.budget is not None and total + size > self.budget:
             self.pin_failure = (f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; coded blocks from "
                                 f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
             return
-        self._regs[k].release()
         err = self._regs[k].register(self.region(k).data_ptr(), size)
         if err is not None:
             self.pin_failure = f"{err} for block {self.layouts[k].name!r}; its coded bytes stay pageable"
@@ -332,7 +336,7 @@ class CodedSource:
     def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
         """One device buffer per slot for the coded bytes; every decode table on the device now
         (never inside a capture)."""
-        self._slots, self._streams, self.device = slots, streams, torch.device(device)
+        self._slots, self._streams, self.device = slots, streams, canonical_device(device)
         self._alloc_buffers()
         self._dev_tables = [t.upload(self.device) if t.num_tiles else None for t in self.tables]
 
@@ -391,8 +395,10 @@ class CodedSource:
             self._fold()
 
     def uncapturable(self) -> str | None:
-        if self.want_pin and self.pin_failure is not None:
-            return f"some coded blocks are in pageable host memory ({self.pin_failure})"
+        """Why CUDA graphs cannot hold the loads: a copy from pageable memory cannot be captured."""
+        if self.device.type == "cuda" and not all(r.bytes for r in self._regs):
+            why = self.pin_failure or "pin_memory is off"
+            return f"some coded blocks are in pageable host memory ({why})"
         return None
 
     def remove(self) -> None:
