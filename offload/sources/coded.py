@@ -134,6 +134,25 @@ def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], Deco
     return blobs, DecodeTable(segs)
 
 
+def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]]):
+    """``encode_image`` of every block, computed on worker threads a few blocks ahead and
+    yielded in block order (torch's copies and shifts release the GIL)."""
+    n = len(layouts)
+    workers = max(1, min(8, os.cpu_count() or 1, n))
+    ahead = 2 * workers
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
+        futs = {k: pool.submit(encode_image, layouts[k], objs[k]) for k in range(min(n, ahead))}
+        try:
+            for k in range(n):
+                done = futs.pop(k).result()
+                if k + ahead < n:
+                    futs[k + ahead] = pool.submit(encode_image, layouts[k + ahead], objs[k + ahead])
+                yield done
+        finally:
+            for f in futs.values():
+                f.cancel()
+
+
 def _capacity(layout: BlockLayout) -> int:
     return max(PAGE, align_up(sum(_raw_bound(s) for s in layout.tensors if s.nbytes), PAGE))
 
@@ -243,6 +262,7 @@ class CodedSource:
         self._copy_stream = None
         self._captured = False
         self._stale: str | None = None
+        self._host_edits = 0  # re-encodes of edited host copies so far (host_version)
         t0 = time.perf_counter()
         self._build(objs, drop or _drop, progress)
         self.encode_s = time.perf_counter() - t0
@@ -267,28 +287,19 @@ class CodedSource:
         """Encode on worker threads (a few blocks ahead); store, drop, pin in block order."""
         n = len(self.layouts)
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
-        workers = max(1, min(8, os.cpu_count() or 1, n))
         dropped = 0
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
-            futs = {k: pool.submit(encode_image, self.layouts[k], objs[k]) for k in range(min(n, 2 * workers))}
-            try:
-                for k in range(n):
-                    blobs, table = futs.pop(k).result()
-                    if k + 2 * workers < n:
-                        j = k + 2 * workers
-                        futs[j] = pool.submit(encode_image, self.layouts[j], objs[j])
-                    self._store(k, blobs, table, grow=True)
-                    drop(objs[k])  # the region is now the one host copy
-                    dropped = k + 1
-                    self._pin(k)
-                    bar.update(self.layouts[k].nbytes)
-            except BaseException:
-                for f in futs.values():
-                    f.cancel()
-                self._give_back(objs, dropped)
-                raise
-            finally:
-                bar.close()
+        try:
+            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
+                self._store(k, blobs, table, grow=True)
+                drop(objs[k])  # the region is now the one host copy
+                dropped = k + 1
+                self._pin(k)
+                bar.update(self.layouts[k].nbytes)
+        except BaseException:
+            self._give_back(objs, dropped)
+            raise
+        finally:
+            bar.close()
 
     def _give_back(self, objs, dropped: int) -> None:
         """Nothing lost: dropped tensors get their weights back (decoded) before the error."""
@@ -389,6 +400,11 @@ class CodedSource:
         if self._decoded:
             self._sweep()
 
+    def host_version(self) -> int:
+        """Moves when a step start re-encoded an edited host copy (the executor then re-copies
+        the slots already loaded for upcoming positions)."""
+        return self._host_edits
+
     def reload(self) -> None:
         """Before the executor re-copies pending slots (update_weights): re-encode written blocks."""
         if self._dirty:
@@ -428,6 +444,7 @@ class CodedSource:
         if edited:
             self._dirty.update(edited)
             self._fold()
+            self._host_edits += 1
             self._reissue(set(edited))
         for k, d in list(self._decoded.items()):
             d.handed = [r for r in d.handed if r() is not None]
@@ -449,9 +466,10 @@ class CodedSource:
                     "coded weights changed while a CUDA graph was being captured; call the model again")
             torch.cuda.synchronize(self.device)  # in-flight copies may read the regions
         grown = False
-        for k in sorted(self._dirty):
+        dirty = sorted(self._dirty)
+        images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
+        for k, (blobs, table) in zip(dirty, encoded_in_order([self.layouts[k] for k in dirty], images)):
             d = self._decoded[k]
-            blobs, table = encode_image(self.layouts[k], [s.view_of(d.image) for s in self.layouts[k].tensors])
             if self._store(k, blobs, table, grow=False):
                 grown = True
                 self._pin(k)
