@@ -59,6 +59,7 @@ __all__ = ["CodedSource", "CodedCaptureStaleError", "coded_source", "check_codec
 CODECS = ("exp-k",)
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
+_NEVER = object()  # capture tag of an event never recorded
 
 
 class CodedCaptureStaleError(OffloadMisuseError, RuntimeError):
@@ -240,7 +241,7 @@ class CodedSource:
     waits_for_free = False
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
-                 budget_bytes: int | None = None, progress: bool = False, drop=None):
+                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True):
         self.layouts = list(layouts)
         self.device = canonical_device(device)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
@@ -260,6 +261,8 @@ class CodedSource:
         self._dev_tables: list[torch.Tensor | None] = []
         self._in_slot: dict[int, int] = {}  # slot -> block of its last load
         self._copy_stream = None
+        self.decode_stream = bool(decode_stream)  # decode on a side stream, overlapping the next H2D
+        self._dstream = None
         self._captured = False
         self._stale: str | None = None
         self._host_edits = 0  # re-encodes of edited host copies so far (host_version)
@@ -345,22 +348,30 @@ class CodedSource:
 
     # -- the executor's side ------------------------------------------------------
     def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
-        """One device buffer per slot for the coded bytes; every decode table on the device now
-        (never inside a capture)."""
+        """One device buffer per slot for the coded bytes (plus, with ``decode_stream``, the
+        decode stream and two events per slot); every decode table on the device now (never
+        inside a capture)."""
         self._slots, self._streams, self.device = slots, streams, canonical_device(device)
         self._alloc_buffers()
         self._dev_tables = [t.upload(self.device) if t.num_tiles else None for t in self.tables]
+        if streams is not None and self.decode_stream:
+            self._dstream = streams.new_stream(self.device)
+            self._copied = [streams.new_event() for _ in slots]  # H2D into coded[s] done
+            self._read = [streams.new_event() for _ in slots]  # decode from coded[s] done
+            self._read_tag: list = [_NEVER] * len(slots)  # capture context each _read was recorded in
 
     def _alloc_buffers(self) -> None:
         size = max(self.copy_bytes)
         self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self._slots]
 
     def side_streams(self) -> list:
-        return []
+        return [self._dstream] if self._dstream is not None else []
 
     def load(self, k: int, slot: int, *, position: int = 0, after=None, tag=None):
-        """H2D of block ``k``'s coded bytes into the slot's coded buffer, then one decode
-        launch into ``slots[slot]``, on the current (copy) stream; returns it."""
+        """H2D of block ``k``'s coded bytes into the slot's coded buffer on the current (copy)
+        stream, then one decode launch into ``slots[slot]`` on that stream or, with
+        ``decode_stream``, on the decode stream (so the next H2D overlaps this decode);
+        returns the stream that decoded."""
         if self._dirty:
             self._fold()
         st = self._streams
@@ -370,21 +381,29 @@ class CodedSource:
             return None
         if tag is not None:
             self._captured = True
-        stream = st.current_stream(self.device)
-        self._copy_stream = stream
-        self._issue(k, slot)
-        return stream
+        self._copy_stream = st.current_stream(self.device)
+        return self._issue(k, slot, tag)
 
-    def _issue(self, k: int, slot: int) -> None:
-        n, st = self.copy_bytes[k], self._streams
-        buf = self._buffers[slot][:n]
+    def _issue(self, k: int, slot: int, tag=None):
+        n, st, cs = self.copy_bytes[k], self._streams, self._copy_stream
+        buf, what, key = self._buffers[slot][:n], self.layouts[k].index, ("coded", slot)
+        ds = self._dstream
+        if ds is not None and self._read_tag[slot] == tag:  # the last decode from coded[slot] read it
+            cs.wait_event(self._read[slot])  # (other contexts: ordered through the slot's readers)
         copy_from_image(buf, self.region(k)[:n])
-        what = self.layouts[k].index
-        st.access("write", ("coded", slot), what)
-        st.access("read_begin", ("coded", slot), what)
-        self._decode(buf, self._slots[slot], k)
-        st.access("read_end", ("coded", slot), what)
+        st.access("write", key, what)
+        if ds is not None:
+            self._copied[slot].record(cs)
+            ds.wait_event(self._copied[slot])
+        with st.stream(ds if ds is not None else cs):
+            st.access("read_begin", key, what)
+            self._decode(buf, self._slots[slot], k)
+            st.access("read_end", key, what)
+            if ds is not None:
+                self._read[slot].record(ds)
+                self._read_tag[slot] = tag
         self._in_slot[slot] = k
+        return ds if ds is not None else cs
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, k: int) -> None:
         if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
@@ -511,11 +530,15 @@ class CodedSource:
             return
         compute = st.current_stream(self.device)
         copy = self._copy_stream or compute
-        copy.wait_stream(compute)
+        self._copy_stream = copy
+        done = []
+        for side in [copy, *self.side_streams()]:
+            side.wait_stream(compute)
         with st.stream(copy):
             for s in slots:
-                self._issue(self._in_slot[s], s)
-        compute.wait_stream(copy)  # the executor's loaded events predate these copies
+                done.append(self._issue(self._in_slot[s], s))
+        for d in done:
+            compute.wait_stream(d)  # the executor's loaded events predate these copies
 
     # -- images --------------------------------------------------------------------
     def image(self, k: int) -> torch.Tensor:
