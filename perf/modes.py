@@ -116,8 +116,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
-                     f"resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], graphs[-nextstep|-ingraph|-coded], "
-                     f"{', '.join(PEER_MODES)}")
+                     "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], "
+                     f"graphs[-nextstep|-ingraph|-coded], {', '.join(PEER_MODES)}")
 
 
 @dataclass

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from perf.harness import run
-from perf.modes import ModeSpec, _streamed_bytes, coded_figures, parse_mode
+from perf.modes import _streamed_bytes, coded_figures, parse_mode
 from perf.results import summarise, validate_result
 from perf.scenarios import build_model, get_scenario
 
