@@ -51,14 +51,15 @@ def check_preconditions(executor, config) -> None:
     """Raise CapturePreconditionError naming the first unmet condition."""
     if executor.device.type != "cuda":
         raise CapturePreconditionError(f"cuda_graphs='on' needs a CUDA device, got {executor.device}")
-    if not executor.store.pinned:
+    src = executor.source.stats()
+    if not src["pinned"]:
         raise CapturePreconditionError(
             "cuda_graphs='on' needs every block of the host store pinned (pin_memory=true and no "
-            f"pinned-memory budget cut-off); store: {executor.store!r}, reason: {executor.store.pin_failure}"
+            f"pinned-memory budget cut-off); source: {executor.source!r}, reason: {src['pin_failure']}"
         )
     if config.record_events:
         raise CapturePreconditionError("cuda_graphs='on' cannot record the per-block event log; set record_events=false")
-    unpinned = getattr(executor, "uncapturable_copies", lambda: None)()
+    unpinned = executor.uncapturable()
     if unpinned:
         raise CapturePreconditionError(unpinned)
 

@@ -33,6 +33,12 @@ GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 # "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py)
 WEIGHT_CODECS = ("none", "exp-k")
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
+RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
+# resident_layers="auto" without device_memory_budget_gb: the weight budget is the
+# device memory free after the first eager step (plus what weightstream already
+# holds there), less this margin in GB (1e9 bytes) for the allocator's fragmentation,
+# other processes and larger later inputs (planner.auto_budget_bytes).
+AUTO_DEVICE_MARGIN_GB = 2.0
 
 # vLLM-Omni's older flat flags (engine arguments before diffusion_offload_config).
 # Mapped: the new spelling is unambiguous; a DeprecationWarning names it.
@@ -103,6 +109,39 @@ def _check_budget(path: str, value: Any) -> float | None:
     return float(value)
 
 
+_RESIDENT_ALLOWED = "an int >= 0, 'auto', or a list of block indices (ints >= 0)"
+
+
+def _check_resident(path: str, value: Any) -> int | str | tuple[int, ...]:
+    """``resident_layers``: an int N (the first N blocks), "auto", or block indices
+    (returned as a sorted tuple; ``[0, .., N-1]`` as the int N, the same set)."""
+    if isinstance(value, str):
+        if value != RESIDENT_AUTO:
+            raise _wrong_type(path, value, _RESIDENT_ALLOWED)
+        return value
+    if isinstance(value, (list, tuple, frozenset, set)):
+        for i, b in enumerate(value):
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise _wrong_type(f"{path}[{i}]" if not isinstance(value, (set, frozenset)) else path, b,
+                                  "a block index (an int >= 0)")
+            if b < 0:
+                raise _reject(path, value, "block indices are ints >= 0")
+        out = tuple(sorted(set(value)))
+        if len(out) != len(value):
+            raise _reject(path, value, "each block index at most once")
+        return len(out) if out == tuple(range(len(out))) else out
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(path, value, _RESIDENT_ALLOWED)
+    if value < 0:
+        raise _reject(path, value, f"expected {_RESIDENT_ALLOWED}")
+    return value
+
+
+def _keeps_resident(value: int | str | tuple[int, ...]) -> bool:
+    """Whether a checked resident_layers value may keep blocks resident."""
+    return value == RESIDENT_AUTO or bool(value)
+
+
 def _check_choice(path: str, value: Any, options, *, nullable: bool = False) -> None:
     if value is None and nullable:
         return
@@ -120,15 +159,21 @@ class LayerOptions:
     weight_transfer: "allgather" (each rank pins 1/N of every block and
         all-gathers it on the device) or "rank-local" (full blocks, no
         collective); None lets the executor choose.
-    resident_layers: number of leading dit blocks kept on the device instead of
-        streamed (dit only; needs weight_transfer "rank-local" or None).
+    resident_layers: dit blocks kept on the device instead of streamed (dit
+        only; needs weight_transfer "rank-local" or None): an int N (the first N
+        blocks), a list of block indices in discovery order (any subset; stored
+        as a sorted tuple, ``[0, .., N-1]`` as the int N), or "auto": after the
+        first eager step of an input signature the planner picks the resident
+        set and slot count under ``device_memory_budget_gb`` (or the free device
+        memory less ``AUTO_DEVICE_MARGIN_GB``). Indices beyond the model's
+        blocks, or a set keeping every block, are rejected at setup.
 
     Checked when placed in an `OffloadConfig`, where errors can name the
     component (``layer_options.dit.resident_layers``).
     """
 
     weight_transfer: str | None = None
-    resident_layers: int = 0
+    resident_layers: int | str | tuple[int, ...] = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON dict of the options that differ from their defaults."""
@@ -136,7 +181,7 @@ class LayerOptions:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                out[f.name] = value
+                out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
 
@@ -185,6 +230,8 @@ class OffloadConfig:
         (warning about that is the caller's job).
     device_memory_budget_gb: number > 0 or None (no cap). Cap on device memory
         for weights (resident modules + slots) in GB (1e9 bytes); checked at setup.
+        With resident_layers="auto" it is the planner's budget; without it the
+        planner takes the free device memory less AUTO_DEVICE_MARGIN_GB (2 GB).
     record_events: the executor records a per-block copy/compute event log
         (for telemetry and the overlap dashboard).
     progress: print progress while pinning large host stores.
@@ -260,18 +307,18 @@ class OffloadConfig:
             if self.cuda_graphs != "on":
                 raise _reject("graph_boundary_loads", "next-step",
                               "it only changes CUDA-graph captures; set cuda_graphs='on' or choose: in-graph")
-            if self.resident_layers > 0:
+            if _keeps_resident(self.resident_layers):
                 raise _reject("graph_boundary_loads", "next-step",
-                              f"with resident_layers={self.resident_layers} every boundary load already "
+                              f"with resident_layers={self.resident_layers!r} every boundary load already "
                               "starts with its step (behind the resident blocks); choose: in-graph")
         if self.weight_codec != "none":
             self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
-            if opts.resident_layers and comp != "dit":
+            if _keeps_resident(opts.resident_layers) and comp != "dit":
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               "resident layers apply only to dit; expected 0 here")
-            if opts.resident_layers and opts.weight_transfer == "allgather":
+            if _keeps_resident(opts.resident_layers) and opts.weight_transfer == "allgather":
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               f"resident layers require rank-local ({path}.weight_transfer="
                               "'rank-local'), not 'allgather'; or set resident_layers to 0")
@@ -358,16 +405,17 @@ class OffloadConfig:
                               "or a LayerOptions")
         _check_choice(f"{path}.weight_transfer", opts.weight_transfer, WEIGHT_TRANSFERS,
                       nullable=True)
-        _check_int(f"{path}.resident_layers", opts.resident_layers, 0)
-        return opts
+        resident = _check_resident(f"{path}.resident_layers", opts.resident_layers)
+        return dataclasses.replace(opts, resident_layers=resident)
 
     # ------------------------------------------------------------ constructors
     @classmethod
-    def layerwise(cls, *, resident_layers: int | None = None,
+    def layerwise(cls, *, resident_layers: int | str | list[int] | None = None,
                   weight_transfer: str | None = None, **kw: Any) -> "OffloadConfig":
         """Layer mode over ("dit",) (override with ``components=``).
 
-        ``resident_layers`` / ``weight_transfer`` build ``layer_options["dit"]``;
+        ``resident_layers`` (an int, a list of block indices or "auto") /
+        ``weight_transfer`` build ``layer_options["dit"]``;
         other keyword arguments are config fields (``num_slots=3``, ...).
         """
         if resident_layers is not None or weight_transfer is not None:
@@ -479,9 +527,15 @@ class OffloadConfig:
         return self.layer_options.get(component, LayerOptions())
 
     @property
-    def resident_layers(self) -> int:
-        """dit's resident layer count (0 by default)."""
+    def resident_layers(self) -> int | str | tuple[int, ...]:
+        """dit's resident layers: an int N (the first N; 0 by default), a sorted
+        tuple of block indices, or "auto" (see `LayerOptions`)."""
         return self.layer_option("dit").resident_layers
+
+    @property
+    def resident_auto(self) -> bool:
+        """Whether the planner picks dit's resident set (resident_layers="auto")."""
+        return self.resident_layers == RESIDENT_AUTO
 
     @property
     def weight_transfer(self) -> str | None:

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from .discovery import Block
-from .host_store import HostStore, copy_from_image
 from .layout import block_tensors
 from .misuse import ConcurrentUseError, InferenceOnlyError, StreamedWriteError
 from .schedule import Load, Schedule
@@ -186,28 +185,36 @@ class EventLog:
 
 
 class LayerwiseExecutor:
-    """Streams the blocks of ``schedule.streamed`` through fixed device slots."""
+    """Streams the blocks of ``schedule.streamed`` through fixed device slots.
+
+    The bytes come from ``source`` (a :class:`~.sources.base.WeightSource`): the
+    executor owns the ring (slots, copy stream, loaded/freed events, bindings,
+    capture tags) and calls ``source.load`` for every load. ``guard`` (DLO, see
+    :mod:`.dlo_guard`): sticky failures and the decisions every rank takes together.
+    """
 
     def __init__(
         self,
         blocks: list[Block],
-        store: HostStore,
+        source,
         schedule: Schedule,
         device: torch.device,
         *,
         record_events: bool = False,
         prime: str = "now",
         streams=None,
+        guard=None,
     ):
         self.blocks = blocks
-        self.store = store
+        self.source = source
+        self.guard = guard
         self.schedule = schedule
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"  # tensors on CUDA (non-blocking copies, record_stream)
         # stream/event backend (streams.py): CUDA streams on CUDA, None (no streams) on the CPU
         self.streams = resolve_streams(streams, self.device)
         streamed = [blocks[i] for i in schedule.streamed]
-        self.slot_bytes = self._slot_size()
+        self.slot_bytes = source.slot_bytes
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.ring_slots)
         ]
@@ -219,6 +226,13 @@ class LayerwiseExecutor:
                 slot.record_stream(self.copy_stream)
             self.loaded = [self.streams.new_event() for _ in self.slots]
             self.freed = [self.streams.new_event() for _ in self.slots]
+            with self.streams.stream(self.copy_stream):  # attach runs with the copy stream current
+                source.attach(self.slots, self.streams, self.device)
+        else:
+            source.attach(self.slots, None, self.device)
+        # optional source hooks, looked up once (sources/base.py)
+        self._source_check = getattr(source, "check", None)
+        self._source_reload = getattr(source, "reload", None)
         # targets[k]: tensor objects of streamed block k in layout order;
         # views[k][s]: their views in slot s; placeholders[k]: empty stand-ins.
         self.targets = []
@@ -228,7 +242,7 @@ class LayerwiseExecutor:
         for k, b in enumerate(streamed):
             objs = [t for _, _, t in block_tensors(b.module)]
             self.targets.append(objs)
-            specs = store.layouts[k].tensors
+            specs = source.layouts[k].tensors
             self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots])
             self.placeholders.append(
                 [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
@@ -256,11 +270,11 @@ class LayerwiseExecutor:
         self._late: tuple | None = None
         # Misuse guards (see acquire, _bind, _unbind, _check_host_edits):
         # _versions[k]: the version counters of block k's tensors while unbound; a
-        # change means a write that streaming would lose. _arena: the host store's
-        # one tensor, whose version counter every host view (state_dict()) shares.
+        # change means a write that streaming would lose. host_version(): the
+        # source's host views (state_dict()) share one version counter.
         self._versions = [[t._version for t in objs] for objs in self.targets]
-        self._arena = getattr(store, "arena", None)
-        self._host_version = self._arena._version if self._arena is not None else 0
+        self._host_version_of = getattr(source, "host_version", None)
+        self._host_version = self._host_version_of() if self._host_version_of is not None else 0
         self._started: int | None = None  # position whose step-start work was done
         self._owner: int | None = None  # thread running a step (or holding the model)
         self._hold = 0  # nested acquire() of the owner
@@ -272,10 +286,6 @@ class LayerwiseExecutor:
         self._primed = False
         if prime == "now":
             self._prime()
-
-    def _slot_size(self) -> int:
-        """Bytes of one slot (subclasses with padded wire images override)."""
-        return max(lay.nbytes for lay in self.store.layouts)
 
     def _prime(self) -> None:
         """Issue the loads every slot's first user needs. Collective executors
@@ -333,6 +343,8 @@ class LayerwiseExecutor:
     def _start_step(self) -> None:
         """Work at a step boundary, once per step: pick up host edits, step-start loads."""
         self._started = self.position
+        if self._source_check is not None:
+            self._source_check()  # once per step, however the step was entered or skipped into
         self._check_host_edits()
         if self.schedule.has_step_start:
             self._step_start_loads()
@@ -343,8 +355,8 @@ class LayerwiseExecutor:
         every host view shares the arena's version counter, so this is one integer
         read per step). Writes that bypass torch (numpy, ctypes, ``.data`` of a
         view) do not move the counter and are not detected."""
-        arena = self._arena
-        if arena is None or arena._version == self._host_version:
+        version = self._host_version_of
+        if version is None or version() == self._host_version:
             return
         if self.streams is not None:  # order the reloads after every reader and loader of the slots so far
             compute = self.streams.current_stream(self.device)
@@ -382,38 +394,50 @@ class LayerwiseExecutor:
 
     # -- copies ----------------------------------------------------------------
     def _issue(self, load: Load, *, wait_free: bool = True) -> None:
-        """Order and record one load; the bytes themselves move in :meth:`_copy`."""
+        """Order and record one load; the source moves the bytes (``source.load``)."""
+        if self.guard is None:
+            self._issue_load(load, wait_free)
+            return
+        self.guard.check()
+        try:
+            self._issue_load(load, wait_free)
+        except Exception as e:
+            self.guard.mark_failed(f"{type(e).__name__}: {e} (loading block {self.blocks[load.block].name!r}, "
+                                   f"step {self.schedule.step_of(load.position)})")
+            raise
+
+    def _issue_load(self, load: Load, wait_free: bool) -> None:
         rec = None
         if self.log is not None:
             rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
             self.log.records.append(rec)
+        k = load.block - self.schedule.resident
+        after = self.freed[load.slot] if self.streams is not None and wait_free and \
+            load.after_position is not None else None
         if self.streams is None:
             if rec is not None:
                 rec.start = self.log.mark()
-            self._copy(load)
+            self.source.load(k, load.slot, position=load.position, after=None, tag=None)
             if rec is not None:
                 rec.end = self.log.mark()
             return
         cs = self.copy_stream
-        if wait_free and load.after_position is not None:
-            cs.wait_event(self.freed[load.slot])
+        if after is not None and not self.source.waits_for_free:
+            cs.wait_event(after)
         with self.streams.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
-            self._copy(load)
-            self.streams.access("write", load.slot, load.block)
-            self.loaded[load.slot].record(cs)
+            done = self.source.load(k, load.slot, position=load.position, after=after, tag=self.capture_tag)
+            if done is None or done is cs:
+                done = cs
+                self.streams.access("write", load.slot, load.block)
+            else:
+                with self.streams.stream(done):  # the slot's last write ran there (a gather)
+                    self.streams.access("write", load.slot, load.block)
+            self.loaded[load.slot].record(done)
             self._load_tag[load.slot] = self.capture_tag
             if rec is not None:
-                rec.end = self.log.mark(cs)
-
-    def _copy(self, load: Load) -> None:
-        """Move the block image of ``load`` into its slot (on the current stream,
-        which is the copy stream on CUDA). Sources other than the host store
-        override this."""
-        k = load.block - self.schedule.resident
-        src = self.store.image(k)
-        copy_from_image(self.slots[load.slot][: src.numel()], src)
+                rec.end = self.log.mark(done)
 
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:
@@ -440,7 +464,7 @@ class LayerwiseExecutor:
 
     def _names(self, k: int, idx) -> list[str]:
         name = self.blocks[self.schedule.resident + k].name
-        specs = self.store.layouts[k].tensors
+        specs = self.source.layouts[k].tensors
         return [f"{name}.{specs[i].name}" for i in idx]
 
     def _refuse_placeholder_edit(self, k: int) -> None:
@@ -471,6 +495,32 @@ class LayerwiseExecutor:
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
+        g = self.guard
+        if g is None:
+            self._before_block(block)
+            return
+        g.check()
+        if not g.sticky_blocks:
+            self._before_block(block)
+            return
+        try:
+            self._before_block(block)
+        except Exception as e:
+            g.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def after_block(self, block: int) -> None:
+        g = self.guard
+        if g is None or not g.sticky_blocks:
+            self._after_block(block)
+            return
+        try:
+            self._after_block(block)
+        except Exception as e:
+            g.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def _before_block(self, block: int) -> None:
         if self._owner != threading.get_ident():
             self._claim()
         if not self._primed:
@@ -509,7 +559,7 @@ class LayerwiseExecutor:
             self._compute_rec.start = self.log.mark(self._compute_stream)
             self.log.records.append(self._compute_rec)
 
-    def after_block(self, block: int) -> None:
+    def _after_block(self, block: int) -> None:
         p = self.position
         slot = self.schedule.slot_at(p)
         if self.log is not None:
@@ -559,6 +609,25 @@ class LayerwiseExecutor:
         if nxt is not None:
             self._issue(nxt)
 
+    def drain_step(self, forward_start: int) -> None:
+        """Issue the loads the rest of this step would have issued, with no compute
+        (a collective source's rank that stopped part-way: its peers issued them)."""
+        n, p = self.schedule.n, self.position
+        end = p + n if p == forward_start else -(-p // n) * n
+        if not self._primed:
+            self._prime()
+        if self._bound is not None:
+            self._unbind(self._bound)
+        self._late = None
+        if self.streams is not None:  # after whatever compute the step did launch
+            for side in self.side_streams():
+                side.wait_stream(self.streams.current_stream(self.device))
+        for q in range(p, end):
+            nxt = self.schedule.after_compute(q)
+            if nxt is not None:
+                self._issue(nxt, wait_free=False)
+        self.position = end
+
     def _resync(self) -> None:
         """A step started while the previous one was cut short (an exception
         inside the model): wait for outstanding work, unbind, re-prime. Not on
@@ -570,8 +639,8 @@ class LayerwiseExecutor:
         )
         self._to_step_boundary()
         self._started = self.position
-        if self._arena is not None:
-            self._host_version = self._arena._version  # the refill reads the store as it is now
+        if self._host_version_of is not None:
+            self._host_version = self._host_version_of()  # the refill reads the store as it is now
         self._step_start_loads(self.schedule.refill(self.schedule.step_of(self.position)))
 
     def _to_step_boundary(self) -> None:
@@ -586,13 +655,14 @@ class LayerwiseExecutor:
     def synchronize(self) -> None:
         """Wait for in-flight copies (used outside the hot path: teardown, weight updates)."""
         if self.streams is not None:
-            self.copy_stream.synchronize()
+            for side in self.side_streams():
+                side.synchronize()
             self.streams.current_stream(self.device).synchronize()
 
     def side_streams(self) -> list:
         """Streams besides the compute stream that a step issues work on (a graph
         capture joins each back into the capturing stream)."""
-        return [self.copy_stream] if self.streams is not None else []
+        return [self.copy_stream, *self.source.side_streams()] if self.streams is not None else []
 
     def pending_loads(self) -> list[tuple[int, int]]:
         """(position, slot) of the loads already issued for the next step's first
@@ -609,13 +679,27 @@ class LayerwiseExecutor:
                 stream.wait_event(self.loaded[slot])
 
     def agree_capture(self, ok: bool) -> bool:
-        """Whether a CUDA-graph capture succeeded; collective executors decide it with their peers."""
-        return ok
+        """Whether a CUDA-graph capture succeeded; collective sources decide it with their peers."""
+        return ok if self.guard is None else self.guard.agree_capture(self, ok)
 
     # -- the surface graph capture uses (graphs/runner.py never touches fields) ---------
-    def check_usable(self) -> None:
-        """Raise before a replay when this executor cannot run a step (a failed DLO
-        backend, a changed checkpoint file); nothing to check here."""
+    @property
+    def failure(self) -> str | None:
+        """Why this executor stopped for good (a DLO failure); None while usable."""
+        return None if self.guard is None else self.guard.failure
+
+    def check_usable(self, what: str = "this forward") -> None:
+        """Raise before a step or a replay when it cannot run: a failed DLO backend
+        (no collective is issued after a failure), a changed checkpoint file."""
+        if self.guard is not None:
+            self.guard.check(what)
+        if self._source_check is not None:
+            self._source_check()
+
+    def uncapturable(self) -> str | None:
+        """Why a CUDA graph cannot hold this source's loads (None: it can)."""
+        why = getattr(self.source, "uncapturable", None)
+        return why() if why is not None else None
 
     @property
     def step_index(self) -> int:
@@ -634,6 +718,8 @@ class LayerwiseExecutor:
 
     def begin_capture(self, tag: int) -> int:
         """Loads issued from now on belong to capture ``tag``; returns the position."""
+        if self.guard is not None and self.capture_tag is None:
+            self.guard.capture_start = self.position  # where every rank resets to if it fails anywhere
         self.capture_tag = tag
         return self.position
 
@@ -648,9 +734,13 @@ class LayerwiseExecutor:
 
     def reset(self) -> None:
         """Unbind, wait for all outstanding work, re-prime at the next step boundary.
-        Used after a failed capture; not on the normal path."""
+        Used after a failed capture; not on the normal path. Under a collective
+        source only a reset every rank agreed to runs (:meth:`agree_capture`)."""
+        target = self.guard.reset_target(self) if self.guard is not None and self.guard.collective else None
         self.synchronize()
         self._to_step_boundary()
+        if target is not None:
+            self.position = target
         self.capture_tag = None
         self.reload_pending()
 
@@ -658,8 +748,12 @@ class LayerwiseExecutor:
         """Re-copy the slots already loaded for upcoming positions (after the host
         store changed). Callers order the copy streams after the slots' readers
         first (synchronize, or wait on the compute stream); not a hot-path call."""
-        if self._arena is not None:
-            self._host_version = self._arena._version
+        if self._source_check is not None:
+            self._source_check()
+        if self._source_reload is not None:
+            self._source_reload()
+        if self._host_version_of is not None:
+            self._host_version = self._host_version_of()
         for position, _ in (self.pending_loads() if self._primed else []):
             self._issue(self.schedule.load(position), wait_free=False)
 
@@ -670,6 +764,9 @@ class LayerwiseExecutor:
         self.synchronize()
         for h in self.hooks:
             h.remove()
+        stop = getattr(self.source, "remove", None)
+        if stop is not None:
+            stop()
         self.slots = []
         self.views = []
 

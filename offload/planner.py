@@ -28,8 +28,17 @@ bytes: fixed + resident blocks + ``min(S, streamed)`` slots sized to the
 largest streamed block, as the executor allocates them. At least one block
 streams (the schedule needs one; a model that fits whole needs no planner).
 
+``step_local=True`` models the CUDA-graph schedule with resident blocks
+(``Schedule(step_local=True)``): each step starts after the previous one as a
+whole, issues the loads of its first ``S`` streamed positions at its start and
+the others once the slot's previous user in the same step finished; nothing
+crosses the step boundary, so every step takes the same time (one step is
+simulated). A placement with no resident block runs the plain ring there too
+(the executor's ``next-step`` boundary loads), and is modelled as the ring.
+
 Not modelled: decode kernels slowing compute (they share the SMs), the
-step-local schedule of CUDA graphs with resident blocks, DLO all-gathers.
+in-graph boundary load (``graph_boundary_loads="in-graph"``, about 1% on
+Flux-1024), DLO all-gathers.
 
 Search (:func:`plan`): candidates are every first-N placement and greedy fills
 (saved load time per device byte, one fill per slot-size cap), refined by
@@ -43,11 +52,13 @@ budget with what a smaller one found), not by proof.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
-from weightstream.offload.config import ConfigTypeError
+from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB, ConfigTypeError
 
-__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms"]
+__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms", "AutoPlan", "plan_from_events",
+           "compute_from_events", "h2d_from_events", "auto_budget_bytes", "describe"]
 
 _MAX_STEPS = 64  # steps simulated before giving up on exact periodicity
 _MAX_PERIOD = 4  # longest step period searched for
@@ -91,6 +102,7 @@ class PlanInputs:
     decode_gbps: decode rate in decoded (device) bytes per s; None: no decode.
     slot_counts: slot counts the planner may choose from (>= 2, as ``num_slots``).
     decode_on_copy_stream: whether a decode delays the next copy (see module doc).
+    step_local: the CUDA-graph schedule with resident blocks (see module doc).
     """
 
     link_bytes: tuple[int, ...]
@@ -102,6 +114,7 @@ class PlanInputs:
     decode_gbps: float | None = None
     slot_counts: tuple[int, ...] = (2, 3, 4)
     decode_on_copy_stream: bool = True
+    step_local: bool = False
 
     def __post_init__(self):
         link = _int_seq("link_bytes", self.link_bytes, 1)
@@ -131,8 +144,9 @@ class PlanInputs:
                 raise ConfigTypeError(f"PlanInputs.{name}={v!r} must be an int >= {minimum}")
             if v < minimum:
                 raise ValueError(f"PlanInputs.{name}={v} is not allowed; allowed: ints >= {minimum}")
-        if not isinstance(self.decode_on_copy_stream, bool):
-            raise ConfigTypeError(f"PlanInputs.decode_on_copy_stream={self.decode_on_copy_stream!r} must be a bool")
+        for name in ("decode_on_copy_stream", "step_local"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(f"PlanInputs.{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def num_blocks(self) -> int:
@@ -181,6 +195,8 @@ def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
               for i, c in enumerate(inputs.compute_ms)]
     s = min(num_slots, inputs.num_blocks - len(res))
     separate = inputs.decode_gbps is not None and not inputs.decode_on_copy_stream
+    if inputs.step_local and res:
+        return _simulate_step_local(blocks, s, separate)
     t = copy_free = dec_free = 0.0
     done_at: list[float] = []  # compute end per streamed position
     ends, states = [], []
@@ -204,6 +220,38 @@ def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
             if _same(states[-1], states[-1 - period], t):
                 return (t - ends[-1 - period]) / period
     return (ends[-1] - ends[-9]) / 8  # not periodic within _MAX_STEPS: average of the last steps
+
+
+def _simulate_step_local(blocks: list, s: int, separate: bool) -> float:
+    """One step of the step-local schedule (every step is the same): the first
+    ``s`` streamed positions load at the step start, position ``k + s`` once
+    ``k`` computed; the copy stream is serial in issue order (the step-start
+    loads first, then each after its compute, which issues it)."""
+    loads = [load for _, load in blocks if load is not None]
+    n = len(loads)
+    t = copy_free = dec_free = 0.0
+    ready = [0.0] * n
+
+    def issue(k: int, after: float) -> None:
+        nonlocal copy_free, dec_free
+        copy_free = max(copy_free, after) + loads[k][0]
+        if separate:
+            ready[k] = dec_free = max(copy_free, dec_free) + loads[k][1]
+        else:
+            ready[k] = copy_free = copy_free + loads[k][1]
+
+    for k in range(s):
+        issue(k, 0.0)
+    k = 0
+    for c, load in blocks:
+        if load is None:
+            t += c
+            continue
+        t = max(t, ready[k]) + c
+        if k + s < n:
+            issue(k + s, t)
+        k += 1
+    return t
 
 
 def _same(a: tuple, b: tuple, scale: float) -> bool:
@@ -243,21 +291,33 @@ class Placement:
 
     def describe(self) -> str:
         n_res = len(self.resident)
-        res_gb = (self.device_bytes - self.slots_used * self.slot_bytes) / 1e9
+        res_bytes = self.device_bytes - self.slots_used * self.slot_bytes
         kept = f"blocks {_ranges(self.resident)}" if self.resident else "no block"
-        floors = f"compute {self.compute_ms:.1f} ms, transfer {self.transfer_ms:.1f} ms"
+        floors = f"compute {_ms(self.compute_ms)} ms, transfer {_ms(self.transfer_ms)} ms"
         if self.decode_ms:
-            floors += f", decode {self.decode_ms:.1f} ms"
+            floors += f", decode {_ms(self.decode_ms)} ms"
         bound = "compute" if self.compute_ms >= self.floor_ms else "transfer"
         slots = f"{self.slots_used} slot{'s' if self.slots_used != 1 else ''}"
         return (
-            f"{n_res} of {self.num_blocks} blocks stay resident ({kept}; {res_gb:.2f} GB with the fixed modules); "
-            f"{self.num_blocks - n_res} stream ({self.streamed_link_bytes / 1e9:.2f} GB per step) through "
-            f"{slots} of {self.slot_bytes / 1e9:.3f} GB; device {self.device_bytes / 1e9:.2f} GB "
-            f"of {self.budget_bytes / 1e9:.2f} GB. Predicted step {self.predicted_ms:.1f} ms "
-            f"({self.predicted_ms / max(self.floor_ms, 1e-12):.3f}x the floor {self.floor_ms:.1f} ms); "
+            f"{n_res} of {self.num_blocks} blocks stay resident ({kept}; {_size(res_bytes)} with the fixed "
+            f"modules); {self.num_blocks - n_res} stream ({_size(self.streamed_link_bytes)} per step) through "
+            f"{slots} of {_size(self.slot_bytes)}; device {_size(self.device_bytes)} of "
+            f"{_size(self.budget_bytes)}. Predicted step {_ms(self.predicted_ms)} ms "
+            f"({self.predicted_ms / max(self.floor_ms, 1e-12):.3f}x the floor {_ms(self.floor_ms)} ms); "
             f"floors: {floors} ({bound}-bound)."
         )
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in decimal units, three or four significant figures."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _ms(t: float) -> str:
+    return f"{t:.1f}" if t >= 1 else f"{t:.3g}"
 
 
 def _ranges(idx) -> str:
@@ -460,3 +520,180 @@ def _moves(n: int, res: frozenset):
     for r in sorted(res):
         for i in out:
             yield (res - {r}) | {i}
+
+
+
+# -- from an executor's event log ----------------------------------------------------
+
+_EVENT_KEYS = ("step", "block", "lane", "start_ms", "end_ms")
+
+
+def _check_events(events, num_blocks: int) -> list[dict]:
+    """The records of ``EventLog.resolve()``, checked (ValueError naming the record)."""
+    if isinstance(events, (str, bytes, dict)) or not hasattr(events, "__iter__"):
+        raise ConfigTypeError(f"events={events!r} must be a list of dicts with keys {', '.join(_EVENT_KEYS)}")
+    out = list(events)
+    for i, ev in enumerate(out):
+        missing = [k for k in _EVENT_KEYS if not isinstance(ev, dict) or k not in ev]
+        if missing:
+            raise ValueError(f"events[{i}]={ev!r} is not allowed; allowed: a dict with keys "
+                             f"{', '.join(_EVENT_KEYS)} (missing {', '.join(missing)})")
+        b, lane = ev["block"], ev["lane"]
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+            raise ValueError(f"events[{i}].block={b!r} is not allowed; allowed: block indices 0..{num_blocks - 1}")
+        if lane not in ("copy", "compute"):
+            raise ValueError(f"events[{i}].lane={lane!r} is not allowed; allowed: copy, compute")
+        start, end = ev["start_ms"], ev["end_ms"]
+        if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) for t in (start, end)) \
+                or end < start:
+            raise ValueError(f"events[{i}]: start_ms={start!r}, end_ms={end!r} is not allowed; allowed: finite "
+                             "times with end_ms >= start_ms")
+    return out
+
+
+def compute_from_events(events, device_bytes, *, prior_compute_ms=None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per-block compute ms from the log's compute records (the median over the
+    steps present), and the blocks that had none (resident while measured).
+    Those take ``prior_compute_ms[i]`` when given (an earlier plan's figures),
+    else the median of the measured blocks of the same ``device_bytes`` (the
+    same layout computes alike), else the median measured ms per byte times
+    their bytes. Returns (compute_ms, estimated block indices)."""
+    dev = _int_seq("device_bytes", device_bytes, 1)
+    per: dict[int, list[float]] = {}
+    for ev in _check_events(events, len(dev)):
+        if ev["lane"] == "compute":
+            per.setdefault(ev["block"], []).append(float(ev["end_ms"]) - float(ev["start_ms"]))
+    if not per:
+        raise ValueError("events hold no compute record; allowed: the event log of at least one step "
+                         "(record_events=True)")
+    measured = {b: statistics.median(v) for b, v in per.items()}
+    prior = None
+    if prior_compute_ms is not None:
+        prior = tuple(_number(f"prior_compute_ms[{i}]", v, positive=False) for i, v in enumerate(prior_compute_ms))
+        if len(prior) != len(dev):
+            raise ValueError(f"prior_compute_ms has {len(prior)} entries; allowed: one per block ({len(dev)})")
+    per_byte = statistics.median(ms / dev[b] for b, ms in measured.items())
+    out, estimated = [], []
+    for i, nbytes in enumerate(dev):
+        if i in measured:
+            out.append(measured[i])
+            continue
+        estimated.append(i)
+        same = [ms for b, ms in measured.items() if dev[b] == nbytes]
+        out.append(prior[i] if prior is not None else statistics.median(same) if same else per_byte * nbytes)
+    return tuple(out), tuple(estimated)
+
+
+def h2d_from_events(events, link_bytes, *, device_bytes=None, decode_gbps=None) -> float:
+    """Link bandwidth (GB/s) from the log's copy records: the link bytes of the
+    copied blocks over the copies' summed duration. With ``decode_gbps`` a copy
+    record is taken to span its decode too (a decode on the copy stream), and
+    the modelled decode time (``device_bytes / decode_gbps``) is subtracted."""
+    link = _int_seq("link_bytes", link_bytes, 1)
+    copies = [ev for ev in _check_events(events, len(link)) if ev["lane"] == "copy"]
+    if not copies:
+        raise ValueError("events hold no copy record; allowed: the event log of a step that streamed, "
+                         "or give h2d_gbps")
+    total_ms = sum(float(ev["end_ms"]) - float(ev["start_ms"]) for ev in copies)
+    if decode_gbps is not None:
+        dev = _int_seq("device_bytes", device_bytes, 1)
+        total_ms -= sum(dev[ev["block"]] for ev in copies) / (_number("decode_gbps", decode_gbps, positive=True) * 1e6)
+    if total_ms <= 0:
+        raise ValueError(f"the copy records of events span {total_ms:.6f} ms (after decode) for "
+                         f"{len(copies)} copies: no bandwidth can be measured from them; give h2d_gbps")
+    return sum(link[ev["block"]] for ev in copies) / (total_ms * 1e6)
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """A placement planned from measurements, with what was measured."""
+
+    inputs: PlanInputs
+    placement: Placement
+    estimated_blocks: tuple[int, ...]  # compute not in the event log (see compute_from_events)
+    h2d_measured: bool  # h2d_gbps from the log's copy records (else given)
+    compute_source: str = "the event log"
+    estimate_source: str = "same-size blocks"
+
+    def describe(self) -> str:
+        return describe(self)
+
+    def stats(self) -> dict:
+        """Plain-JSON figures for ``stats()``."""
+        p = self.placement
+        return {
+            "resident_blocks": list(p.resident), "num_slots": p.num_slots, "predicted_ms": p.predicted_ms,
+            "floor_ms": p.floor_ms, "device_bytes": p.device_bytes, "budget_bytes": p.budget_bytes,
+            "h2d_gbps": self.inputs.h2d_gbps, "h2d_measured": self.h2d_measured,
+            "step_local": self.inputs.step_local,
+            "compute_ms": list(self.inputs.compute_ms), "estimated_blocks": list(self.estimated_blocks),
+            "describe": self.describe(),
+        }
+
+
+def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d_gbps: float | None = None,
+                     fixed_device_bytes: int = 0, decode_gbps: float | None = None,
+                     slot_counts=(2, 3, 4), decode_on_copy_stream: bool = True,
+                     prior_compute_ms=None, step_local: bool = False) -> AutoPlan:
+    """Plan from an executor's event log (``EventLog.resolve()``: dicts with
+    step, block, lane, start_ms, end_ms; block = index in execution order):
+    per-block compute from its compute records (:func:`compute_from_events`),
+    the link bandwidth from its copy records unless ``h2d_gbps`` is given
+    (:func:`h2d_from_events`), then :func:`plan` under ``budget_bytes``."""
+    if hasattr(events, "__iter__") and not isinstance(events, (str, bytes, dict)):
+        events = list(events)  # read twice: compute records, then copy records
+    compute, estimated = compute_from_events(events, device_bytes, prior_compute_ms=prior_compute_ms)
+    measured = h2d_gbps is None
+    if measured:
+        h2d_gbps = h2d_from_events(events, link_bytes, device_bytes=device_bytes,
+                                   decode_gbps=decode_gbps if decode_on_copy_stream else None)
+    inputs = PlanInputs(link_bytes=link_bytes, device_bytes=device_bytes, compute_ms=compute, h2d_gbps=h2d_gbps,
+                        budget_bytes=budget_bytes, fixed_device_bytes=fixed_device_bytes, decode_gbps=decode_gbps,
+                        slot_counts=slot_counts, decode_on_copy_stream=decode_on_copy_stream,
+                        step_local=step_local)
+    source = "the earlier plan" if prior_compute_ms is not None else "same-size blocks"
+    return AutoPlan(inputs, plan(inputs), estimated, measured, estimate_source=source)
+
+
+def auto_budget_bytes(*, free_bytes: int, reserved_bytes: int, peak_allocated_bytes: int, weight_bytes: int,
+                      margin_bytes: int | None = None) -> int:
+    """The device weight budget of ``resident_layers="auto"`` without
+    ``device_memory_budget_gb``, from figures read after the first eager step:
+    what torch may use (``free_bytes`` from ``torch.cuda.mem_get_info`` plus
+    ``reserved_bytes``, ``torch.cuda.memory_reserved``: the caching allocator's
+    blocks, the weights it holds now among them), less the step's activations
+    (``peak_allocated_bytes`` of the step, ``torch.cuda.max_memory_allocated``,
+    less the ``weight_bytes`` held then: fixed modules + resident blocks +
+    slots), less ``margin_bytes`` (default ``AUTO_DEVICE_MARGIN_GB``)."""
+    margin = int(AUTO_DEVICE_MARGIN_GB * 1e9) if margin_bytes is None else margin_bytes
+    figures = dict(free_bytes=free_bytes, reserved_bytes=reserved_bytes, peak_allocated_bytes=peak_allocated_bytes,
+                   weight_bytes=weight_bytes, margin_bytes=margin)
+    for name, v in figures.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigTypeError(f"auto_budget_bytes: {name}={v!r} must be an int >= 0")
+        if v < 0:
+            raise ValueError(f"auto_budget_bytes: {name}={v} is not allowed; allowed: ints >= 0")
+    activations = max(0, peak_allocated_bytes - weight_bytes)
+    budget = free_bytes + reserved_bytes - activations - margin
+    if budget <= 0:
+        raise ValueError(
+            f"resident_layers='auto': free {free_bytes} + reserved {reserved_bytes} bytes less the step's "
+            f"activations {activations} and the margin {margin} leave {budget} bytes for weights; allowed: "
+            "a positive budget (free device memory, or give device_memory_budget_gb)")
+    return budget
+
+
+def describe(plan_or_placement) -> str:
+    """One paragraph for printing: the placement (``Placement.describe``), and
+    for an :class:`AutoPlan` where its figures came from."""
+    if isinstance(plan_or_placement, Placement):
+        return plan_or_placement.describe()
+    if not isinstance(plan_or_placement, AutoPlan):
+        raise ConfigTypeError(f"describe({plan_or_placement!r}): expected a Placement or an AutoPlan")
+    a = plan_or_placement
+    n = a.inputs.num_blocks
+    got = f"per-block compute of {n - len(a.estimated_blocks)} of {n} blocks from {a.compute_source}"
+    if a.estimated_blocks:
+        got += f" (blocks {_ranges(a.estimated_blocks)}: from {a.estimate_source})"
+    link = "measured from the copy records" if a.h2d_measured else "given"
+    return f"{a.placement.describe()} Inputs: {got}; H2D {a.inputs.h2d_gbps:.1f} GB/s {link}."

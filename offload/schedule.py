@@ -1,9 +1,12 @@
 """The streaming schedule: a pure plan, CPU-tested, no tensors.
 
-Blocks ``0 .. resident-1`` stay on the device. The other ``n`` blocks stream
-through ``num_slots`` slots. Number every streamed block execution across
-steps with a *position* ``p = step * n + k`` (``k`` = index among streamed
-blocks). Then:
+``resident`` blocks stay on the device: an int ``N`` keeps the first ``N``
+(``0 .. N-1``), a tuple / frozenset / list of block indices keeps any subset
+(``resident_blocks``; a subset that is a prefix ``0 .. N-1`` is stored as the
+int ``N``, the same schedule). The other ``n`` blocks (``streamed``, ascending)
+stream through ``num_slots`` slots. Number every streamed block execution
+across steps with a *position* ``p = step * n + k`` (``k = index(block)``, the
+block's index in ``streamed``). Then:
 
 - position ``p`` uses slot ``p % S``;
 - positions ``0 .. S-1`` are loaded before the first forward ("priming");
@@ -20,7 +23,15 @@ graph must finish all its work, so a copy for the next step cannot overlap
 across the graph boundary): the step's first ``S`` positions load at the
 *start* of the step, behind the resident blocks' compute, and the last blocks
 prefetch nothing. Slots then count from the step start (``k % S``), so every
-step uses the same pattern.
+step uses the same pattern. What overlaps then depends on where the resident
+blocks sit: resident blocks *before* the first streamed block hide the
+step-start loads (with the first ``N`` resident, all of them); resident blocks
+*between* streamed ones hide the in-step loads issued before them (the ring
+runs up to ``S`` loads ahead of compute); resident blocks *after* the last
+streamed block overlap no copy at all (nothing is loaded across the graph's
+end), and with block ``first == 0`` the first streamed block waits for its
+whole step-start load. The eager ring (``step_local=False``) has none of these
+limits: a step's last blocks, resident or not, prefetch the next step's first.
 
 ``defer_last=True`` is the CUDA-graph schedule without resident blocks: loads
 cross the step boundary as usual, except the one that waits for a step's last
@@ -32,7 +43,7 @@ it overlaps that step's first block, as the eager ring does. The first
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -47,11 +58,18 @@ class Load:
 
 @dataclass(frozen=True)
 class Schedule:
+    """See the module docstring. ``resident``: an int N (the first N blocks) or
+    a collection of block indices (stored as a sorted tuple, or as the int N
+    when it is ``0 .. N-1``). Read the resident set from ``resident_blocks``;
+    ``resident`` keeps the int form where there is one."""
+
     num_blocks: int
-    resident: int = 0
+    resident: int | tuple[int, ...] = 0
     num_slots: int = 2
     step_local: bool = False
     defer_last: bool = False
+    _streamed: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _index: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for key in ("step_local", "defer_last"):
@@ -59,27 +77,57 @@ class Schedule:
                 raise TypeError(f"Schedule.{key}={getattr(self, key)!r} must be a bool")
         if self.step_local and self.defer_last:
             raise ValueError("Schedule: step_local=True and defer_last=True exclude each other; choose one")
-        for key in ("num_blocks", "resident", "num_slots"):
+        for key in ("num_blocks", "num_slots"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"Schedule.{key}={v!r} must be an int")
         if self.num_blocks < 1:
             raise ValueError(f"Schedule.num_blocks={self.num_blocks} must be >= 1")
-        if not 0 <= self.resident < self.num_blocks:
-            raise ValueError(
-                f"resident_layers={self.resident} must be in [0, {self.num_blocks - 1}] for "
-                f"{self.num_blocks} blocks: at least one block must stream"
-            )
         if self.num_slots < 1:
             raise ValueError(f"Schedule.num_slots={self.num_slots} must be >= 1")
+        resident = _resident_blocks(self.resident, self.num_blocks)
+        if resident == tuple(range(len(resident))):
+            object.__setattr__(self, "resident", len(resident))
+        else:
+            object.__setattr__(self, "resident", resident)
+        kept = set(resident)
+        streamed = tuple(b for b in range(self.num_blocks) if b not in kept)
+        object.__setattr__(self, "_streamed", streamed)
+        object.__setattr__(self, "_index", {b: k for k, b in enumerate(streamed)})
 
     @property
     def streamed(self) -> tuple[int, ...]:
-        return tuple(range(self.resident, self.num_blocks))
+        """Streamed block indices, ascending (execution order)."""
+        return self._streamed
+
+    @property
+    def resident_blocks(self) -> tuple[int, ...]:
+        """Resident block indices, ascending."""
+        if isinstance(self.resident, int):
+            return tuple(range(self.resident))
+        return self.resident
+
+    @property
+    def num_resident(self) -> int:
+        return self.num_blocks - len(self._streamed)
+
+    @property
+    def first(self) -> int:
+        """The first streamed block (where a step's streaming starts)."""
+        return self._streamed[0]
+
+    def index(self, block: int) -> int:
+        """``k``: the position of streamed ``block`` in ``streamed`` (its host
+        image, slot views, ...); ValueError for a resident or unknown block."""
+        k = self._index.get(block)
+        if k is None:
+            what = "resident" if block in self.resident_blocks else f"not a block index 0..{self.num_blocks - 1}"
+            raise ValueError(f"block={block!r} is not streamed ({what}); streamed blocks: {list(self._streamed)}")
+        return k
 
     @property
     def n(self) -> int:
-        return self.num_blocks - self.resident
+        return len(self._streamed)
 
     @property
     def ring_slots(self) -> int:
@@ -88,10 +136,10 @@ class Schedule:
         return min(self.num_slots, self.n)
 
     def is_streamed(self, block: int) -> bool:
-        return block >= self.resident
+        return block in self._index
 
     def block_at(self, position: int) -> int:
-        return self.resident + position % self.n
+        return self._streamed[position % self.n]
 
     def slot_at(self, position: int) -> int:
         if self.step_local:
@@ -159,3 +207,37 @@ class Schedule:
 
     def step_of(self, position: int) -> int:
         return position // self.n
+
+
+def _resident_blocks(resident, num_blocks: int) -> tuple[int, ...]:
+    """The resident set as a sorted tuple; ValueError / TypeError naming the value."""
+    if isinstance(resident, bool):
+        raise TypeError(f"Schedule.resident={resident!r} must be an int or a collection of block indices")
+    if isinstance(resident, int):
+        if not 0 <= resident < num_blocks:
+            raise ValueError(
+                f"resident_layers={resident} must be in [0, {num_blocks - 1}] for "
+                f"{num_blocks} blocks: at least one block must stream"
+            )
+        return tuple(range(resident))
+    if not isinstance(resident, (tuple, list, frozenset, set)):
+        raise TypeError(
+            f"Schedule.resident={resident!r} must be an int or a tuple / frozenset / list of block indices"
+        )
+    for b in resident:
+        if not isinstance(b, int) or isinstance(b, bool):
+            raise TypeError(f"Schedule.resident={resident!r}: block {b!r} must be an int")
+        if not 0 <= b < num_blocks:
+            raise ValueError(
+                f"Schedule.resident={resident!r}: block {b} is not allowed; allowed: block indices "
+                f"0..{num_blocks - 1}"
+            )
+    out = tuple(sorted(set(resident)))
+    if len(out) != len(resident):
+        raise ValueError(f"Schedule.resident={resident!r} names a block twice; allowed: each block once")
+    if len(out) >= num_blocks:
+        raise ValueError(
+            f"resident_layers={resident!r} keeps all {num_blocks} blocks resident; allowed: at most "
+            f"{num_blocks - 1} of them (at least one block must stream)"
+        )
+    return out

@@ -8,6 +8,7 @@ none of them.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 
@@ -17,8 +18,8 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
-from .host_store import HostStore, copy_from_image
-from .packing import pack_blocks
+from .sources.base import check_stats
+from .sources.pinned import SourceRequest, drop_storage, pinned_source  # noqa: F401  (drop_storage re-exported)
 from .layout import block_tensors, build_layout, check_not_shared
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -48,21 +49,27 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 class StreamedBlocks:
-    """The layerwise machinery for one DiT: blocks, host store, executor.
+    """The layerwise machinery for one DiT: blocks, schedule, weight source, executor.
 
-    Built in one place so that wrappers (OffloadedTransformer, pipelines, the
-    graph executor) share it.
+    Built in one place so that every front end (the wrapper, the in-place
+    handle, DLO, the mmap source, the graph runner) shares it. ``source`` is a
+    factory ``SourceRequest -> WeightSource`` (default: pinned host images); it
+    runs before anything is packed, so it may refuse (DLO's setup agreement).
+    ``guard``: DLO failure policy (:mod:`.dlo_guard`).
     """
 
     # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
     supports_next_step = True
     # stream/event backend handed to the executor (streams.py); None: the device's default
     streams = None
+    executor_cls = LayerwiseExecutor  # tests substitute mutants (tests/test_happens_before.py)
 
-    def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None):
+    def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
+                 *, source=None, guard=None, prime: str = "now", next_step: bool = True):
         t0 = time.perf_counter()
         check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
         self.module, self.config, self.device = module, config, device
+        self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
         if resident >= len(self.blocks):
@@ -87,19 +94,25 @@ class StreamedBlocks:
                 f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
             )
         self.tensors = tensors
-        self.layouts = layouts
-        self.store = self._build_store(layouts, tensors)
+        req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule)
+        self.source = (source or pinned_source)(req)
+        self.layouts = self.source.layouts
         with torch.no_grad():
             for t in rest:
                 if t.device != device:
                     t.data = t.data.to(device)
         # id(tensor object) -> its host view, for state_dict() and weight updates
-        self.host_views: dict[int, torch.Tensor] = self._host_views()
-        self.executor = self._build_executor()
+        self.host_views = self.source.host_views()
+        self._where = {id(t): (k, i) for k, ts in enumerate(tensors) for i, (_, _, t) in enumerate(ts)}
+        self.guard = guard
+        self.executor = self.executor_cls(self.blocks, self.source, self.schedule, device,
+                                          record_events=config.record_events, prime=prime, streams=self.streams,
+                                          guard=guard)
         self.executor.attach_root(module)
+        self._root_hooks: list = []
+        self._stats_extra: list = []
         self.setup_s = time.perf_counter() - t0
 
-    # -- overridable construction steps (the DLO variant shards the store) ----
     def _schedule(self, num_blocks: int, resident: int) -> Schedule:
         """The ring; CUDA graphs change where a step's boundary loads are issued
         (a graph waits for every copy it holds, see Schedule): with resident
@@ -117,49 +130,39 @@ class StreamedBlocks:
             defer_last=graphs and resident == 0 and next_step,
         )
 
-    def _build_store(self, layouts, tensors) -> HostStore:
-        """Pack every streamed block into one host store and drop the originals."""
-        cfg, device = self.config, self.device
-        pin_budget = cfg.pinned_memory_budget_gb
-        store = HostStore(
-            layouts,
-            pin=cfg.pin_memory and device.type == "cuda",
-            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
-        )
-        objs = [[t for _, _, t in ts] for ts in tensors]
-        pack_blocks(store, objs, lambda ts: drop_storage(ts, device), progress=cfg.progress,
-                    what=f"packing {len(layouts)} blocks into host memory")
-        return store
+    def add_stats(self, fn) -> None:
+        """A front end's extra stats() keys (``fn() -> dict``)."""
+        self._stats_extra.append(fn)
 
-    def _host_views(self) -> dict[int, torch.Tensor]:
-        views = {}
-        for k, ts in enumerate(self.tensors):
-            for (_, _, t), hv in zip(ts, self.store.views(k)):
-                views[id(t)] = hv
-        return views
+    def add_root_hook(self, handle) -> None:
+        """A front end's hook on the DiT (DLO's forward checks); removed by restore()."""
+        self._root_hooks.append(handle)
 
-    def _build_executor(self) -> LayerwiseExecutor:
-        return LayerwiseExecutor(
-            self.blocks, self.store, self.schedule, self.device, record_events=self.config.record_events,
-            streams=self.streams,
-        )
+    @property
+    def store(self):
+        """The source's host store, where it has one (pinned images, DLO shards)."""
+        return getattr(self.source, "store", None)
+
+    @property
+    def usable(self) -> bool:
+        return self.executor.failure is None
 
     def stats(self) -> dict:
         s = self.schedule
-        return {
+        out = {
             "blocks_streamed": s.n,
             "blocks_resident": s.resident,
             "num_slots": s.ring_slots,
-            "slot_bytes": s.ring_slots * self.executor.slot_bytes,
-            "host_bytes": self.store.nbytes,
-            "pinned": self.store.pinned,
-            "pinned_bytes": self.store.pinned_bytes,
-            "pin_failure": self.store.pin_failure,
-            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.store.layouts),
+            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
             "resident_bytes": self.resident_bytes,
             "setup_s": self.setup_s,
             "device": str(self.device),
         }
+        out.update(check_stats(self.source.stats()))
+        out["slot_bytes"] = s.ring_slots * self.executor.slot_bytes  # all slots together (as before)
+        for fn in self._stats_extra:
+            out.update(fn())
+        return out
 
     def _current_for_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> dict:
         """The module's tensors by key, after checking ``state_dict``'s keys against them."""
@@ -181,55 +184,117 @@ class StreamedBlocks:
         return current
 
     def _plan_update(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> list:
-        """(key, destination, new value) for every key, each checked (name, type, shape,
-        dtype) before anything is written: an update applies whole or not at all."""
+        """(key, where, new value) for every key, each checked (name, type, shape, dtype)
+        before anything is written: an update applies whole or not at all. ``where`` is
+        (block, tensor index) for a streamed tensor, else the resident tensor's data."""
         current = self._current_for_update(state_dict, strict)
         plan = []
         for key, new in state_dict.items():
             obj = current[key]
-            dst = self.host_views.get(id(obj))
-            if dst is None:
-                dst = obj.data
-            check_update_value(key, new, tuple(dst.shape), dst.dtype)
-            plan.append((key, dst, new))
+            loc = self._where.get(id(obj))
+            if loc is not None:
+                spec = self.layouts[loc[0]].tensors[loc[1]]
+                check_update_value(key, new, spec.shape, spec.dtype)
+                plan.append((key, loc, new))
+            else:
+                check_update_value(key, new, tuple(obj.shape), obj.dtype)
+                plan.append((key, obj.data, new))
         return plan
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
-        """Write new weights: streamed tensors into the host store, others in place.
+        """Write new weights: streamed tensors through the source, others in place.
 
         Atomic: every key is checked (name, shape, dtype) before the first
         write; a rejected update raises :class:`WeightUpdateError` and writes
         nothing. Waits for in-flight copies first (not a hot-path call), then
         reloads the slots already prefetched for the next step, so the very
-        next forward uses the new weights under every schedule. Returns the
-        keys written. ``strict`` requires every key of the module.
+        next forward uses the new weights under every schedule (under DLO
+        AllGather a collective: call it on every rank with the same weights).
+        Returns the keys written.
         """
+        self.executor.check_usable("update_weights()")
         plan = self._plan_update(state_dict, strict)
         self.executor.synchronize()
         try:
             with torch.no_grad():
                 for _, dst, new in plan:
-                    dst.copy_(new)
+                    if isinstance(dst, tuple):
+                        self.source.write(dst[0], dst[1], new)
+                    else:
+                        dst.copy_(new)
         finally:
             # slots prefetched before the update hold old weights (also after a
             # write that failed part-way, e.g. out of memory moving ``new``)
             self.executor.reload_pending()
         return [key for key, _, _ in plan]
 
+    def _images(self) -> list[torch.Tensor]:
+        self.executor.synchronize()
+        return [self.source.image(k) for k in range(len(self.layouts))]
+
     def restore(self) -> nn.Module:
-        """Give every streamed tensor a device copy of its host weights; tear down."""
+        """Give every streamed tensor a device copy of its weights; tear down.
+
+        Every block image is read (under DLO AllGather: gathered, a collective)
+        before any tensor changes, so a failure part-way leaves everything as it was."""
+        images = self._images()
+        for h in self._root_hooks:
+            h.remove()
+        self._root_hooks = []
         self.executor.remove()
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
-                image = torch.empty(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
-                copy_from_image(image, self.store.image(k))  # chunk-safe: one registration per copy
                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
-                    t.data = spec.view_of(image).clone()
+                    t.data = spec.view_of(images[k]).clone()
+        del images
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.store.close()
+        self.source.close()
         self.host_views.clear()
         return self.module
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU. Under DLO AllGather a collective (call on every
+        rank of the sharding group); it raises after a failure and names local_state_dict()."""
+        names = self.module.state_dict(keep_vars=True)
+        images = None
+        out = {}
+        for name, t in names.items():
+            loc = self._where.get(id(t))
+            if loc is None:
+                out[name] = t.detach().to("cpu", copy=True)
+                continue
+            if images is None:
+                ready = getattr(self.source, "ready_to_gather", None)
+                if ready is not None:
+                    ready("gather_state_dict()")
+                images = self._images()
+            k, i = loc
+            out[name] = self.layouts[k].tensors[i].view_of(images[k]).to("cpu", copy=True)
+        return out
+
+    def local_state_dict(self) -> dict:
+        """This rank's weights with no collective (usable after any failure).
+
+        Non-streamed tensors as in ``state_dict()``; streamed ones as the source
+        holds them: under DLO AllGather a tensor wholly in this rank's share is a
+        CPU tensor, any other a :class:`ShardPiece` with the bytes this rank has
+        (``merge_shards`` of every rank's result is the full state dict)."""
+        piece = getattr(self.source, "local_piece", None)
+        out = {}
+        # resident tensors are read on a stream of their own: after a timed-out
+        # gather the compute stream may wait forever on the stuck collective
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                loc = self._where.get(id(t))
+                if loc is None:
+                    out[name] = t.detach().to("cpu", copy=True)
+                elif piece is not None:
+                    out[name] = piece(name, *loc)
+                else:
+                    out[name] = self.host_views[id(t)].to("cpu", copy=True)
+        return out
 
 
 def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
@@ -310,13 +375,6 @@ def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedM
         f"{str(exc)[:200]}. Keep {block!r} resident: layer_options.dit.resident_layers (it must then be "
         "among the first blocks) or an OffloadPlan whose containers leave it out"
     )
-
-
-def drop_storage(tensors, device: torch.device) -> None:
-    """Point tensors at shared empty placeholders (identity kept, storage released)."""
-    empties: dict[torch.dtype, torch.Tensor] = {}
-    for t in tensors:
-        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
 
 
 class HostStateDictHook:

@@ -30,6 +30,7 @@ MODE_KEYS = (
     "step_ms", "step_ms_all", "wall_ms_per_step", "first_step_ms", "peak_device_gb", "peak_reserved_gb",
     "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb", "setup_s", "build_s",
     "h2d_gbps", "streamed_gb", "output_finite", "output_sha1", "record_events", "stats", "notes", "trace",
+    "model_gb", "setup_peak_rss_gb", "setup_peak_rss_ratio", "target_setup_peak_rss_ratio",
     "coded_bytes", "bits_per_weight",
 )
 

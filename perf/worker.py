@@ -54,6 +54,31 @@ def host_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def process_rss_peak_bytes() -> int:
+    """This process's own peak RSS (VmHWM): ru_maxrss may also carry the RSS of
+    the process that spawned it (Linux keeps the pre-exec high-water mark)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return host_rss_peak_bytes()
+
+
+# issue 15: the process's peak RSS up to the end of setup (imports, build,
+# packing) at most this many times the model's bytes
+TARGET_SETUP_PEAK_RSS_RATIO = 1.15
+
+
+def setup_rss_figures(peak_bytes: int, model_bytes: int) -> dict:
+    """The setup peak host memory figures of a mode (sizes in decimal GB)."""
+    return dict(setup_peak_rss_gb=round(peak_bytes / GB, 3),
+                setup_peak_rss_ratio=round(peak_bytes / model_bytes, 4) if model_bytes > 0 else None,
+                target_setup_peak_rss_ratio=TARGET_SETUP_PEAK_RSS_RATIO)
+
+
 def torch_pinned_bytes() -> int | None:
     """Bytes held by torch's pinned host allocator (pin_memory=True / .pin_memory())."""
     fn = getattr(torch.cuda, "host_memory_stats", None)
@@ -139,7 +164,9 @@ def run_mode(args, prefix: str) -> dict:
     _sync(device)
     setup_s = time.perf_counter() - t
     del model
-    log(prefix, f"set up in {setup_s:.2f} s; {args.warmup} warm-up + {args.steps} timed steps")
+    setup_peak = process_rss_peak_bytes()  # the build and the setup, before any step
+    log(prefix, f"set up in {setup_s:.2f} s (peak RSS so far {setup_peak / GB:.2f} GB, "
+                f"{setup_peak / max(model_bytes, 1):.3f}x the model); {args.warmup} warm-up + {args.steps} timed steps")
     rss_after_setup = host_rss_bytes()
     pinned = prepared.pinned_bytes if prepared.pinned_bytes is not None else torch_pinned_bytes()
     if device.type == "cuda":
@@ -186,6 +213,7 @@ def run_mode(args, prefix: str) -> dict:
         host_rss_peak_gb=round(host_rss_peak_bytes() / GB, 3),
         pinned_host_gb=None if pinned is None else round(pinned / GB, 3),
         output_finite=finite, output_sha1=digest, record_events=record_events,
+        **setup_rss_figures(setup_peak, model_bytes),
     )
     if prepared.streamed_bytes is not None:
         figs["streamed_bytes"] = int(prepared.streamed_bytes)

@@ -22,7 +22,8 @@ import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, toy_inputs
-from weightstream.offload.distributed import AllGatherExecutor, AllGatherStreamedBlocks, DLOPlan, ParallelConfig
+from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
+from weightstream.offload.sources.dlo import ShardSource
 from weightstream.offload.executor import LayerwiseExecutor
 from weightstream.offload.host_store import PAGE, REGISTER_CHUNK, HostStore, copy_from_image
 from weightstream.offload.layout import block_tensors, build_layout
@@ -43,9 +44,13 @@ class _Done:
         return None
 
 
-class FakeGatherExecutor(AllGatherExecutor):
-    """AllGather executor over a fake single-process group (world of 1): the
-    gathered image is this rank's one shard. Everything else is the real executor."""
+class FakeGatherSource(ShardSource):
+    """AllGather source over a fake single-process group (world of 1): the
+    gathered image is this rank's one shard. Everything else is the real source."""
+
+    @staticmethod
+    def gather_mode(dlo, timeout_s, device):
+        return "tensor"
 
     def all_gather(self, out, inp, *, async_op=False):
         out.copy_(inp)
@@ -61,16 +66,15 @@ def _schedule_fn(slots: int, mode: str):
 
 def _traced(base, rec, slots, mode, executor_cls=None):
     attrs = {"streams": rec, "_schedule": _schedule_fn(slots, mode)}
-    if executor_cls is not None and issubclass(executor_cls, AllGatherExecutor):
-        def _build_executor(self):
-            return executor_cls(self.blocks, self.store, self.schedule, self.device, group=None, world=1,
-                                control=self.control, streams=self.streams)
-        attrs["_build_executor"] = _build_executor
-    elif executor_cls is not None:
-        def _build_executor(self):
-            return executor_cls(self.blocks, self.store, self.schedule, self.device, streams=self.streams)
-        attrs["_build_executor"] = _build_executor
+    if executor_cls is not None:
+        attrs["executor_cls"] = executor_cls
     return type(f"Traced{base.__name__}", (base,), attrs)
+
+
+def fake_dlo(model, cfg, cls, source_cls=FakeGatherSource):
+    """The DLO AllGather backend over the fake world-of-1 group."""
+    dlo = DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake")
+    return build_streamed(model, cfg, DEV, None, ParallelConfig(), dlo=dlo, cls=cls, source_cls=source_cls)
 
 
 class Case:
@@ -78,7 +82,7 @@ class Case:
     resident reference and the recording backend."""
 
     def __init__(self, source="host", *, slots=2, resident=0, mode="ring", executor_cls=None, tmp_path=None,
-                 model_cls=ToyDiT):
+                 model_cls=ToyDiT, source_cls=FakeGatherSource):
         self.rec = RecordingStreams()
         model = model_cls()
         self.ref = copy.deepcopy(model)
@@ -89,9 +93,8 @@ class Case:
             cls = _traced(StreamedBlocks, self.rec, slots, mode, executor_cls)
             streamed = cls(model, cfg, DEV, None)
         elif source == "dlo":
-            cls = _traced(AllGatherStreamedBlocks, self.rec, slots, mode, executor_cls or FakeGatherExecutor)
-            dlo = DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake")
-            streamed = cls(model, cfg, DEV, None, ParallelConfig(), dlo)
+            cls = _traced(StreamedBlocks, self.rec, slots, mode, executor_cls)
+            streamed = fake_dlo(model, cfg, cls, source_cls)
         else:  # "mmap-direct" | "mmap-staging"
             streamed = self._mmap(model, cfg, source.split("-")[1], slots, mode, tmp_path)
         self.wrapped = OffloadedTransformer(streamed.module, cfg, device=DEV, streamed=streamed)
@@ -233,8 +236,8 @@ def gloo_trace_rank(rank: int, world: int) -> dict:
     x = toy_inputs(seed=1 + rank)
     cfg = OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
     par = ParallelConfig.data_parallel()
-    cls = _traced(AllGatherStreamedBlocks, rec, 2, "ring")
-    streamed = cls(model, cfg, DEV, None, par, plan_dlo(cfg, par, DEV))
+    cls = _traced(StreamedBlocks, rec, 2, "ring")
+    streamed = build_streamed(model, cfg, DEV, None, par, dlo=plan_dlo(cfg, par, DEV), cls=cls)
     wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=streamed)
     with torch.no_grad():
         expected = ref(**x)
@@ -398,16 +401,16 @@ def mutant(cls, method: str, line: str, replacement: str = "pass"):
 
 MUTATIONS = {
     # compute does not wait for its block's copy
-    "no-wait-loaded": (LayerwiseExecutor, "before_block", "cs.wait_event(self.loaded[slot])",
+    "no-wait-loaded": (LayerwiseExecutor, "_before_block", "cs.wait_event(self.loaded[slot])",
                        {"read_after_load", "reads_expected_block", "no_concurrent_write"}, "host", "ring", 0),
     # the copy issued on the compute stream
-    "copy-on-compute": (LayerwiseExecutor, "_issue", ("with self.streams.stream(cs):", "if True:"), {"overlap"},
+    "copy-on-compute": (LayerwiseExecutor, "_issue_load", ("with self.streams.stream(cs):", "if True:"), {"overlap"},
                         "host", "ring", 0),
     # the slot-free event never recorded
-    "no-freed-record": (LayerwiseExecutor, "after_block", "self.freed[slot].record(self._compute_stream)",
+    "no-freed-record": (LayerwiseExecutor, "_after_block", "self.freed[slot].record(self._compute_stream)",
                         {"write_after_previous_read", "no_concurrent_write"}, "host", "ring", 0),
     # the copy does not wait for the slot to be free
-    "copy-no-wait-freed": (LayerwiseExecutor, "_issue", "cs.wait_event(self.freed[load.slot])",
+    "copy-no-wait-freed": (LayerwiseExecutor, "_issue_load", "cs.wait_event(after)",
                            {"write_after_previous_read", "no_concurrent_write"}, "host", "ring", 0),
     # step-start loads not ordered after the previous step's compute
     "step-start-no-wait": (LayerwiseExecutor, "_step_start_loads", "side.wait_stream(compute)",
@@ -416,17 +419,23 @@ MUTATIONS = {
     "late-no-wait": (LayerwiseExecutor, "_issue_late", "side.wait_event(ev)",
                      {"write_after_previous_read", "no_concurrent_write"}, "host", "defer_last", 0),
     # the DLO gather does not wait for the block slot to be free
-    "dlo-gather-no-wait-freed": (FakeGatherExecutor, "_load",
-                                 "comm.wait_event(self.freed[slot])",
+    "dlo-gather-no-wait-freed": (FakeGatherSource, "load",
+                                 "comm.wait_event(after)",
                                  {"write_after_previous_read", "no_concurrent_write"}, "dlo", "ring", 0),
     # the DLO shard copy does not wait for the gather that last read the shard slot
-    "dlo-shard-no-wait-read": (FakeGatherExecutor, "_load",
+    "dlo-shard-no-wait-read": (FakeGatherSource, "load",
                                "cs.wait_event(self.shard_read[slot])",
                                {"no_concurrent_write"}, "dlo", "ring", 0),
     # the DLO gather does not wait for its shard's copy
-    "dlo-gather-no-wait-shard": (FakeGatherExecutor, "_load", "comm.wait_event(self.shard_loaded[slot])",
+    "dlo-gather-no-wait-shard": (FakeGatherSource, "load", "comm.wait_event(self.shard_loaded[slot])",
                                  {"read_after_load"}, "dlo", "ring", 0),
 }
+
+
+def _mutated_case(cls, source, resident, mode, mutated) -> Case:
+    if issubclass(cls, ShardSource):
+        return Case(source, slots=2, resident=resident, mode=mode, source_cls=mutated)
+    return Case(source, slots=2, resident=resident, mode=mode, executor_cls=mutated)
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
@@ -435,7 +444,7 @@ def test_mutation_is_caught(name):
     and breaks the rules it is listed with."""
     cls, method, line, rules, source, mode, resident = MUTATIONS[name]
     line, replacement = line if isinstance(line, tuple) else (line, "pass")
-    case = Case(source, slots=2, resident=resident, mode=mode, executor_cls=mutant(cls, method, line, replacement))
+    case = _mutated_case(cls, source, resident, mode, mutant(cls, method, line, replacement))
     for _ in range(3):
         case.forward()  # outputs still equal the resident model's
     v = case.violations()
@@ -449,7 +458,7 @@ def test_unmutated_twin_is_clean(name):
     replacement) passes: the failures above come from the one line."""
     cls, method, line, rules, source, mode, resident = MUTATIONS[name]
     line = line[0] if isinstance(line, tuple) else line
-    case = Case(source, slots=2, resident=resident, mode=mode, executor_cls=mutant(cls, method, line, line))
+    case = _mutated_case(cls, source, resident, mode, mutant(cls, method, line, line))
     for _ in range(3):
         case.forward()
     _assert_clean(case, min_reads=3 * (7 - resident))

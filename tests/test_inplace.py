@@ -184,14 +184,13 @@ def test_wrapper_local_state_dict_merges_into_the_weights():
     """OffloadedTransformer.local_state_dict(): the DLO AllGather executor over the
     fake world-of-1 group (test_happens_before) gives this rank's share, which
     merge_shards turns into the full weights; without DLO it is state_dict()."""
-    from test_happens_before import FakeGatherExecutor, _traced
-    from weightstream.offload.distributed import AllGatherStreamedBlocks, DLOPlan, ParallelConfig, merge_shards
+    from test_happens_before import _traced, fake_dlo
+    from weightstream.offload.distributed import merge_shards
+    from weightstream.offload.streamed import StreamedBlocks
     from weightstream.offload.streams import RecordingStreams
 
     model, ref, x, expected = _flux()
-    cls = _traced(AllGatherStreamedBlocks, RecordingStreams(), 2, "ring", FakeGatherExecutor)
-    streamed = cls(model, _cfg(), torch.device(DEV), None, ParallelConfig(),
-                   DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake"))
+    streamed = fake_dlo(model, _cfg(), _traced(StreamedBlocks, RecordingStreams(), 2, "ring"))
     wrapped = OffloadedTransformer(model, _cfg(), device=DEV, streamed=streamed)
     assert torch.equal(_out(wrapped, x), expected)
     full, want = merge_shards([wrapped.local_state_dict()]), ref.state_dict()

@@ -46,7 +46,7 @@ def test_num_slots(num_slots):
 def test_heterogeneous_blocks_have_their_own_layouts():
     model = ToyDiT()
     wrapped = OffloadedTransformer(model, None, device=DEV)
-    layouts = wrapped.executor.store.layouts
+    layouts = wrapped.executor.source.store.layouts
     assert len({lay.nbytes for lay in layouts}) > 2
     dtypes = {spec.dtype for lay in layouts for spec in lay.tensors}
     assert dtypes == {torch.float32, torch.bfloat16}
@@ -92,10 +92,10 @@ def test_slots_and_store_are_allocated_once():
     ex = wrapped.executor
     with torch.no_grad():
         wrapped(**x)
-        ptrs = [s.data_ptr() for s in ex.slots] + [ex.store.arena.data_ptr()]
+        ptrs = [s.data_ptr() for s in ex.slots] + [ex.source.store.arena.data_ptr()]
         for _ in range(3):
             wrapped(**x)
-    assert [s.data_ptr() for s in ex.slots] + [ex.store.arena.data_ptr()] == ptrs
+    assert [s.data_ptr() for s in ex.slots] + [ex.source.store.arena.data_ptr()] == ptrs
     assert len(ex.slots) == 2
 
 
@@ -134,7 +134,7 @@ def test_one_host_backing_store():
     wrapped = OffloadedTransformer(model, None, device=DEV)
     gc.collect()
     assert all(r() is None for r in originals), "an original block storage is still alive"
-    arena = wrapped.executor.store.arena
+    arena = wrapped.executor.source.store.arena
     lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
     for v in wrapped.state_dict().values():
         if v.numel() and v.device.type == "cpu" and lo <= v.data_ptr() < hi:

@@ -42,7 +42,7 @@ def test_peak_weight_memory_is_resident_plus_two_blocks():
     base = torch.cuda.memory_allocated()
     wrapped = OffloadedTransformer(model, None, device=DEV)
     s = wrapped.stats()
-    largest = max(lay.nbytes for lay in wrapped.executor.store.layouts)
+    largest = max(lay.nbytes for lay in wrapped.executor.source.store.layouts)
     with torch.no_grad():
         first(wrapped(**x))
     torch.cuda.synchronize()

@@ -19,6 +19,7 @@ from perf.modes import parse_mode  # noqa: E402
 from perf.results import (  # noqa: E402
     floor_ms, gpu_slug, markdown_table, result_filename, summarise, validate_result,
 )
+from perf.worker import setup_rss_figures  # noqa: E402
 from perf.scenarios import (  # noqa: E402
     SCENARIOS, block_bytes, build_inputs, build_model, first_output, get_scenario, tensor_bytes,
 )
@@ -125,7 +126,8 @@ def test_assemble_records_failures_and_the_best_bandwidth():
                     step_ms=step, h2d_gbps=h2d, **kw)
     workers = {
         "resident": worker(172.0, 54.0),
-        "layerwise": worker(441.0, 55.0, streamed_bytes=int(23.8e9), streamed_gb=23.8, setup_s=4.0),
+        "layerwise": worker(441.0, 55.0, streamed_bytes=int(23.8e9), streamed_gb=23.8, setup_s=4.0,
+                            **setup_rss_figures(int(26.5e9), int(23.8e9))),
         "diffusers-block": worker(575.0, 56.0, streamed_bytes=int(23.8e9), streamed_gb=23.8),
         "diffusers-leaf": {"ok": False, "error": "OutOfMemoryError: boom"},
     }
@@ -138,6 +140,11 @@ def test_assemble_records_failures_and_the_best_bandwidth():
     assert r["failed"] == {"diffusers-leaf": "OutOfMemoryError: boom"}
     assert r["modes"]["layerwise"]["ratio_to_best_peer"] == pytest.approx(441 / 575, abs=1e-4)
     assert "streamed_bytes" not in r["modes"]["layerwise"]
+    # issue 15's setup peak host memory, per mode, with its target
+    lw = r["modes"]["layerwise"]
+    assert lw["model_gb"] == 23.8 and lw["setup_peak_rss_gb"] == 26.5
+    assert lw["setup_peak_rss_ratio"] == pytest.approx(26.5 / 23.8, abs=1e-4)
+    assert lw["target_setup_peak_rss_ratio"] == 1.15
     table = markdown_table(r)
     assert "| layerwise | 441.0 |" in table and "failed: OutOfMemoryError" in table
 
@@ -351,6 +358,13 @@ def test_harness_end_to_end_tiny_cpu(tmp_path, capsys):
         assert f["ratio_to_floor"] == pytest.approx(f["step_ms"] / res["step_ms"], rel=1e-3)
         assert f["stats"]["streamed_bytes_per_step"] > 0
         assert f["output_equals_resident"] is True, mode
+    for mode in modes:  # the setup peak host memory (build + setup, before any step) of each mode
+        f = on_disk["modes"][mode]
+        assert f["model_gb"] == pytest.approx(on_disk["model_gb"], rel=1e-3)
+        assert 0 < f["setup_peak_rss_gb"] <= f["host_rss_peak_gb"]
+        # model_gb is rounded to 0.1 MB: loose on a model of a few hundred kB
+        assert f["setup_peak_rss_ratio"] == pytest.approx(f["setup_peak_rss_gb"] / f["model_gb"], rel=0.1)
+        assert f["target_setup_peak_rss_ratio"] == 1.15
     assert on_disk["modes"]["layerwise-mmap"]["stats"]["source"] == "mmap"
     assert "| resident |" in capsys.readouterr().out
 

@@ -83,15 +83,13 @@ def test_sd3_skip_layers_graph_schedules_bit_exact(mode, num_slots):
 def test_sd3_skip_layers_dlo_world_of_one():
     """The DLO AllGather executor over the fake world-of-1 group of
     test_happens_before: a skipped tail is not a failed step."""
-    from test_happens_before import FakeGatherExecutor, _traced
-    from weightstream.offload.distributed import AllGatherStreamedBlocks, DLOPlan, ParallelConfig
+    from test_happens_before import _traced, fake_dlo
     from weightstream.offload.streams import RecordingStreams
+    from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = _sd3()
     cfg = OffloadConfig.layerwise(progress=False)
-    cls = _traced(AllGatherStreamedBlocks, RecordingStreams(), 2, "ring", FakeGatherExecutor)
-    dlo = DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake")
-    streamed = cls(model, cfg, DEV, None, ParallelConfig(), dlo)
+    streamed = fake_dlo(model, cfg, _traced(StreamedBlocks, RecordingStreams(), 2, "ring"))
     wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=streamed)
     _run(wrapped, ref, x)
     assert wrapped.executor.failure is None

@@ -179,7 +179,7 @@ def check_dlo_schedule(parallel, rank):
     sb = dlo.build_streamed(ToyDiT(), cfg, torch.device("cpu"), None, parallel)
     defer_last = sb.schedule.defer_last
     sb.restore()
-    return dict(defer_last=defer_last, cls=type(sb).__name__)
+    return dict(defer_last=defer_last, cls=type(sb.source).__name__)
 
 
 def check_peer_stays_alive(rank, world):
@@ -388,7 +388,7 @@ def test_capture_decision_is_collective(ranks):
 
 def test_dlo_allgather_schedule_is_not_next_step(ranks):
     assert [rep["defer_last"] for rep in get(ranks, "dlo_schedule")] == [False] * len(ranks)
-    assert {rep["cls"] for rep in get(ranks, "dlo_schedule")} == {"AllGatherStreamedBlocks"}
+    assert {rep["cls"] for rep in get(ranks, "dlo_schedule")} == {"ShardSource"}
 
 
 def test_dlo_rank_local_schedule_is_not_next_step():
@@ -400,7 +400,7 @@ def test_dlo_rank_local_schedule_is_not_next_step():
     plain.restore()
     rl = OffloadConfig.layerwise(cuda_graphs="on", weight_transfer="rank-local", progress=False)
     sb = dlo.build_streamed(ToyDiT(), rl, torch.device("cpu"), None, ParallelConfig(dp=2))
-    assert type(sb).__name__ == "RankLocalStreamedBlocks" and sb.schedule.defer_last is False
+    assert type(sb.source).__name__ == "PinnedSource" and sb.schedule.defer_last is False
     sb.restore()
 
 

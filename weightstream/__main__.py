@@ -38,6 +38,27 @@ def _int_at_least(minimum: int):
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (argparse names the flag)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; give a finite number > 0")
+    return v
+
+
+def _slot_counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; every slot count must be >= 2")
+    return values
+
+
 def _device(text: str | None) -> str:
     import torch
 
@@ -179,13 +200,36 @@ def cmd_demo(args) -> int:
     return demo_layer(args)
 
 
+_PLAN_ONLY = ("compute_ms", "tflops", "codec_ratio", "decode_gbps", "cuda_graphs", "json")  # flags of the placement view
+
+
 def cmd_plan(args) -> int:
+    if args.budget_gb is not None and args.resident_layers:
+        raise CliError(f"--resident-layers {args.resident_layers} is not allowed with --budget-gb: the planner "
+                       "picks the resident blocks; drop one of them")
+    given = [f"--{k.replace('_', '-')}" for k in _PLAN_ONLY if getattr(args, k) not in (None, False)]
+    if args.budget_gb is None and given:
+        raise CliError(f"{', '.join(given)} need --budget-gb (the placement view); without it plan lists blocks")
+    if args.budget_gb is not None:
+        from weightstream import plan_cli
+
+        try:
+            return plan_cli.run(args)
+        except ValueError as e:  # a value the planner or the model table does not allow
+            raise CliError(str(e).splitlines()[0]) from None
+    return _list_blocks(args)
+
+
+def _list_blocks(args) -> int:
     from weightstream import OffloadConfig
     from weightstream.offload.discovery import discover_blocks
     from weightstream.offload.layout import block_tensors, build_layout
     from weightstream.offload.schedule import Schedule
 
-    model, _ = _demo_model(args.model, "cpu")
+    if args.model not in ("flux", "wan", "toy", "tiny-flux", "tiny-wan"):
+        raise CliError(f"--model {args.model}: listing blocks without --budget-gb builds the model on the CPU; "
+                       "choose from: flux, wan, toy (or give --budget-gb for the placement)")
+    model, _ = _demo_model(args.model.removeprefix("tiny-"), "cpu")
     _check_resident_layers(model, args.resident_layers)
     cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers)
     blocks = discover_blocks(model)
@@ -224,9 +268,36 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     d.add_argument("--steps", type=_positive_int, default=10, help="timed steps, median reported (default 10)")
     d.add_argument("--resident-layers", type=_non_negative_int, default=0)
-    pl = sub.add_parser("plan", help="print discovered blocks, their layouts and slots")
-    pl.add_argument("--model", choices=["flux", "wan", "toy"], default="flux")
-    pl.add_argument("--resident-layers", type=_non_negative_int, default=0)
+    pl = sub.add_parser(
+        "plan", help="the planner's placement for a model and a device budget (--budget-gb); without a "
+                     "budget, list the discovered blocks, their layouts and slots",
+        description="With --budget-gb: which blocks stay resident and how many slots, the predicted step and "
+                    "the best first-N placement beside it. Per-block compute is estimated from FLOPs unless "
+                    "--compute-ms gives measured figures.")
+    pl.add_argument("--model", default="flux", metavar="MODEL",
+                    help="tiny-flux, tiny-wan, toy, flux-12b-1024 (= flux-12b), flux-12b-512, wan-14b-480p "
+                         "(= wan-14b); flux / wan = the tiny ones (default flux)")
+    pl.add_argument("--budget-gb", type=_positive_float, default=None,
+                    help="device budget for weights in GB (1e9 bytes): fixed modules + resident blocks + slots")
+    pl.add_argument("--h2d-gbps", type=_positive_float, default=55.0,
+                    help="host-to-device GB/s (default 55, one H200's pinned rate)")
+    pl.add_argument("--compute-ms", default=None, metavar="MS[,MS...]",
+                    help="measured per-block compute in ms: one value for every block or one per block")
+    pl.add_argument("--tflops", type=_positive_float, default=None,
+                    help="effective TFLOP/s for the FLOP-based estimate (default: one H200 in bf16, calibrated "
+                         "per model on its measured resident step: flux-12b-1024 430, flux-12b-512 330, "
+                         "wan-14b-480p 530; others 430)")
+    pl.add_argument("--slots", type=_slot_counts, default=(2, 3, 4), metavar="N[,N...]",
+                    help="slot counts the planner may choose from (each >= 2; default 2,3,4)")
+    pl.add_argument("--codec-ratio", type=_positive_float, default=None, metavar="R",
+                    help="weight codec: coded / raw bytes crossing the link, in (0, 1] (e.g. 0.7)")
+    pl.add_argument("--decode-gbps", type=_positive_float, default=None, metavar="D",
+                    help="weight codec: decode rate in decoded GB/s, on the copy stream (e.g. 450)")
+    pl.add_argument("--cuda-graphs", action="store_true",
+                    help="plan for cuda_graphs='on' (with resident blocks, loads stay inside their step)")
+    pl.add_argument("--json", action="store_true", help="print the placement as one JSON object")
+    pl.add_argument("--resident-layers", type=_non_negative_int, default=0,
+                    help="without --budget-gb: the first N blocks resident in the listing")
     sub.add_parser("bench", help="run the perf harness from the repository root (bench run --scenario ...)")
     sub.add_parser("monitor", help="record GPU memory while a command runs: monitor -- CMD ...")
     return p

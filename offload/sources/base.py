@@ -43,7 +43,8 @@ class WeightSource(Protocol):
     waits_for_free: bool  # load() orders its slot writes after ``after`` itself
 
     def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
-        """Allocate per-slot side buffers and side streams (called once by the executor)."""
+        """Allocate per-slot side buffers and side streams (called once by the executor,
+        with its copy stream current; ``streams`` is None on the CPU)."""
 
     def side_streams(self) -> list:
         """Streams besides the executor's copy stream that loads issue work on."""

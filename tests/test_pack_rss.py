@@ -1,0 +1,155 @@
+"""Setup peak host memory (issue 15): packing a model into the host store keeps
+the process's peak RSS within 1.15 x the model bytes over the interpreter.
+
+A fresh subprocess imports torch, diffusers' model class and weightstream,
+reads its RSS (the baseline), builds a scenario-shaped model of a few hundred
+MB the way the perf harness does (parameters on meta, then filled one by one,
+so the build itself peaks at the model), offloads it (device cpu) and reports
+its peak RSS (VmHWM). On device cpu the ring's slots are device memory that
+happens to live in the host, so their bytes (``stats()['slot_bytes']``,
+allocated after packing) are not counted as setup host memory.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightstream.offload.host_store import HostStore
+from weightstream.offload.layout import block_tensors, build_layout
+from weightstream.offload.packing import ahead_bytes, pack_blocks
+from weightstream.offload.streamed import drop_storage
+from weightstream.models import ToyDiT
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = 1.15
+
+CHILD = r"""
+import json, sys
+from dataclasses import replace
+import torch
+from perf.scenarios import SCENARIOS, build_model, model_class, tensor_bytes
+from weightstream import OffloadConfig, OffloadedTransformer
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+name, overrides, device = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+base_sc = SCENARIOS[name]
+sc = replace(base_sc, tiny_config=dict(base_sc.config, **overrides))
+model_class(sc.family)
+if device == "cuda":
+    torch.zeros(1, device=device)  # the CUDA context belongs to the baseline
+baseline = status("VmRSS")
+model = build_model(sc, tiny=True, device="cpu", gen_device="cpu")
+built = status("VmRSS")
+model_bytes = tensor_bytes(model)
+wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=device)
+stats = wrapped.stats()
+print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"), "after": status("VmRSS"),
+                  "model_bytes": model_bytes, "pinned_bytes": stats["pinned_bytes"],
+                  "slot_bytes": stats["slot_bytes"] if device == "cpu" else 0}))
+"""
+
+# Wan-shaped (40 uniform blocks, 8.4 MB each) and Flux-shaped (double and
+# single blocks, 42 / 18 MB), bf16, ~340 / ~400 MB: tensors of 0.5-8 MB,
+# which malloc keeps in its heap (the case a trim matters for)
+CASES = {
+    "wan": ("wan-14b-480p", dict(num_attention_heads=4, ffn_dim=2048)),
+    "flux": ("flux-12b-1024", dict(num_layers=4, num_single_layers=12, num_attention_heads=6)),
+}
+
+
+# a few GB, for the device machine (tensors of 4.7 and 19 MB: heap and mapped)
+LARGE = ("wan-14b-480p", dict(num_attention_heads=12, ffn_dim=6144))
+
+
+def _measure(scenario: str, overrides: dict, device: str = "cpu") -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-c", CHILD, scenario, json.dumps(overrides), device], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_setup_peak_rss_within_target(case):
+    r = _measure(*CASES[case])
+    assert 2e8 < r["model_bytes"] < 6e8, r["model_bytes"]  # a few hundred MB, as the issue asks
+    _check_peak(case, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES) + ["large"])
+def test_setup_peak_rss_within_target_cuda(case):
+    """The same on the device: slots on the GPU, every block image pinned
+    (cudaHostRegister on the pinning thread, the packers running ahead of it)."""
+    r = _measure(*(LARGE if case == "large" else CASES[case]), device="cuda")
+    assert r["pinned_bytes"] >= r["model_bytes"] * 0.9, r
+    _check_peak(case, r)
+
+
+def _check_peak(case: str, r: dict) -> None:
+    model = r["model_bytes"]
+    assert r["built"] - r["baseline"] > 0.9 * model     # the model really sat in this process
+    ratio = (r["peak"] - r["baseline"] - r["slot_bytes"]) / model
+    assert ratio <= TARGET, (
+        f"{case}: setup peak RSS {(r['peak'] - r['baseline']) / 1e6:.0f} MB over the baseline, less "
+        f"{r['slot_bytes'] / 1e6:.0f} MB of slots, is {ratio:.3f} x the model ({model / 1e6:.0f} MB); "
+        f"target {TARGET}")
+    # the originals went back to the OS: what stays is the store (+ slots), not two models
+    assert (r["after"] - r["baseline"] - r["slot_bytes"]) / model <= TARGET
+
+
+class _RecordingStore(HostStore):
+    """A real host store that records, as each pack starts, the bytes packed
+    (or being packed) whose originals have not been dropped yet."""
+
+    def __init__(self, layouts):
+        super().__init__(layouts, pin=False)
+        self.lock = threading.Lock()
+        self.started, self.dropped, self.most = 0, 0, 0
+
+    def pack(self, i, tensors):
+        with self.lock:
+            self.started += self.layouts[i].nbytes
+            self.most = max(self.most, self.started - self.dropped)
+        super().pack(i, tensors)
+
+
+def test_packing_stays_within_the_window_ahead_of_a_slow_drop():
+    """A slow drop (a large free, a slow pin) must not let the packers run
+    ahead: the bytes packed and not yet dropped stay within ahead_bytes()."""
+    torch.manual_seed(0)
+    blocks = [ToyDiT(width=64).single_blocks[i % 5] for i in range(20)]
+    for b in blocks:
+        b.to(torch.float32)
+    tensors = [block_tensors(b) for b in blocks]
+    layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(tensors)]
+    objs = [[t for _, _, t in ts] for ts in tensors]
+    want = [[t.detach().clone() for t in ts] for ts in objs]
+    store = _RecordingStore(layouts)
+    order = iter(range(len(layouts)))
+
+    def slow_drop(ts):
+        time.sleep(0.02)
+        with store.lock:  # drops come in block order
+            store.dropped += layouts[next(order)].nbytes
+        drop_storage(ts, torch.device("cpu"))
+
+    pack_blocks(store, objs, slow_drop, progress=False, what="test")
+    sizes = [lay.nbytes for lay in layouts]
+    assert store.most <= ahead_bytes(sizes) < sum(sizes) / 4
+    for k in range(len(objs)):
+        assert all(t.numel() == 0 for t in objs[k])
+        for hv, w in zip(store.views(k), want[k]):
+            assert torch.equal(hv, w)
