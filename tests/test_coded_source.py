@@ -150,19 +150,24 @@ def test_coded_bytes_below_raw_on_student_t():
 
 
 @pytest.mark.parametrize("recording", [False, True])
-def test_host_view_edit_reaches_loaded_slot(recording):
+def test_host_view_edit_is_reencoded_at_step_start(recording):
     src, tensors, layouts, raw = _source(tiny_flux(dtype=torch.bfloat16))
     slots = _attach(src, RecordingStreams() if recording else None)
-    src.load(0, 0, position=0, after=None, tag=None)  # block 0 prefetched for the next step
     _, _, obj = tensors[0][0]
     views = src.host_views()
+    assert id(obj) in views and len(views) == sum(len(ts) for ts in tensors)
     hv = views[id(obj)]
     spec = layouts[0].tensors[0]
     assert torch.equal(hv.view(torch.int16), spec.view_of(raw[0]).view(torch.int16))
+    version = src.host_version()
+    src.check()
+    assert src.host_version() == version, "nothing edited: nothing to re-copy"
     hv.mul_(2)  # an in-place edit of a state_dict() value
     want = raw[0].clone()
     spec.view_of(want).mul_(2)
-    src.check()  # step start: re-encodes block 0 and loads slot 0 again
+    src.check()  # step start: re-encodes block 0; the executor re-copies loaded slots
+    assert src.host_version() != version
+    src.load(0, 0, position=0, after=None, tag=None)
     assert not _spans_equal(slots[0], want, layouts[0])
     assert not _spans_equal(src.image(0), want, layouts[0])
     del hv, views

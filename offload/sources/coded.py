@@ -15,8 +15,12 @@ block by block, within ``pinned_memory_budget_gb``. A failure part-way gives
 the dropped tensors their weights back (decoded) before it raises.
 
 Per load (the executor's copy stream is current): one H2D copy of the
-block's coded bytes into the slot's coded buffer, then one Triton decode
-launch from it into the slot, both on that stream. The decode tables go to
+block's coded bytes into the slot's coded buffer on that stream, then one
+Triton decode launch from it into the slot on the source's decode stream
+(``decode_stream=True``, the default: the next block's H2D overlaps this
+decode; events order the decode after its copy and the next copy into the
+same coded buffer after the decode that read it), or on the copy stream
+itself (``decode_stream=False``: copy and decode serialised). The decode tables go to
 the device at ``attach`` and never move: a re-encoded block (``write``,
 edited host views) updates its table in place, so captured CUDA graphs keep
 reading the current weights. Each block copies a fixed byte count (its coded
@@ -26,9 +30,9 @@ error at the next step: disable() and wrap again).
 
 Host views (``state_dict()``) are decoded host copies, made on first use.
 Their version counters are checked at every step start (``check``): a copy
-edited in place through torch is re-encoded, and slots already loaded with
-that block are loaded again, so the edit reaches the very next forward, as
-with the pinned store. Writes that bypass torch's version counter (numpy,
+edited in place through torch is re-encoded and ``host_version()`` moves, so
+the executor re-copies the slots already loaded and the edit reaches the very
+next forward, as with the pinned store. Writes that bypass torch's version counter (numpy,
 ctypes, ``.data`` of a view) are not seen. A decoded copy whose views are all
 gone is dropped at the next check.
 """
@@ -259,7 +263,6 @@ class CodedSource:
         self._streams = self._slots = None
         self._buffers: list[torch.Tensor] = []
         self._dev_tables: list[torch.Tensor | None] = []
-        self._in_slot: dict[int, int] = {}  # slot -> block of its last load
         self._copy_stream = None
         self.decode_stream = bool(decode_stream)  # decode on a side stream, overlapping the next H2D
         self._dstream = None
@@ -377,7 +380,6 @@ class CodedSource:
         st = self._streams
         if st is None:  # CPU, no streams: decode straight from the host region, synchronously
             self._decode(self.region(k)[: self.copy_bytes[k]], self._slots[slot], k)
-            self._in_slot[slot] = k
             return None
         if tag is not None:
             self._captured = True
@@ -402,7 +404,6 @@ class CodedSource:
             if ds is not None:
                 self._read[slot].record(ds)
                 self._read_tag[slot] = tag
-        self._in_slot[slot] = k
         return ds if ds is not None else cs
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, k: int) -> None:
@@ -413,7 +414,8 @@ class CodedSource:
 
     def check(self) -> None:
         """Step start / before a replay: refuse stale captures; re-encode decoded host copies
-        edited in place and load the slots that hold their blocks again."""
+        edited in place (then :meth:`host_version` moves and the executor re-copies the slots
+        already loaded)."""
         if self._stale is not None:
             raise CodedCaptureStaleError(self._stale)
         if self._decoded:
@@ -463,8 +465,7 @@ class CodedSource:
         if edited:
             self._dirty.update(edited)
             self._fold()
-            self._host_edits += 1
-            self._reissue(set(edited))
+            self._host_edits += 1  # the executor re-copies the slots already loaded (host_version)
         for k, d in list(self._decoded.items()):
             d.handed = [r for r in d.handed if r() is not None]
             if not d.handed and k not in self._dirty:
@@ -516,29 +517,6 @@ class CodedSource:
                 "a weight update or an edit of a state_dict() tensor made a coded block larger than the bytes "
                 "the captured CUDA graphs copy for it; those graphs would read it truncated. disable() the "
                 "model and wrap it again (or use cuda_graphs='off')")
-
-    def _reissue(self, blocks: set[int]) -> None:
-        """Load again the slots whose last load was one of ``blocks`` (after a re-encode at step start)."""
-        slots = [s for s, k in self._in_slot.items() if k in blocks]
-        if not slots or self._slots is None:
-            return
-        st = self._streams
-        if st is None:
-            for s in slots:
-                self._decode(self.region(self._in_slot[s])[: self.copy_bytes[self._in_slot[s]]], self._slots[s],
-                             self._in_slot[s])
-            return
-        compute = st.current_stream(self.device)
-        copy = self._copy_stream or compute
-        self._copy_stream = copy
-        done = []
-        for side in [copy, *self.side_streams()]:
-            side.wait_stream(compute)
-        with st.stream(copy):
-            for s in slots:
-                done.append(self._issue(self._in_slot[s], s))
-        for d in done:
-            compute.wait_stream(d)  # the executor's loaded events predate these copies
 
     # -- images --------------------------------------------------------------------
     def image(self, k: int) -> torch.Tensor:
