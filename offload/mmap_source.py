@@ -731,6 +731,9 @@ def offload_from_safetensors(
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
+    from .sources.coded import check_codec_supported  # (one line: the mmap source is being ported)
+
+    check_codec_supported(cfg, "the mmap source (offload_from_safetensors)")
     if "dit" not in cfg.components:
         raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; the mmap source streams a DiT")
     if cfg.weight_transfer == "allgather":

@@ -334,3 +334,24 @@ def test_coded_model_special_weights_round_trip():
     plain = wrapped.disable()
     got = plain.transformer_blocks[0].attn.to_q.weight
     assert torch.equal(got.view(torch.int16), want["transformer_blocks.0.attn.to_q.weight"].view(torch.int16))
+
+
+def test_codec_refused_by_dlo_and_mmap(tmp_path):
+    import torch.distributed as dist
+
+    from weightstream import ParallelConfig
+    from weightstream.offload.mmap_source import offload_from_safetensors
+
+    cfg = OffloadConfig.layerwise(weight_codec="exp-k")
+    model = tiny_flux()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"weight_codec='exp-k' is not allowed with distributed layerwise "
+                                             r"offload \(DLO\).*not supported there yet"):
+            OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig.data_parallel())
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "nothing moved"
+    with pytest.raises(ValueError, match=r"weight_codec='exp-k' is not allowed with the mmap source"):
+        offload_from_safetensors(model, str(tmp_path), cfg, device="cpu")
