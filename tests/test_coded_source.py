@@ -260,8 +260,9 @@ def _coded_stats(wrapped):
 
 
 @pytest.mark.parametrize("name", ["flux", "wan"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("resident,slots", [(0, 2), (1, 2), (0, 3)], ids=["r0s2", "r1s2", "r0s3"])
+@pytest.mark.parametrize("dtype,resident,slots", [(torch.bfloat16, 0, 2), (torch.bfloat16, 1, 2),
+                                                  (torch.bfloat16, 0, 3), (torch.float32, 1, 3)],
+                         ids=["bf16-r0s2", "bf16-r1s2", "bf16-r0s3", "fp32-r1s3"])
 def test_coded_model_bit_exact(name, dtype, resident, slots):
     wrapped, _, _ = check_equal_outputs(name, "cpu", dtype=dtype, steps=3, resident_layers=resident,
                                         num_slots=slots, **CODED)
