@@ -315,6 +315,11 @@ class OffloadConfig:
             self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
+            if opts.resident_layers == RESIDENT_AUTO and self.cuda_graphs == "on":
+                raise _reject(f"{path}.resident_layers", RESIDENT_AUTO,
+                              "the automatic placement re-plans between eager steps and does not run under "
+                              "CUDA graphs yet; with cuda_graphs='on' give an int or a list of block indices "
+                              "(`python -m weightstream plan` prints one)")
             if _keeps_resident(opts.resident_layers) and comp != "dit":
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               "resident layers apply only to dit; expected 0 here")

@@ -213,8 +213,14 @@ class LayerwiseExecutor:
         self.cuda = self.device.type == "cuda"  # tensors on CUDA (non-blocking copies, record_stream)
         # stream/event backend (streams.py): CUDA streams on CUDA, None (no streams) on the CPU
         self.streams = resolve_streams(streams, self.device)
-        streamed = [blocks[i] for i in schedule.streamed]
-        self.slot_bytes = source.slot_bytes
+        # source index k of every block the source holds (under resident_layers="auto" the
+        # source holds every block and the schedule streams a subset of them)
+        self.k_of = {lay.index: k for k, lay in enumerate(source.layouts)}
+        missing = [i for i in schedule.streamed if i not in self.k_of]
+        if missing:
+            raise ValueError(f"the weight source holds no image of streamed block(s) {missing[:5]}")
+        of = getattr(source, "slot_bytes_of", None)  # a slot for the blocks this schedule streams
+        self.slot_bytes = of([self.k_of[i] for i in schedule.streamed]) if of is not None else source.slot_bytes
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.ring_slots)
         ]
@@ -239,11 +245,12 @@ class LayerwiseExecutor:
         self.views = []
         self.placeholders = []
         empties: dict[torch.dtype, torch.Tensor] = {}
-        for k, b in enumerate(streamed):
-            objs = [t for _, _, t in block_tensors(b.module)]
+        for lay in source.layouts:
+            objs = [t for _, _, t in block_tensors(blocks[lay.index].module)]
             self.targets.append(objs)
-            specs = source.layouts[k].tensors
-            self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots])
+            specs = lay.tensors
+            streams_here = schedule.is_streamed(lay.index)  # else resident under auto placement: no slot views
+            self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots] if streams_here else None)
             self.placeholders.append(
                 [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
             )
@@ -258,7 +265,7 @@ class LayerwiseExecutor:
         self.log = EventLog(cuda=self.cuda) if record_events else None
         if self.log is not None:
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
-        self.hooks = [BlockHook(self, b) for b in streamed]
+        self.hooks = [BlockHook(self, blocks[i]) for i in schedule.streamed]
         self._compute_stream = None
         # Step-start loads of the defer_last schedule are issued when the step's
         # first streamed block starts, ordered only after the step's start by an
@@ -279,8 +286,8 @@ class LayerwiseExecutor:
         self._owner: int | None = None  # thread running a step (or holding the model)
         self._hold = 0  # nested acquire() of the owner
         self._owner_lock = threading.Lock()
-        for k in range(len(streamed)):
-            self._unbind(k)
+        for i in schedule.streamed:
+            self._unbind(self.k_of[i])
         if prime not in ("now", "first_forward"):
             raise ValueError(f"prime={prime!r} is not allowed; choose from: now, first_forward")
         self._primed = False
@@ -411,7 +418,7 @@ class LayerwiseExecutor:
         if self.log is not None:
             rec = _Record(self.schedule.step_of(load.position), load.block, "copy")
             self.log.records.append(rec)
-        k = load.block - self.schedule.resident
+        k = self.k_of[load.block]
         after = self.freed[load.slot] if self.streams is not None and wait_free and \
             load.after_position is not None else None
         if self.streams is None:
@@ -463,7 +470,7 @@ class LayerwiseExecutor:
         return written
 
     def _names(self, k: int, idx) -> list[str]:
-        name = self.blocks[self.schedule.resident + k].name
+        name = self.source.layouts[k].name
         specs = self.source.layouts[k].tensors
         return [f"{name}.{specs[i].name}" for i in idx]
 
@@ -485,7 +492,7 @@ class LayerwiseExecutor:
 
     def _written_in_forward(self, k: int, idx: list[int]) -> StreamedWriteError:
         return StreamedWriteError(
-            f"block {self.blocks[self.schedule.resident + k].name!r} wrote to its streamed tensor(s) "
+            f"block {self.source.layouts[k].name!r} wrote to its streamed tensor(s) "
             f"{self._names(k, idx)[:5]} during its forward (in place: e.g. BatchNorm running statistics in "
             "train mode, a counter or a cache buffer); streamed tensors are reloaded from the host store "
             "every step, so the write is lost. Call eval() on the model, keep this block resident "
@@ -532,17 +539,17 @@ class LayerwiseExecutor:
         if block != expected:
             if not interrupted and self._hold:  # inside the DiT's forward: the blocks in between were skipped
                 self._skip_to(block)
-            elif block == self.schedule.resident:
+            elif block == self.schedule.first:
                 self._resync()
             else:
                 raise RuntimeError(
                     f"streamed block {self.blocks[block].name!r} ran out of order: the schedule expected "
                     f"{self.blocks[expected].name!r}. Blocks must run at most once per step in discovery order "
-                    f"({self.blocks[self.schedule.resident].name!r} first), inside the DiT's forward (blocks "
+                    f"({self.blocks[self.schedule.first].name!r} first), inside the DiT's forward (blocks "
                     "skipped there, e.g. by SD3's skip_layers, are fine)."
                 )
         p = self.position
-        if self._started != p and block == self.schedule.resident:
+        if self._started != p and block == self.schedule.first:
             self._start_step()  # a step entered without the DiT's hook (root.forward(...)), or the plain ring
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
@@ -553,7 +560,7 @@ class LayerwiseExecutor:
                 cs.wait_event(self.loaded[slot])
             self._compute_stream = cs
             self.streams.access("read_begin", slot, block)
-        self._bind(block - self.schedule.resident, slot)
+        self._bind(self.k_of[block], slot)
         if self.log is not None:
             self._compute_rec = _Record(self.schedule.step_of(p), block, "compute")
             self._compute_rec.start = self.log.mark(self._compute_stream)
@@ -567,7 +574,7 @@ class LayerwiseExecutor:
         if self.streams is not None:
             self.streams.access("read_end", slot, block)
             self.freed[slot].record(self._compute_stream)
-        written = self._unbind(block - self.schedule.resident)
+        written = self._unbind(self.k_of[block])
         self.position = p + 1
         nxt = self.schedule.after_compute(p)
         if nxt is not None:
@@ -575,7 +582,7 @@ class LayerwiseExecutor:
         if not self._hold and self.position % self.schedule.n == 0:
             self._owner = None  # the step is over (a step held by acquire() ends at release())
         if written:
-            raise self._written_in_forward(block - self.schedule.resident, written)
+            raise self._written_in_forward(self.k_of[block], written)
 
     # -- skipped blocks ----------------------------------------------------------
     def _skip_to(self, block: int) -> None:
@@ -759,6 +766,21 @@ class LayerwiseExecutor:
 
     def events(self) -> list[dict]:
         return [] if self.log is None else self.log.resolve()
+
+    def log_next_step(self) -> None:
+        """Record the event log for the coming step even without record_events
+        (auto placement measures a signature's first step); :meth:`take_events` ends it."""
+        if self.log is None:
+            self.log = EventLog(cuda=self.cuda)
+            self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
+            self._log_once = True
+
+    def take_events(self) -> list[dict]:
+        """The event log so far (synchronises); a log opened by log_next_step() closes."""
+        out = self.events()
+        if getattr(self, "_log_once", False):
+            self.log, self._log_once = None, False
+        return out
 
     def remove(self) -> None:
         self.synchronize()

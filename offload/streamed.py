@@ -9,6 +9,7 @@ none of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping
 
@@ -73,12 +74,23 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
-        if resident >= len(self.blocks):
+        self.auto = resident == "auto"  # the planner picks the resident set after a first step (auto_placement.py)
+        if self.auto:
+            resident = 0
+            if device.type != "cuda" and config.device_memory_budget_gb is None:
+                raise ValueError(
+                    "layer_options.dit.resident_layers='auto' on the CPU needs device_memory_budget_gb (the "
+                    "planner's budget; on CUDA it defaults to the free device memory less a margin)")
+        n = len(self.blocks)
+        bad = [i for i in ((resident,) if isinstance(resident, int) else resident) if i >= n] \
+            if not isinstance(resident, int) else ([resident] if resident >= n else [])
+        if bad or (not isinstance(resident, int) and len(set(resident)) >= n):
             raise ValueError(
-                f"layer_options.dit.resident_layers={resident} leaves no block to stream: "
-                f"{type(module).__name__} has {len(self.blocks)} blocks; allowed: 0..{len(self.blocks) - 1}"
+                f"layer_options.dit.resident_layers={config.resident_layers!r} leaves no block to stream or names "
+                f"a block that does not exist: {type(module).__name__} has {n} blocks; allowed: an int "
+                f"0..{n - 1}, or indices in 0..{n - 1} that leave at least one block streamed"
             )
-        self.schedule = self._schedule(len(self.blocks), resident)
+        self.schedule = self._schedule(n, resident)
         check_not_shared(self.blocks, module)
         streamed = [self.blocks[i] for i in self.schedule.streamed]
         tensors = [block_tensors(b.module) for b in streamed]
@@ -114,6 +126,13 @@ class StreamedBlocks:
         self.executor.attach_root(module)
         self._root_hooks: list = []
         self._stats_extra: list = []
+        self.placement = None
+        if self.auto:
+            from .auto_placement import AutoPlacement
+
+            self.placement = AutoPlacement(self)
+            self._root_hooks.append(self.placement)
+            self._stats_extra.append(self.placement.stats)
         self.setup_s = time.perf_counter() - t0
 
     def _schedule(self, num_blocks: int, resident: int) -> Schedule:
@@ -127,11 +146,23 @@ class StreamedBlocks:
         graphs = cfg.cuda_graphs == "on"
         next_step = cfg.graph_boundary_loads == "next-step" or (
             cfg.graph_boundary_loads == "auto" and self.supports_next_step)
+        has_resident = bool(resident)  # an int > 0 or a non-empty set of blocks
         return Schedule(
             num_blocks, resident, cfg.num_slots,
-            step_local=graphs and resident > 0,
-            defer_last=graphs and resident == 0 and next_step,
+            step_local=graphs and has_resident,
+            defer_last=graphs and not has_resident and next_step,
         )
+
+    def rebuild_executor(self, resident, num_slots: int) -> None:
+        """A new ring over the same source: ``resident`` blocks (their tensors already
+        on the device) stay out of it, ``num_slots`` slots (auto placement, between steps)."""
+        self.executor.remove()
+        schedule = dataclasses.replace(self._schedule(len(self.blocks), resident), num_slots=num_slots)
+        self.schedule = schedule
+        self.executor = self.executor_cls(self.blocks, self.source, schedule, self.device,
+                                          record_events=self.config.record_events, prime="now",
+                                          streams=self.streams, guard=self.guard)
+        self.executor.attach_root(self.module)
 
     def add_stats(self, fn) -> None:
         """A front end's extra stats() keys (``fn() -> dict``)."""
@@ -154,7 +185,8 @@ class StreamedBlocks:
         s = self.schedule
         out = {
             "blocks_streamed": s.n,
-            "blocks_resident": s.resident,
+            "blocks_resident": s.num_resident,
+            "resident_blocks": list(s.resident_blocks),
             "num_slots": s.ring_slots,
             "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
             "resident_bytes": self.resident_bytes,
@@ -199,6 +231,8 @@ class StreamedBlocks:
                 spec = self.layouts[loc[0]].tensors[loc[1]]
                 check_update_value(key, new, spec.shape, spec.dtype)
                 plan.append((key, loc, new))
+                if self.placement is not None and id(obj) in self.placement.resident_tensors():
+                    plan.append((key, obj.data, new))  # resident under auto placement: its device copy too
             else:
                 check_update_value(key, new, tuple(obj.shape), obj.dtype)
                 plan.append((key, obj.data, new))
@@ -229,7 +263,7 @@ class StreamedBlocks:
             # slots prefetched before the update hold old weights (also after a
             # write that failed part-way, e.g. out of memory moving ``new``)
             self.executor.reload_pending()
-        return [key for key, _, _ in plan]
+        return list(dict.fromkeys(key for key, _, _ in plan))
 
     def _images(self) -> list[torch.Tensor]:
         self.executor.synchronize()
@@ -241,6 +275,7 @@ class StreamedBlocks:
         Every block image is read (under DLO AllGather: gathered, a collective)
         before any tensor changes, so a failure part-way leaves everything as it was."""
         images = self._images()
+        keep = self.placement.resident_tensors() if self.placement is not None else set()
         for h in self._root_hooks:
             h.remove()
         self._root_hooks = []
@@ -248,7 +283,8 @@ class StreamedBlocks:
         with torch.no_grad():
             for k, ts in enumerate(self.tensors):
                 for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
-                    t.data = spec.view_of(images[k]).clone()
+                    if id(t) not in keep:  # resident under auto placement: its device tensor already
+                        t.data = spec.view_of(images[k]).clone()
         del images
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
@@ -359,7 +395,7 @@ def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedM
     for i in ex.schedule.streamed:
         b = streamed.blocks[i]
         for sub_name, sub in b.module.named_modules():
-            owner[id(sub)] = (i - ex.schedule.resident, b.name, f"{b.name}.{sub_name}" if sub_name else b.name)
+            owner[id(sub)] = (ex.k_of[i], b.name, f"{b.name}.{sub_name}" if sub_name else b.name)
     found = None
     tb = exc.__traceback__
     while tb is not None:

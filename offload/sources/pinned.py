@@ -68,6 +68,10 @@ class PinnedSource:
                        for t, hv in zip(req.objects(k), self.store.views(k))}
         self.slots: list[torch.Tensor] = []
 
+    def slot_bytes_of(self, ks) -> int:
+        """Bytes of a slot that holds any of blocks ``ks`` (auto placement streams a subset)."""
+        return max(self.layouts[k].nbytes for k in ks)
+
     # -- the executor's side --------------------------------------------------------
     def attach(self, slots, streams, device) -> None:
         self.slots = slots

@@ -1,0 +1,167 @@
+"""``resident_layers="auto"``: plan the resident set from the first eager step of each input signature.
+
+Policy lives in :mod:`.planner` (pure); this is the mechanism. The source
+holds every block's image (all blocks stream at first). After the first eager
+step of a new input signature (tensor shapes and dtypes of the DiT's
+arguments) the executor's event log gives per-block compute and the link
+rate; :func:`planner.plan_from_events` picks the resident blocks (any subset,
+by saved transfer per byte of budget) and the slot count; the placement is
+applied between steps:
+
+- a block that becomes resident gets a device copy of its image (its tensors
+  are views of it) and its entries leave the host views (``state_dict()``
+  returns its device tensors, as for any resident module);
+- a block that streams again first writes its device tensors back to the host
+  image (an edit made while resident is kept), then streams as before;
+- the executor is rebuilt over the same source with the new schedule.
+
+Outputs are bit-exact under every placement (the bytes are the same); only
+where they sit changes. The plan and its predicted step time are printed once
+per planning and kept in ``stats()["placement"]``. Eager only: CUDA graphs
+with "auto" are refused by the config.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from . import planner
+from .config import AUTO_DEVICE_MARGIN_GB
+
+log = logging.getLogger("weightstream")
+
+
+def signature(args, kwargs) -> tuple:
+    """Shapes and dtypes of the tensors among a call's arguments (one level deep)."""
+    def sig(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), str(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return tuple(sig(x) for x in v if isinstance(x, torch.Tensor))
+        return None
+    return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+class AutoPlacement:
+    """Named, removable hooks on the DiT that re-plan the resident set per input signature."""
+
+    def __init__(self, streamed):
+        self.streamed = streamed
+        self.name = f"weightstream.auto_placement[{type(streamed.module).__name__}]"
+        self.plans: dict[tuple, planner.AutoPlan] = {}
+        self.current: planner.AutoPlan | None = None
+        self._pending: tuple | None = None  # signature whose first step is measuring now
+        self.h2d_gbps: float | None = None  # the link rate to plan with (None: measured from the event log)
+        self._device_images: dict[int, torch.Tensor] = {}  # source k -> device image of a resident block
+        self._saved_views: dict[int, dict] = {}  # source k -> its host views while resident
+        m = streamed.module
+        self._handles = [m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
+                         m.register_forward_hook(self.post_forward, always_call=True)]
+
+    # -- hooks ---------------------------------------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        sig = signature(args, kwargs)
+        plan = self.plans.get(sig)
+        if plan is None:
+            self._pending = sig  # measured by this step; planned after it
+            self.streamed.executor.log_next_step()
+        elif plan is not self.current:
+            self.apply(plan)  # a signature planned before: its placement again
+        return None
+
+    def post_forward(self, module, args, output):
+        sig, self._pending = self._pending, None
+        ex = self.streamed.executor
+        if sig is None or sys.exc_info()[1] is not None or ex.mid_step:
+            return  # a failed or cut-short step measures nothing; the next call of the signature does
+        events = ex.take_events()
+        plan = self._plan(events)
+        self.plans[sig] = plan
+        text = plan.describe()
+        log.info("weightstream auto placement: %s", text)
+        if self.streamed.config.progress:
+            print(f"weightstream auto placement: {text}", file=sys.stderr)
+        self.apply(plan)
+
+    # -- planning ----------------------------------------------------------------------
+    def budget_bytes(self) -> int:
+        sb = self.streamed
+        gb = sb.config.device_memory_budget_gb
+        if gb is not None:
+            return int(gb * 1e9)
+        dev = sb.device
+        free, _ = torch.cuda.mem_get_info(dev)
+        weights = sum(lay.nbytes for lay in sb.source.layouts) + sb.resident_bytes
+        return planner.auto_budget_bytes(
+            free_bytes=free, reserved_bytes=torch.cuda.memory_reserved(dev),
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(dev), weight_bytes=weights,
+            margin_bytes=int(AUTO_DEVICE_MARGIN_GB * 1e9))
+
+    def _plan(self, events) -> planner.AutoPlan:
+        sb = self.streamed
+        src = sb.source
+        device = [0] * len(sb.blocks)
+        link = [0] * len(sb.blocks)
+        link_of = getattr(src, "link_bytes", None)
+        for k, lay in enumerate(src.layouts):
+            device[lay.index] = lay.nbytes
+            link[lay.index] = link_of(k) if link_of is not None else lay.nbytes
+        prior = self.current.inputs.compute_ms if self.current is not None else None
+        return planner.plan_from_events(
+            events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
+            fixed_device_bytes=sb.resident_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps)
+
+    # -- applying ------------------------------------------------------------------------
+    def apply(self, plan: planner.AutoPlan) -> None:
+        sb = self.streamed
+        resident = tuple(sorted(plan.placement.resident))
+        old = set(self._device_images)
+        new = {sb.executor.k_of[i] for i in resident}
+        sb.executor.synchronize()
+        for k in sorted(old - new):
+            self._demote(k)
+        for k in sorted(new - old):
+            self._promote(k)
+        sb.rebuild_executor(resident, plan.placement.num_slots)
+        self.current = plan
+
+    def _promote(self, k: int) -> None:
+        """Block ``k`` becomes resident: its tensors view a device copy of its image."""
+        sb = self.streamed
+        image = sb.source.image(k)
+        views, saved = sb.host_views, {}
+        with torch.no_grad():
+            for (_, _, t), spec in zip(sb.tensors[k], sb.source.layouts[k].tensors):
+                t.data = spec.view_of(image)
+                if id(t) in views:
+                    saved[id(t)] = views.pop(id(t))
+        self._device_images[k] = image
+        self._saved_views[k] = saved
+
+    def _demote(self, k: int) -> None:
+        """Block ``k`` streams again: its device tensors (edits included) go back to the host image."""
+        sb = self.streamed
+        for i, (_, _, t) in enumerate(sb.tensors[k]):
+            sb.source.write(k, i, t.data)
+        sb.host_views.update(self._saved_views.pop(k))
+        self._device_images.pop(k)  # the executor's unbind at its construction drops the views
+
+    def resident_tensors(self) -> set[int]:
+        """ids of the tensors of blocks the current plan keeps resident."""
+        sb = self.streamed
+        return {id(t) for k in self._device_images for _, _, t in sb.tensors[k]}
+
+    def stats(self) -> dict:
+        return {} if self.current is None else {"placement": self.current.stats()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        state = "active" if self._handles else "removed"
+        res = sorted(self.current.placement.resident) if self.current is not None else "not planned yet"
+        return f"AutoPlacement({self.name}, resident {res}, {len(self.plans)} signature(s), {state})"
