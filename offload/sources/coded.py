@@ -44,7 +44,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -213,15 +213,25 @@ class _Decoded:
     handed: list = dataclasses.field(default_factory=list)  # weakrefs to views given out
 
 
-class _HostViews(Mapping):
-    """id(streamed tensor) -> its decoded host view, decoded on first access."""
+class _HostViews(MutableMapping):
+    """id(streamed tensor) -> its decoded host view, decoded on first access. Entries can be
+    taken out and put back (auto placement keeps a promoted block's tensors on the device);
+    a value put back is served decoded again from the source, never stored."""
 
     def __init__(self, source: "CodedSource", where: dict[int, tuple[int, int]]):
-        self._source, self._where = source, where
+        self._source, self._all, self._where = source, where, dict(where)
 
     def __getitem__(self, key: int) -> torch.Tensor:
         k, i = self._where[key]
         return self._source.host_view(k, i)
+
+    def __setitem__(self, key: int, value) -> None:
+        if key not in self._all:
+            raise KeyError(f"{key} is not a streamed tensor of this coded source")
+        self._where[key] = self._all[key]
+
+    def __delitem__(self, key: int) -> None:
+        del self._where[key]
 
     def __contains__(self, key) -> bool:
         return key in self._where
@@ -234,6 +244,7 @@ class _HostViews(Mapping):
 
     def clear(self) -> None:
         self._where = {}
+        self._all = {}
 
 
 class CodedSource:
@@ -420,6 +431,10 @@ class CodedSource:
             raise CodedCaptureStaleError(self._stale)
         if self._decoded:
             self._sweep()
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over the host link (the planner's transfer term)."""
+        return self.copy_bytes[k]
 
     def host_version(self) -> int:
         """Moves when a step start re-encoded an edited host copy (the executor then re-copies
