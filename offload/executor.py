@@ -349,9 +349,11 @@ class LayerwiseExecutor:
 
     def _start_step(self) -> None:
         """Work at a step boundary, once per step: pick up host edits, step-start loads."""
-        self._started = self.position
         if self._source_check is not None:
-            self._source_check()  # once per step, however the step was entered or skipped into
+            # once per step, however the step was entered or skipped into; before _started is
+            # set, so a step whose check raised checks again (and raises again) when re-entered
+            self._source_check()
+        self._started = self.position
         self._check_host_edits()
         if self.schedule.has_step_start:
             self._step_start_loads()

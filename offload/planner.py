@@ -627,6 +627,7 @@ class AutoPlan:
             "h2d_gbps": self.inputs.h2d_gbps, "h2d_measured": self.h2d_measured,
             "step_local": self.inputs.step_local,
             "compute_ms": list(self.inputs.compute_ms), "estimated_blocks": list(self.estimated_blocks),
+            "link_bytes": list(self.inputs.link_bytes),
             "describe": self.describe(),
         }
 

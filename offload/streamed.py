@@ -223,6 +223,7 @@ class StreamedBlocks:
         before anything is written: an update applies whole or not at all. ``where`` is
         (block, tensor index) for a streamed tensor, else the resident tensor's data."""
         current = self._current_for_update(state_dict, strict)
+        check_write = getattr(self.source, "check_write", None)  # a read-only source refuses here, before any write
         plan = []
         for key, new in state_dict.items():
             obj = current[key]
@@ -230,6 +231,8 @@ class StreamedBlocks:
             if loc is not None:
                 spec = self.layouts[loc[0]].tensors[loc[1]]
                 check_update_value(key, new, spec.shape, spec.dtype)
+                if check_write is not None:
+                    check_write(*loc)
                 plan.append((key, loc, new))
                 if self.placement is not None and id(obj) in self.placement.resident_tensors():
                     plan.append((key, obj.data, new))  # resident under auto placement: its device copy too

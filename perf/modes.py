@@ -41,7 +41,7 @@ from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
 PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|coded)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded)$")
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -78,11 +78,16 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
-                raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), mmap, "
+                raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), auto "
+                                 "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k')")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
+            elif v == "auto":
+                kw["resident_layers"] = "auto"  # the planner picks the resident set after the first step
+            elif m.group(3) is not None:
+                kw["device_memory_budget_gb"] = float(m.group(3))
             elif v == "mmap":
                 source = "mmap"
             elif v == "nextstep":
@@ -129,6 +134,7 @@ class Prepared:
     events: Callable[[], list] | None = None
     pinned_bytes: int | None = None
     notes: dict = field(default_factory=dict)
+    refresh: Callable[[], None] | None = None        # after the timed steps: re-read stats (auto placement)
 
 
 class GraphedResident:
@@ -250,19 +256,28 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
     pinned = stats.get("pinned_bytes")
     if pinned is None and stats.get("pinned"):
         pinned = stats.get("host_bytes")
-    return Prepared(m, streamed_bytes=_streamed_bytes(spec, stats), stats=stats,
-                    events=m.events if record_events else None, pinned_bytes=pinned,
-                    notes=_notes(spec, cfg))
+    prepared = Prepared(m, streamed_bytes=_streamed_bytes(spec, stats), stats=stats,
+                        events=m.events if record_events else None, pinned_bytes=pinned,
+                        notes=_notes(spec, cfg))
+
+    def refresh() -> None:  # the placement (and so the streamed bytes) is known after the first step
+        prepared.stats = m.stats()
+        prepared.streamed_bytes = _streamed_bytes(spec, prepared.stats)
+
+    prepared.refresh = refresh
+    return prepared
 
 
 def _streamed_bytes(spec: ModeSpec, stats: dict) -> int:
-    """Bytes the floor counts: the raw (uncoded) streamed bytes, also for coded modes."""
+    """Bytes the floor counts: the raw (uncoded) streamed bytes for coded modes (every
+    streamed block's raw image; under resident_layers='auto' also the promoted ones'),
+    else what the placement streams."""
     if spec.config_kw.get("weight_codec", "none") != "none":
         if "coded_bytes" not in stats or "raw_bytes" not in stats:
             raise RuntimeError(f"mode {spec.name!r}: the model's stats() carry no coded_bytes/raw_bytes; "
                                "weight_codec did not reach a coded source")
         return int(stats["raw_bytes"])
-    return int(stats["streamed_bytes_per_step"])
+    return placed_streamed_bytes(stats)
 
 
 def _notes(spec: ModeSpec, cfg) -> dict:
@@ -275,6 +290,16 @@ def _notes(spec: ModeSpec, cfg) -> dict:
 def coded_figures(stats: dict) -> dict:
     """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
     return {k: stats[k] for k in ("coded_bytes", "bits_per_weight") if k in stats}
+
+
+def placed_streamed_bytes(stats: dict) -> int:
+    """Bytes a step moves under the current placement: the streamed blocks' images."""
+    placed = stats.get("placement")
+    if placed is None:
+        return int(stats["streamed_bytes_per_step"])
+    resident = set(placed["resident_blocks"])
+    return int(sum(b for i, b in enumerate(placed.get("link_bytes", [])) if i not in resident)) \
+        or int(stats["streamed_bytes_per_step"])
 
 
 def model_sizes(model: nn.Module, scenario: Scenario) -> tuple[int, int]:

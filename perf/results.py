@@ -46,7 +46,9 @@ _MODE_NUMBERS = (
     "step_ms", "floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
     "ratio_to_resident_compile", "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
+    "predicted_ms", "ratio_to_predicted", "ratio_to_best_fixed", "budget_gb", "device_weight_gb",
 )
+_FIXED_COUNT = re.compile(r"^layerwise(-r\d+)?$")  # the fixed placements an auto mode is compared with
 
 
 def is_peer(mode: str) -> bool:
@@ -175,7 +177,37 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
         if "resident-compile" in out and "compile" in mode.split("-"):
             f["ratio_to_resident_compile"] = _sig(f["step_ms"] / out["resident-compile"]["step_ms"])
+    compare_placements(out)
     return out
+
+
+def placement_figures(stats: dict) -> dict:
+    """A weightstream mode's device weight bytes (fixed modules, resident blocks, slots)
+    and, under resident_layers='auto', the planner's budget and predicted step."""
+    placed = stats.get("placement")
+    if placed is None:
+        if "resident_bytes" not in stats or "slot_bytes" not in stats:
+            return {}
+        return {"device_weight_gb": round((stats["resident_bytes"] + stats["slot_bytes"]) / GB, 4)}
+    return {"device_weight_gb": round(placed["device_bytes"] / GB, 4), "budget_gb": round(placed["budget_bytes"] / GB, 4),
+            "predicted_ms": round(placed["predicted_ms"], 3), "resident_blocks": placed["resident_blocks"],
+            "planned_slots": placed["num_slots"]}
+
+
+def compare_placements(out: dict[str, dict]) -> None:
+    """Auto modes: ratio_to_predicted, and the best fixed placement of this run that fits
+    the same budget (``layerwise`` or ``layerwise-r<N>``): ratio_to_best_fixed."""
+    for mode, f in out.items():
+        if f.get("predicted_ms"):
+            f["ratio_to_predicted"] = _sig(f["step_ms"] / f["predicted_ms"])
+        budget = f.get("budget_gb")
+        if budget is None:
+            continue
+        fits = [(g["step_ms"], m) for m, g in out.items()
+                if _FIXED_COUNT.match(m) and g.get("device_weight_gb") is not None and g["device_weight_gb"] <= budget]
+        if fits:
+            best_ms, best = min(fits)
+            f["best_fixed_mode"], f["ratio_to_best_fixed"] = best, _sig(f["step_ms"] / best_ms)
 
 
 def gpu_slug(gpu: str) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from perf.common import measure_h2d_gbps, timed_steps
 from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, weightstream_config
-from perf.results import GB
+from perf.results import GB, placement_figures
 from perf.scenarios import (
     block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output,
     get_scenario, scenario_label, tensor_bytes, warm_page_cache, write_checkpoint,
@@ -197,6 +197,8 @@ def run_mode(args, prefix: str) -> dict:
         log(prefix, f"profiled {args.profile_steps} steps: copy lane busy {lanes.get('copy_busy_ms')} ms, "
                     f"idle {lanes.get('copy_idle_ms')} ms in {lanes.get('gaps_over_min')} gaps over "
                     f"{lanes.get('window_ms')} ms")
+    if prepared.refresh is not None:
+        prepared.refresh()
     y = first_output(out)
     finite = bool(torch.isfinite(y).all().item())
     digest = hashlib.sha1(y.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -220,6 +222,7 @@ def run_mode(args, prefix: str) -> dict:
         figs["streamed_gb"] = round(prepared.streamed_bytes / GB, 4)
     if prepared.stats:
         figs["stats"] = prepared.stats
+        figs.update(placement_figures(prepared.stats))
         figs.update(coded_figures(prepared.stats))  # coded modes: coded_bytes, bits_per_weight
     if prepared.notes:
         figs["notes"] = prepared.notes

@@ -16,12 +16,12 @@ def _image_bytes(wrapped) -> list[int]:
 
 
 def _auto(model, budget_gb: float, **kw):
-    """Auto placement over a slow link (1 MB/s): on the CPU the measured copy rate is
+    """Auto placement over a slow link (1 kB/s): on the CPU the measured copy rate is
     noise, and a transfer-bound step makes the planner keep blocks resident."""
     cfg = OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=budget_gb,
                                   progress=False, **kw)
     wrapped = OffloadedTransformer(model, cfg, device=DEV)
-    wrapped._streamed.placement.h2d_gbps = 1e-3
+    wrapped._streamed.placement.h2d_gbps = 1e-6
     return wrapped
 
 

@@ -103,7 +103,7 @@ class Case:
     def _mmap(self, model, cfg, copy_path, slots, mode, tmp_path):
         from safetensors.torch import save_file
 
-        from weightstream.offload.mmap_source import Checkpoint, MmapStreamedBlocks, as_sources, on_meta
+        from weightstream.offload.mmap_source import Checkpoint, as_sources, mmap_streamed_blocks, on_meta
 
         class MmapToy(ToyDiT):
             _supports_mmap_loading = True
@@ -113,8 +113,8 @@ class Case:
         with on_meta():
             meta = MmapToy().eval()
         ckpt = Checkpoint(as_sources(path, meta))
-        cls = _traced(MmapStreamedBlocks, self.rec, slots, mode)
-        return cls(meta, cfg, DEV, None, ckpt, copy_path, 1)
+        cls = _traced(StreamedBlocks, self.rec, slots, mode)
+        return mmap_streamed_blocks(meta, cfg, DEV, None, ckpt, copy_path, 1, cls=cls)
 
     def forward(self, **extra):
         with torch.no_grad():
@@ -564,6 +564,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
     from safetensors.torch import save_file
 
     from weightstream.offload import mmap_source as ms
+    from weightstream.offload.sources import mmap_plans
 
     class MmapToy(ToyDiT):
         _supports_mmap_loading = True
@@ -578,8 +579,8 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
         meta = MmapToy().eval()
     ckpt = ms.Checkpoint(ms.as_sources([str(f) for f in files], meta))
     cfg = OffloadConfig.layerwise()
-    sb = ms.MmapStreamedBlocks(meta, cfg, DEV, None, ckpt, "direct", 1)
-    store = sb.store
+    sb = ms.mmap_streamed_blocks(meta, cfg, DEV, None, ckpt, "direct", 1)
+    store = sb.executor.source
     b_base = ckpt.files[1].base
     b_end = b_base + ckpt.files[1].u8.numel()
     accepted: list[tuple[int, int]] = []
@@ -590,19 +591,19 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
         accepted.append((ptr, ptr + size))
         return None
 
-    monkeypatch.setattr(ms, "_cuda_register", register)
+    monkeypatch.setattr(mmap_plans, "_cuda_register", register)
     try:
         with pytest.warns(UserWarning, match="stage"):
-            store._register([p for p in store.plans if p.direct], cfg)
+            store.pages.register([p for p in store.plans if p.direct], cfg)
         assert store.staged_blocks and store.direct_blocks, (store.staged_blocks, store.direct_blocks)
         bases = [f.base for f in ckpt.files]
         for p in store.plans:
             if p.direct:
-                pages = ms._pages(p.ranges(), bases, PAGE)
+                pages = mmap_plans._pages(p.ranges(), bases, PAGE)
                 assert all(any(a <= s and e <= b for a, b in accepted) for _, s, e in pages), p.name
     finally:
-        store._reg.ptrs.clear()  # nothing was really registered: nothing to unregister
-        store._reg.bytes = 0
+        store.pages._reg.ptrs.clear()  # nothing was really registered: nothing to unregister
+        store.pages._reg.bytes = 0
         sb.restore()
         ckpt.close()
 

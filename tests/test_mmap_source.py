@@ -1,7 +1,6 @@
 """The mmap checkpoint source on the CPU: binding, errors, both copy paths, staging bounds."""
 import json
 import threading
-import types
 import warnings
 
 import pytest
@@ -14,7 +13,6 @@ from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_in
 from weightstream.offload.host_store import PAGE
 from weightstream.offload.mmap_source import (
     Checkpoint,
-    MmapStore,
     WeightsSource,
     merge_runs,
     Run,
@@ -22,6 +20,7 @@ from weightstream.offload.mmap_source import (
     offload_from_safetensors,
     on_meta,
     plan_registration,
+    split_run,
 )
 
 DEV = "cpu"
@@ -29,6 +28,11 @@ DEV = "cpu"
 
 def first(out):
     return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def _source(wrapped):
+    """The wrapper's weight source (an MmapSource)."""
+    return wrapped.executor.source
 
 
 def _save_diffusers(model, path, **kw):
@@ -146,7 +150,7 @@ def test_checkpoint_dtype_wins_over_the_meta_dtype(tmp_path):
 def test_layouts_follow_file_order_and_merge_copies(tmp_path):
     _, _, cls, folder = _diffusers_case("flux", tmp_path)
     wrapped = offload_from_safetensors(meta_from_pretrained(cls, folder), folder, device=DEV, copy_path="direct")
-    store = wrapped.executor.store
+    store = _source(wrapped)
     for lay, plan, ts in zip(store.layouts, store.plans, store.tensors):
         assert all(spec.offset % 512 == 0 for spec in lay.tensors)
         srcs = [store.bindings[id(t)].src.offset for t in ts]
@@ -444,7 +448,7 @@ def test_kernel_transform_grouped_qkv(copy_path, tmp_path):
                                            device=DEV, copy_path=copy_path)
         outs = [wrapped(_x()) for _ in range(3)]
     assert all(torch.equal(o, want) for o in outs)
-    store = wrapped.executor.store
+    store = _source(wrapped)
     s = wrapped.stats()
     if copy_path == "direct":
         # wire bytes land in a per-slot wire buffer, one materialise launch per block writes the runtime rows
@@ -497,13 +501,13 @@ def test_staging_never_exceeds_two_buffers(threads, tmp_path):
         steps = 4
         for _ in range(steps):
             assert torch.equal(wrapped(**toy_inputs()), want)
-    ex = wrapped.executor
-    st = ex.stager
+    src = _source(wrapped)
+    st = src.stager
     s = wrapped.stats()
     n = s["blocks_streamed"]
     assert n == 7 and s["staged_blocks"] == n
     assert len(st.buffers) == 2 and s["staging_buffers"] == 2
-    largest = max(lay.nbytes for lay in ex.store.layouts)
+    largest = max(lay.nbytes for lay in src.layouts)
     assert s["staging_bytes"] == 2 * largest
     assert 1 <= s["staging_max_ready"] <= 2  # packed-but-unconsumed buffers at any time
     # every load of every step came through the stager, plus at most two packed ahead
@@ -512,12 +516,34 @@ def test_staging_never_exceeds_two_buffers(threads, tmp_path):
     # threads only, never on the forward thread
     assert s["staging_threads"] == threads
     if threads == 1:
-        assert ex.store.pack_threads == {"weightstream-stager"} and st.pool is None
+        assert src.pack_threads == {"weightstream-stager"} and st.pool is None
     else:
-        assert "weightstream-stager" in ex.store.pack_threads and len(ex.store.pack_threads) >= 2
-        assert all(t.startswith("weightstream-stager") for t in ex.store.pack_threads)
-        assert st.pool.bytes >= steps * sum(lay.nbytes for lay in ex.store.layouts)
-    assert threading.current_thread().name not in ex.store.pack_threads
+        assert "weightstream-stager" in src.pack_threads and len(src.pack_threads) >= 2
+        assert all(t.startswith("weightstream-stager") for t in src.pack_threads)
+        assert st.pool.bytes >= steps * sum(lay.nbytes for lay in src.layouts)
+    assert threading.current_thread().name not in src.pack_threads
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+@pytest.mark.parametrize("resident", [[1, 3], [0, 6]])
+def test_explicit_resident_block_sets(resident, copy_path, tmp_path):
+    """Resident blocks anywhere (not the first N): the streamed ones load, direct or
+    staged, in the schedule's order; the resident ones hold private device copies."""
+    model = ToyDiT()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    with torch.no_grad():
+        want = model(**toy_inputs())
+        wrapped = offload_from_safetensors(_meta(_ToyMmap), path, OffloadConfig.layerwise(resident_layers=resident),
+                                           device=DEV, copy_path=copy_path)
+        outs = [wrapped(**toy_inputs()) for _ in range(4)]
+    assert all(torch.equal(o, want) for o in outs)
+    s = wrapped.stats()
+    assert s["resident_blocks"] == resident and s["blocks_streamed"] == 5
+    assert [lay.index for lay in _source(wrapped).layouts] == [i for i in range(7) if i not in resident]
+    blocks = list(wrapped.module.double_blocks) + list(wrapped.module.single_blocks)
+    assert all(p.numel() > 0 for i in resident for p in blocks[i].parameters())
+    if copy_path == "staging":
+        assert s["staging_packs"] >= 4 * 5 and s["staging_restarts"] == 0
 
 
 @pytest.mark.parametrize("where", ["inside", "between"])
@@ -591,6 +617,11 @@ def test_update_weights_is_refused_for_streamed_tensors(tmp_path):
     wrapped = offload_from_safetensors(_meta(), path, device=DEV)
     with pytest.raises(ValueError, match="'blocks.0.0.weight' stream from the read-only checkpoint mapping"):
         wrapped.update_weights({"blocks.0.0.weight": torch.zeros(32, 16)})
+    # a mixed update is refused whole: the resident key listed first is not written either
+    before = wrapped.state_dict()["head.bias"].clone()
+    with pytest.raises(ValueError, match="'blocks.1.0.weight' stream from the read-only checkpoint mapping"):
+        wrapped.update_weights({"head.bias": torch.full((4,), 0.25), "blocks.1.0.weight": torch.zeros(32, 16)})
+    assert torch.equal(wrapped.state_dict()["head.bias"], before)
     new = torch.full((4,), 0.5)
     assert wrapped.update_weights({"head.bias": new}) == ["head.bias"]
     assert torch.equal(wrapped.state_dict()["head.bias"], new)
@@ -617,7 +648,7 @@ def test_event_log_and_repr(tmp_path):
         wrapped(**x)
     lanes = {e["lane"] for e in wrapped.events()}
     assert lanes == {"copy", "compute"}
-    assert "MmapStore(" in repr(wrapped.executor.store) and "Stager(" in repr(wrapped.executor.stager)
+    assert "MmapSource(" in repr(_source(wrapped)) and "Stager(" in repr(_source(wrapped).stager)
 
 
 # ----------------------------------------------------------------- sources and options
@@ -662,6 +693,8 @@ def test_source_errors(tmp_path):
         (dict(config={"mode": "module", "components": ["dit"]}), "mode='module' is not allowed"),
         (dict(config=OffloadConfig.layerwise(weight_transfer="allgather")), "weight_transfer='allgather' is not allowed"),
         (dict(config=OffloadConfig.layerwise(resident_layers=3)), "resident_layers=3 leaves no block to stream"),
+        (dict(config=OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=1.0)),
+         "resident_layers='auto' is not allowed for the mmap source"),
     ],
 )
 def test_option_rejections(kw, match, tmp_path):
@@ -701,11 +734,11 @@ def test_plan_registration_never_registers_a_page_twice():
 
 
 def test_copies_are_cut_where_registrations_meet():
-    store = types.SimpleNamespace(chunk_bounds={0: {0, 4096, 8192}})
-    assert MmapStore.split(store, Run(0, 100, 1000, 9000)) == [
+    bounds = {0: {0, 4096, 8192}}
+    assert split_run(Run(0, 100, 1000, 9000), bounds) == [
         Run(0, 100, 1000, 3996), Run(0, 4096, 4996, 4096), Run(0, 8192, 9092, 908)]
-    assert MmapStore.split(store, Run(0, 4096, 0, 4096)) == [Run(0, 4096, 0, 4096)]
-    assert MmapStore.split(store, Run(1, 0, 0, 9000)) == [Run(1, 0, 0, 9000)]
+    assert split_run(Run(0, 4096, 0, 4096), bounds) == [Run(0, 4096, 0, 4096)]
+    assert split_run(Run(1, 0, 0, 9000), bounds) == [Run(1, 0, 0, 9000)]
 
 
 def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
@@ -753,3 +786,104 @@ def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
     assert bench_mmap.staging_threads("layerwise-mmap-staging-t4") == 4
     assert bench_mmap.staging_threads("layerwise-mmap-staging") is None
     assert not bench_mmap.known_mode("layerwise-mmap-staging-t0") and bench_mmap.known_mode("layerwise-mmap")
+
+
+# ----------------------------------------------------------------- the WeightSource protocol
+
+
+def _runtime_tensors(model):
+    """name -> tensor of every parameter and buffer (non-persistent ones included)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_source_keeps_the_protocol_and_images_hold_the_runtime_weights(copy_path, tmp_path):
+    from weightstream.offload.misuse import WeightUpdateError
+    from weightstream.offload.sources.base import WeightSource as SourceProtocol, check_stats
+
+    model = _toy(_GQA)  # a kernel transform (fused QKV rows) and a non-persistent buffer per block
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    wrapped = offload_from_safetensors(_meta(_GQA), path, device=DEV, copy_path=copy_path)
+    src = _source(wrapped)
+    assert isinstance(src, SourceProtocol) and src.name == "mmap" and not src.collective
+    s = check_stats(src.stats())
+    assert s["host_bytes"] == sum(lay.nbytes for lay in src.layouts)
+    assert s["slot_bytes"] == src.slot_bytes == max(lay.nbytes for lay in src.layouts)
+    if copy_path == "direct":  # the checkpoint bytes and the private buffers, no padding
+        h2d = sum(r.nbytes for p in src.plans for r in p.runs + p.wire_runs)
+        h2d += sum(h.numel() for p in src.plans for h, _ in p.local)
+        assert h2d < s["host_bytes"]
+    else:  # whole packed images
+        h2d = s["host_bytes"]
+    assert s["h2d_bytes_per_step"] == h2d
+    want = _runtime_tensors(model)
+    for k, lay in enumerate(src.layouts):
+        img = src.image(k)  # what restore() clones: runtime layout, offsets of src.layouts
+        assert img.dtype == torch.uint8 and img.numel() == lay.nbytes and img.device.type == DEV
+        for spec in lay.tensors:
+            assert torch.equal(spec.view_of(img), want[f"{lay.name}.{spec.name}"]), (lay.name, spec.name)
+    names = [spec.name for spec in src.layouts[1].tensors]
+    with pytest.raises(WeightUpdateError, match="'blocks.1.qkv.weight' stream from the read-only checkpoint"):
+        src.write(1, names.index("qkv.weight"), torch.zeros_like(want["blocks.1.qkv.weight"]))
+    with torch.no_grad():
+        plain = wrapped.disable()
+        assert torch.equal(plain(_x()), model(_x()))
+    src.close()  # a second close (disable closed it) is harmless
+    assert src.stats()["registered_bytes"] == 0 and src.stats()["copies_per_step"] == 0
+
+
+BENCH_KEYS = ("direct_blocks", "staged_blocks", "registered_bytes", "registration_chunks", "register_flags", "open_s",
+              "bind_s", "resident_load_s", "store_s", "copies_per_step", "staging_bytes", "pinned_bytes",
+              "host_bytes", "streamed_bytes_per_step", "blocks_streamed", "checkpoint_files", "wire_bytes",
+              "materialise_launches_per_step", "staged_because")
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_stats_carry_what_bench_mmap_reads(copy_path, tmp_path):
+    model = _toy()
+    path = _save(model.state_dict(), tmp_path / "toy.safetensors")
+    wrapped = offload_from_safetensors(_meta(), path, device=DEV, copy_path=copy_path)
+    with torch.no_grad():
+        wrapped(_x())
+    s = wrapped.stats()
+    assert [k for k in BENCH_KEYS if k not in s] == []
+    staging = ("staging_kind", "staging_threads", "staging_packs", "staging_wait_s", "staging_pack_s")
+    assert all((k in s) == (copy_path == "staging") for k in staging)
+    assert s["source"] == "mmap" and s["streamed_bytes_per_step"] == s["host_bytes"]
+    runs = sum(len(p.runs) + len(p.local) for p in _source(wrapped).plans)
+    assert s["copies_per_step"] == (runs if copy_path == "direct" else 0) and runs >= 3
+    assert min(s[k] for k in ("open_s", "bind_s", "resident_load_s", "store_s")) >= 0
+
+
+def test_direct_kernel_transform_is_ordered_on_the_copy_stream(tmp_path):
+    """The wire buffer of a kernel-transformed block is written and read on the copy
+    stream only, between the slot's previous reader and its next one (recorded
+    stream operations, checked for happens-before)."""
+    from stream_trace import RULES, check, counts
+
+    from weightstream import OffloadedTransformer
+    from weightstream.offload.mmap_source import as_sources, mmap_streamed_blocks
+    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.streams import RecordingStreams
+
+    rec = RecordingStreams()
+
+    class Recorded(StreamedBlocks):
+        streams = rec
+
+    model = _toy(_GQA)
+    path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
+    meta = _meta(_GQA)
+    cfg = OffloadConfig.layerwise()
+    streamed = mmap_streamed_blocks(meta, cfg, torch.device(DEV), None, Checkpoint(as_sources(path, meta)), "direct",
+                                    1, cls=Recorded)
+    wrapped = OffloadedTransformer(meta, cfg, device=DEV, streamed=streamed)
+    steps = 3
+    with torch.no_grad():
+        assert all(torch.equal(wrapped(_x()), model(_x())) for _ in range(steps))
+    v = check(rec.trace)
+    assert {r: v[r][:1] for r in RULES if v[r]} == {}
+    assert counts(rec.trace)["reads"] >= steps * 3 * 2  # the blocks' slot reads and the wire reads
+    wire = [op for op in rec.trace if op.kind == "access" and isinstance(op.slot, tuple) and op.slot[0] == "wire"]
+    assert len(wire) >= steps * 3 * 3  # write, read_begin, read_end per load
+    assert len({op.stream for op in wire}) == 1 and wire[0].stream != rec.compute.name

@@ -432,3 +432,24 @@ def test_compile_modes_parse_and_compare_with_the_compiled_resident():
                      "layerwise-compile": {"step_ms": 84.0, "streamed_gb": 1.0}}, 50.0)
     assert out["layerwise-compile"]["ratio_to_resident_compile"] == pytest.approx(1.05)
     assert "floor_ms" not in out["resident-compile"]
+
+
+def test_auto_modes_parse_and_compare_with_the_best_fixed_count_that_fits():
+    from perf.modes import parse_mode
+    from perf.results import summarise
+
+    spec = parse_mode("layerwise-auto-12gb")
+    assert spec.config_kw == {"resident_layers": "auto", "device_memory_budget_gb": 12.0}
+    with pytest.raises(ValueError, match="auto"):
+        parse_mode("layerwise-autox")
+    raw = {
+        "resident": {"step_ms": 100.0},
+        "layerwise": {"step_ms": 400.0, "streamed_bytes": 20e9, "device_weight_gb": 2.0},
+        "layerwise-r20": {"step_ms": 200.0, "streamed_bytes": 10e9, "device_weight_gb": 11.0},
+        "layerwise-r30": {"step_ms": 150.0, "streamed_bytes": 6e9, "device_weight_gb": 15.0},  # over 12 GB
+        "layerwise-auto-12gb": {"step_ms": 180.0, "streamed_bytes": 9e9, "budget_gb": 12.0, "predicted_ms": 175.0,
+                                "device_weight_gb": 11.9},
+    }
+    out = summarise(raw, 50.0)["layerwise-auto-12gb"]
+    assert out["best_fixed_mode"] == "layerwise-r20" and out["ratio_to_best_fixed"] == pytest.approx(0.9)
+    assert out["ratio_to_predicted"] == pytest.approx(180 / 175, rel=1e-3)

@@ -76,9 +76,14 @@ def _pair(tmp_path):
     return tmp_path / "toy.safetensors", tmp_path / "other.safetensors", a, b
 
 
+def _source(wrapped):
+    """The wrapper's weight source (an MmapSource)."""
+    return wrapped.executor.source
+
+
 def _quiet(wrapped):
     """Wait until the packer thread (staging) has packed ahead and reads nothing."""
-    st = wrapped.executor.stager
+    st = _source(wrapped).stager
     if st is not None:
         assert st.wait_idle(timeout=30), "the packer thread did not go idle"
 
@@ -157,7 +162,7 @@ def test_the_packer_checks_before_it_reads(tmp_path):
     with torch.no_grad():
         wrapped(**toy_inputs())
     _quiet(wrapped)
-    store = wrapped.executor.store
+    store = _source(wrapped)
     buf = torch.empty(max(lay.nbytes for lay in store.layouts), dtype=torch.uint8)
     store.pack(0, buf)  # unchanged: packs
     shutil.copyfile(other, path)
@@ -297,4 +302,4 @@ def test_direct_copies_name_why_a_graph_cannot_hold_them(tmp_path):
     pinned (registered file pages): the graph runner's precondition names it up front."""
     path, _, _, _ = _pair(tmp_path)
     wrapped = _wrap(path, "direct")
-    assert "direct copies" in wrapped.executor.uncapturable_copies()
+    assert "direct copies" in _source(wrapped).uncapturable()
