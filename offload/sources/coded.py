@@ -432,6 +432,10 @@ class CodedSource:
         if self._decoded:
             self._sweep()
 
+    def slot_bytes_of(self, ks) -> int:
+        """Slot bytes for a ring that streams only blocks ``ks`` (auto placement): their largest image."""
+        return max((self.layouts[k].nbytes for k in ks), default=self.slot_bytes)
+
     def link_bytes(self, k: int) -> int:
         """Bytes one load of block ``k`` moves over the host link (the planner's transfer term)."""
         return self.copy_bytes[k]
