@@ -31,11 +31,8 @@ MODE_KEYS = (
     "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb", "setup_s", "build_s",
     "h2d_gbps", "streamed_gb", "output_finite", "output_sha1", "record_events", "stats", "notes", "trace",
     "model_gb", "setup_peak_rss_gb", "setup_peak_rss_ratio", "target_setup_peak_rss_ratio",
-<<<<<<< HEAD
-    "coded_bytes", "bits_per_weight",
-=======
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
->>>>>>> main
+    "coded_bytes", "bits_per_weight",
 )
 
 
