@@ -248,8 +248,8 @@ class _HostViews(MutableMapping):
 
 
 class CodedSource:
-    """Lossless coded block images in pinned host memory; H2D of the coded bytes and a
-    Triton decode into the slot on the copy stream (see the module docstring)."""
+    """Lossless coded block images in pinned host memory; H2D of the coded bytes on the copy
+    stream and a Triton decode into the slot on the decode stream (see the module docstring)."""
 
     name = "coded-exp-k"
     collective = False
