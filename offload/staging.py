@@ -188,6 +188,7 @@ class Stager:
         *,
         pin: bool = True,
         threads: int | None = 1,
+        new_event: Callable[[], object] | None = None,
     ):
         self._pack, self._positions, self._block_of = pack, positions, block_of
         # threads > 1: pack() receives a CopyPool to split its copies over
@@ -195,7 +196,11 @@ class Stager:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.buffers = [PinnedBuffer(nbytes, pin=pin and self.cuda) for _ in range(NUM_BUFFERS)]
-        self.h2d_done = [torch.cuda.Event() for _ in self.buffers] if self.cuda else []
+        # new_event: the stream backend's event factory (offload/streams.py), so that a
+        # RecordingStreams run on the CPU traces h2d_done too; default torch.cuda.Event on CUDA
+        if new_event is None and self.cuda:
+            new_event = torch.cuda.Event
+        self.h2d_done = [new_event() for _ in self.buffers] if new_event is not None else []
         self._recorded = [False] * NUM_BUFFERS
         self._cv = threading.Condition()
         self._ready: list[int | None] = [None] * NUM_BUFFERS  # position packed in buffer b (current generation)
@@ -230,7 +235,7 @@ class Stager:
                         return
                     if self._gen != gen:
                         break
-                if self.cuda and self._recorded[b]:
+                if self.h2d_done and self._recorded[b]:
                     self.h2d_done[b].synchronize()  # the last H2D that read buffer b has finished
                 t0 = time.perf_counter()
                 try:
@@ -269,9 +274,9 @@ class Stager:
                 self._cv.wait()
 
     def release(self, b: int, position: int) -> None:
-        """The copy out of buffer ``b`` was issued (and, on CUDA, ``h2d_done[b]`` recorded after it)."""
+        """The copy out of buffer ``b`` was issued (and, with events, ``h2d_done[b]`` recorded after it)."""
         with self._cv:
-            self._recorded[b] = self.cuda
+            self._recorded[b] = bool(self.h2d_done)
             self._ready[b] = None
             it = self._positions(position + 1)
             self._expect = next(it)
@@ -285,6 +290,12 @@ class Stager:
             return self._cv.wait_for(
                 lambda: self._stop or self._error is not None or all(r is not None for r in self._ready), timeout
             )
+
+    def invalidate(self) -> None:
+        """Drop what is packed ahead (the host images changed): the next
+        :meth:`acquire` starts a new generation at the position it asks for."""
+        with self._cv:
+            self._expect = None
 
     def _restart(self, position: int) -> None:
         self._gen += 1
@@ -301,10 +312,9 @@ class Stager:
             self._cv.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
-        if self.cuda:
-            for ev, rec in zip(self.h2d_done, self._recorded):
-                if rec:
-                    ev.synchronize()
+        for ev, rec in zip(self.h2d_done, self._recorded):
+            if rec:
+                ev.synchronize()
         for buf in self.buffers:
             buf.release()
         if self.pool is not None:

@@ -10,7 +10,7 @@
   `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
 - coded: `layerwise-coded`, `graphs-coded` (`-coded` combines like the others):
   `weight_codec="exp-k"`, block images stored losslessly coded, H2D of the
-  coded bytes, decode on the copy stream. Their weights are Student-t filled
+  coded bytes, decode on a decode stream beside the copy stream. Their weights are Student-t filled
   (`weightstream.fills`, df=4, std 0.02: heavy tails like trained weights;
   the normal fill of the other modes codes a little better than real
   checkpoints do), so their outputs are not compared with the resident one.
@@ -18,6 +18,13 @@
   uncoded floor (raw streamed bytes / best H2D of the run), so a coded mode
   below 1.0 beats what any uncoded stream can do. `coded_bytes` and
   `bits_per_weight` come from the source's stats.
+- pinned budget at half the model (issue 15): `layerwise-pinned-half`
+  (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
+  blocks stage through two pinned bounce buffers filled by a packer thread;
+  `ratio_to_pinned` = its step / the `layerwise` step of the same run, so list
+  `layerwise` too; the staged copy rate is `stats.staging_pack_gbps`) and
+  `layerwise-pageable-half` (the same budget, unpinned blocks copied with a
+  pageable `copy_`: the path before the bounce buffers, measured beside it).
 - peers: `diffusers-block` (group offload, block level, 1 block per group,
   stream + record_stream), `diffusers-leaf` (leaf level, stream),
   `diffusers-model` (model-level offload as `enable_model_cpu_offload` does it,
@@ -41,6 +48,9 @@ from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
 PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerate-cpu")
+# half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
+# --tiny run, which pins nothing), False copies them pageable
+HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
 _LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded)$")
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
@@ -53,6 +63,8 @@ class ModeSpec:
     peer_kw: dict = field(default_factory=dict)     # apply_group_offloading(**peer_kw)
     source: str = "memory"                          # weightstream: "memory" (host model) | "mmap" (checkpoint)
     compile: bool = False                           # diffusers' regional compile (compile_repeated_blocks)
+    half_pinned: bool = False                       # pinned_memory_budget_gb = half the streamed block images
+    stage: bool | None = None                       # PinnedSource(stage=...) of the half-pinned modes
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
 
     @property
@@ -69,6 +81,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         return ModeSpec(name, "resident", compile=True)
     if name == "resident-graph":
         return ModeSpec(name, "resident-graph")
+    if name in HALF_PINNED_MODES:
+        return ModeSpec(name, "weightstream", half_pinned=True, stage=HALF_PINNED_MODES[name])
     if name.startswith(("layerwise", "graphs")):
         head, *variants = name.split("-")
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
@@ -246,12 +260,41 @@ def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: tor
                     notes={"config": cfg.to_dict(), "checkpoint": str(ckpt_dir)})
 
 
+def half_pinned_budget_gb(model: nn.Module) -> float:
+    """Half the host bytes of the model's streamed block images (page-aligned, as the host store lays them out)."""
+    from weightstream.offload.discovery import discover_blocks
+    from weightstream.offload.host_store import PAGE
+    from weightstream.offload.layout import align_up, block_tensors, build_layout
+
+    total = sum(align_up(build_layout(b.index, b.name, block_tensors(b.module)).nbytes, PAGE)
+                for b in discover_blocks(model, None))
+    return total / 2 / 1e9
+
+
+def _half_pinned(spec: ModeSpec, model: nn.Module, device: torch.device, record_events: bool):
+    """A half-pinned mode's wrapper: the budget, and the source staged (or not)."""
+    import dataclasses
+
+    from weightstream import OffloadedTransformer
+    from weightstream.offload.sources.pinned import PinnedSource
+    from weightstream.offload.transformer import StreamedBlocks
+
+    budget = half_pinned_budget_gb(model)
+    spec = dataclasses.replace(spec, config_kw={**spec.config_kw, "pinned_memory_budget_gb": budget})
+    cfg = weightstream_config(spec, record_events)
+    st = StreamedBlocks(model, cfg, device, None, source=lambda req: PinnedSource(req, stage=spec.stage))
+    return OffloadedTransformer(model, cfg, device=device, streamed=st), cfg
+
+
 def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device,
                           record_events: bool) -> Prepared:
     from weightstream import OffloadedTransformer
 
-    cfg = weightstream_config(spec, record_events)
-    m = OffloadedTransformer(model, cfg, device=device)
+    if spec.half_pinned:
+        m, cfg = _half_pinned(spec, model, device, record_events)
+    else:
+        cfg = weightstream_config(spec, record_events)
+        m = OffloadedTransformer(model, cfg, device=device)
     stats = m.stats()
     pinned = stats.get("pinned_bytes")
     if pinned is None and stats.get("pinned"):

@@ -177,6 +177,8 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
         if "resident-compile" in out and "compile" in mode.split("-"):
             f["ratio_to_resident_compile"] = _sig(f["step_ms"] / out["resident-compile"]["step_ms"])
+        if "layerwise" in out and mode.endswith("-half"):  # layerwise-pinned-half / -pageable-half
+            f["ratio_to_pinned"] = _sig(f["step_ms"] / out["layerwise"]["step_ms"])
     compare_placements(out)
     return out
 

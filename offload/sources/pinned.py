@@ -5,9 +5,23 @@ The default source. Blocks are packed block by block into a :class:`HostStore`
 copy of the image into the slot on the copy stream. ``state_dict()`` values are
 views of the arena (zero-copy), and an in-place edit of one is picked up at the
 next step start through the arena's version counter (:meth:`host_version`).
+
+Blocks the store could not pin (beyond ``pinned_memory_budget_gb``, or a failed
+registration) always stage on CUDA: a :class:`~..staging.Stager` packer thread
+walks the schedule's positions ahead of the forward pass and copies each such
+block's pageable image into one of two pinned bounce buffers (split over
+:class:`~..staging.CopyPool` threads for large blocks); ``load`` only waits for
+the packed buffer, issues the H2D from it, records the stager's ``h2d_done``
+event and hands the buffer back. So their copies overlap compute instead of
+serialising with it as a pageable ``copy_`` does. No config key turns this off;
+``stage=False`` (benchmarks: the pageable path, measured) and ``stage=True``
+(tests: every unpinned block, also on the CPU) are constructor arguments. CUDA
+graphs cannot hold a staged load (it waits on a host thread): the graph runner
+refuses a store that is not all pinned, and :meth:`uncapturable` says why.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +31,11 @@ from ..host_store import HostStore, copy_from_image
 from ..layout import BlockLayout
 from ..packing import pack_blocks
 from ..schedule import Schedule
+from ..staging import Stager, check_threads
+
+# staged blocks of at least this many bytes are packed over the CopyPool's threads
+POOL_MIN_BYTES = 8 << 20
+STAGE_CHOICES = (None, True, False)
 
 
 @dataclass
@@ -55,8 +74,16 @@ class PinnedSource:
     name = "pinned"
     collective = False
     waits_for_free = False
+    pool_min_bytes = POOL_MIN_BYTES  # staged images this large pack over the CopyPool's threads
 
-    def __init__(self, req: SourceRequest):
+    def __init__(self, req: SourceRequest, *, stage: bool | None = None, staging_threads: int | None = None):
+        """``stage``: None (default): on CUDA, every block the store did not pin
+        stages through the bounce buffers; True: every unpinned block stages, on
+        any device (tests); False: none do (unpinned blocks copy with a pageable
+        ``copy_``). ``staging_threads``: packing threads (see :func:`~..staging.check_threads`)."""
+        if stage not in STAGE_CHOICES:
+            raise ValueError(f"stage={stage!r} is not allowed; choose from: None (auto), True, False")
+        self.staging_threads = check_threads(staging_threads)
         self.layouts = list(req.layouts)
         self.device = req.device
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
@@ -66,23 +93,102 @@ class PinnedSource:
                     what=f"packing {len(self.layouts)} blocks into host memory")
         self._views = {id(t): hv for k in range(len(self.layouts))
                        for t, hv in zip(req.objects(k), self.store.views(k))}
+        on = stage if stage is not None else req.device.type == "cuda"
+        self.staged = [bool(on) and not self.store.is_pinned(k) for k in range(len(self.layouts))]
+        self.num_positions = req.schedule.n  # position p loads streamed block p % n (unless slot_bytes_of says)
+        self._ring: list[int] = []  # source index of the block each ring position loads
+        self._next_ring: list[int] | None = None
         self.slots: list[torch.Tensor] = []
+        self.streams = None
+        self.stager: Stager | None = None
+        self._packer: _Packer | None = None
+        # bounce buffer's data_ptr -> the arena's version when its pack began: a pack older than an
+        # in-place host edit is never handed out, whichever executor path re-primes
+        self._packed_version: dict[int, int] = {}
 
     def slot_bytes_of(self, ks) -> int:
-        """Bytes of a slot that holds any of blocks ``ks`` (auto placement streams a subset)."""
+        """Bytes of a slot that holds any of blocks ``ks`` (auto placement streams a subset).
+
+        The executor calls this with the blocks its schedule streams, in ring order,
+        right before :meth:`attach`: the stager walks that order (position p loads
+        ``ks[p % len(ks)]``; every load checks it)."""
+        self._next_ring = list(ks)
         return max(self.layouts[k].nbytes for k in ks)
 
     # -- the executor's side --------------------------------------------------------
     def attach(self, slots, streams, device) -> None:
-        self.slots = slots
+        self.slots, self.streams = slots, streams
+        if self.stager is not None:  # attached again (a rebuilt ring): the old packer goes first
+            self.stager.stop()
+            self.stager = None
+        ring = self._next_ring if self._next_ring is not None else list(range(self.num_positions))
+        self._ring, self._next_ring = ring, None
+        staged = frozenset(p for p, k in enumerate(ring) if self.staged[k])
+        if not staged:
+            return
+        n = len(ring)
+        self._packed_version.clear()
+        self._packer = self.packer()
+        self.stager = Stager(self._packer, _positions(staged, n), lambda p: ring[p % n],
+                             max(self.layouts[ring[p]].nbytes for p in staged), self.device,
+                             pin=self.device.type == "cuda", threads=self.staging_threads,
+                             new_event=None if streams is None else streams.new_event)
+        weakref.finalize(self, self.stager.stop)
+        self._buffer_ptrs = [buf.tensor.data_ptr() for buf in self.stager.buffers]
+
+    def packer(self) -> "_Packer":
+        """The stager's pack function (runs on its threads)."""
+        return _Packer(self.store, self.pool_min_bytes, self._packed_version)
 
     def side_streams(self) -> list:
         return []
 
     def load(self, k: int, slot: int, *, position: int, after, tag):
+        if self.staged[k]:
+            return self._load_staged(k, slot, position)
         src = self.store.image(k)
         copy_from_image(self.slots[slot][: src.numel()], src)  # chunk-safe: one registration per copy
         return None if self.device.type != "cuda" else torch.cuda.current_stream(self.device)
+
+    def _load_staged(self, k: int, slot: int, position: int):
+        """Wait for the packer thread's buffer (no host copy on this thread), H2D
+        it on the current (copy) stream, record ``h2d_done``, hand it back."""
+        st, streams, ring = self.stager, self.streams, self._ring
+        if ring[position % len(ring)] != k:  # the packer packs ring[p % n] for position p: never another block
+            raise RuntimeError(f"pinned source: position {position} loads block {k}, but the stager packs block "
+                               f"{ring[position % len(ring)]} there (the executor did not report its ring order)")
+        b = st.acquire(position)
+        if self._packed_version.get(self._buffer_ptrs[b]) != self.store.arena._version:  # packed before a host edit
+            st.invalidate()
+            b = st.acquire(position)
+        if streams is not None:
+            streams.access("read_begin", ("stage", b), k)
+        copy_from_image(self.slots[slot][: self.layouts[k].nbytes], st.buffers[b].tensor)
+        cs = None
+        if streams is not None:
+            cs = streams.current_stream(self.device)
+            streams.access("read_end", ("stage", b), k)
+            st.h2d_done[b].record(cs)  # the packer waits on it before it rewrites buffer b
+        st.release(b, position)
+        return cs if self.device.type == "cuda" else None
+
+    def reload(self) -> None:
+        """Before pending slots are re-copied (host images changed, a re-prime):
+        drop the blocks packed ahead; the stager restarts at the next load."""
+        if self.stager is not None:
+            self.stager.invalidate()
+
+    def uncapturable(self) -> str | None:
+        if self.stager is None:
+            return None
+        return (f"cuda_graphs='on' cannot capture the {sum(self.staged)} block(s) that stage through pinned bounce "
+                "buffers (each load waits for a host packer thread); raise pinned_memory_budget_gb so every block "
+                "is pinned, or use cuda_graphs='off'")
+
+    def remove(self) -> None:
+        """Executor teardown: stop the packer thread (waits for its pack in progress)."""
+        if self.stager is not None:
+            self.stager.stop()
 
     def host_version(self) -> int:
         """Moves when any host view is written in place through torch (one integer read)."""
@@ -103,17 +209,74 @@ class PinnedSource:
 
     def stats(self) -> dict:
         s = self.store
-        return {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
-                "pin_failure": s.pin_failure, "h2d_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
-                "slot_bytes": self.slot_bytes}
+        failure = s.pin_failure
+        if failure is not None and self.stager is not None:
+            failure += (f"; {sum(self.staged)} block(s) stage through two pinned bounce buffers "
+                        "(CUDA graphs cannot capture those loads)")
+        out = {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
+               "pin_failure": failure, "h2d_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
+               "slot_bytes": self.slot_bytes, "staged_blocks": sum(self.staged)}
+        out.update(self.staging_stats())
+        return out
+
+    def staging_stats(self) -> dict:
+        """The stager's ``staging_*`` figures, plus the bytes it packed and their rate."""
+        if self.stager is None:
+            return {"staging_buffers": 0, "staging_bytes": 0}
+        out = self.stager.stats()
+        packed = self._packer.bytes
+        out["staging_packed_bytes"] = packed
+        out["staging_pack_gbps"] = round(packed / out["staging_pack_s"] / 1e9, 3) if out["staging_pack_s"] else None
+        return out
 
     def close(self) -> None:
+        self.remove()  # never release host memory under a running packer
         self.store.close()
         self._views.clear()
 
     def __repr__(self) -> str:
-        return f"PinnedSource({self.store!r})"
+        staged = f", {sum(self.staged)} staged through {self.stager!r}" if self.stager is not None else ""
+        return f"PinnedSource({self.store!r}{staged})"
 
 
 def pinned_source(req: SourceRequest) -> PinnedSource:
     return PinnedSource(req)
+
+
+def _positions(staged: frozenset, n: int):
+    """The stager's walk: the positions from ``start`` on whose block is staged."""
+    def positions(start: int):
+        p = start
+        while True:
+            if p % n in staged:
+                yield p
+            p += 1
+    return positions
+
+
+class _Packer:
+    """Copies block ``k``'s pageable image into a bounce buffer (on the stager's
+    threads). Holds the store weakly: a dropped source stops its stager."""
+
+    def __init__(self, store: HostStore, pool_min_bytes: int, versions: dict):
+        self._store = weakref.ref(store)
+        self.pool_min_bytes = pool_min_bytes
+        self.versions = versions  # bounce buffer's data_ptr -> arena version its pack read
+        self.bytes = 0
+
+    def __call__(self, k: int, buf: torch.Tensor, pool) -> None:
+        store = self._store()
+        if store is None:
+            raise RuntimeError("weightstream: the host store was released while its stager ran")
+        version = store.arena._version
+        img = store.image(k)
+        n = img.numel()
+        if n > buf.numel():
+            raise ValueError(f"block {k}: image of {n} bytes does not fit the {buf.numel()}-byte staging buffer")
+        if pool is not None and n >= self.pool_min_bytes:
+            pool.copy([(buf.data_ptr(), img.data_ptr(), n)])
+        else:
+            with torch.no_grad():
+                buf[:n].copy_(img)
+        self.bytes += n
+        self.versions[buf.data_ptr()] = version
