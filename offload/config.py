@@ -30,6 +30,8 @@ LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
 WEIGHT_TRANSFERS = ("allgather", "rank-local")
 CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
+# "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py)
+WEIGHT_CODECS = ("none", "exp-k")
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
 # resident_layers="auto" without device_memory_budget_gb: the weight budget is the
@@ -242,6 +244,13 @@ class OffloadConfig:
     dlo_verify_weights: bool, default true. DLO: at setup compare a sampled
         digest of every block's weights across the ranks (one collective; a
         few KB read per block); a mismatch names the block and the ranks.
+    weight_codec: "none" (default) | "exp-k". "exp-k" stores streamed block
+        images losslessly coded in host memory (16-bit weights: the exponent
+        byte as k-bit table codes with escapes, the sign/mantissa byte raw;
+        other dtypes raw), copies the coded bytes H2D and decodes them into the
+        slot on the copy stream (offload/sources/coded.py). Layer mode with
+        the pinned host source only: DLO (weight_transfer) and checkpoint
+        mappings (mmap source) reject it.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -266,6 +275,7 @@ class OffloadConfig:
     debug_graph_addresses: bool = False
     dlo_timeout_s: float = 60.0
     dlo_verify_weights: bool = True
+    weight_codec: str = "none"
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
@@ -280,6 +290,7 @@ class OffloadConfig:
             object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         _check_choice("graph_boundary_loads", self.graph_boundary_loads, GRAPH_BOUNDARY_LOADS)
+        _check_choice("weight_codec", self.weight_codec, WEIGHT_CODECS)
         _check_int("num_slots", self.num_slots, 2)
         for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
             object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
@@ -300,6 +311,8 @@ class OffloadConfig:
                 raise _reject("graph_boundary_loads", "next-step",
                               f"with resident_layers={self.resident_layers!r} every boundary load already "
                               "starts with its step (behind the resident blocks); choose: in-graph")
+        if self.weight_codec != "none":
+            self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
             if opts.resident_layers == RESIDENT_AUTO and self.cuda_graphs == "on":
@@ -314,6 +327,18 @@ class OffloadConfig:
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               f"resident layers require rank-local ({path}.weight_transfer="
                               "'rank-local'), not 'allgather'; or set resident_layers to 0")
+
+    def _check_codec(self) -> None:
+        """weight_codec codes streamed block images: layer mode, no DLO (not supported yet)."""
+        if self.mode != "layer":
+            raise _reject("weight_codec", self.weight_codec,
+                          f"coded weights stream in mode='layer' only (got mode={self.mode!r}); choose from: none")
+        for comp, opts in self.layer_options.items():
+            if opts.weight_transfer is not None:
+                raise _reject("weight_codec", self.weight_codec,
+                              f"coded weights are not supported with distributed layerwise offload yet "
+                              f"(layer_options.{comp}.weight_transfer={opts.weight_transfer!r}); "
+                              "choose from: none, or leave weight_transfer unset")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

@@ -69,6 +69,7 @@ from .discovery import OffloadPlan
 from .dlo_guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardedHostViews, ShardedStore, ShardSource, _all_gather_tensor_fn  # noqa: F401  (re-exported)
 from .sources.pinned import SourceRequest, pinned_source
+from .sources.coded import check_codec_supported
 from .streamed import StreamedBlocks
 from .dlo_control import (  # noqa: F401  (re-exported: distributed.py stays the DLO entry module)
     _AGREE_MAGIC, _CONTROL_CAP, _DIGEST_SAMPLE_BYTES, _STATUS_BYTES, _STATUS_INTS, DEFAULT_PATH_KEYS,
@@ -106,6 +107,7 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
+    check_codec_supported(config, "distributed layerwise offload (DLO)")
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
     if config.graph_boundary_loads == "next-step":

@@ -21,6 +21,7 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest, drop_storage, pinned_source  # noqa: F401  (drop_storage re-exported)
+from .sources.coded import coded_source
 from .layout import block_tensors, build_layout, check_not_shared
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -107,7 +108,9 @@ class StreamedBlocks:
             )
         self.tensors = tensors
         req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule)
-        self.source = (source or pinned_source)(req)
+        if source is None:  # the default: pinned host images, coded ones with weight_codec
+            source = pinned_source if config.weight_codec == "none" else coded_source
+        self.source = source(req)
         self.layouts = self.source.layouts
         with torch.no_grad():
             for t in rest:

@@ -32,6 +32,7 @@ MODE_KEYS = (
     "h2d_gbps", "streamed_gb", "output_finite", "output_sha1", "record_events", "stats", "notes", "trace",
     "model_gb", "setup_peak_rss_gb", "setup_peak_rss_ratio", "target_setup_peak_rss_ratio",
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
+    "coded_bytes", "bits_per_weight",
 )
 
 
@@ -161,7 +162,8 @@ def assemble(label: str, workers: dict[str, dict], failed: dict[str, str], *, co
         # compiled modes run other kernels: they compare with the compiled resident model
         yardstick = "resident-compile" if "compile" in m.split("-") else "resident"
         ref = modes.get(yardstick, {}).get("output_sha1")
-        if m != yardstick and ref and f.get("output_sha1"):
+        same_weights = "coded" not in m.split("-")  # coded modes draw other (Student-t) weights
+        if m != yardstick and ref and f.get("output_sha1") and same_weights:
             # same seed, same weights: a different output means different kernels or a bug
             f["output_equals_resident"] = f["output_sha1"] == ref
     model_gb = first.get("model_gb") or (prior or {}).get("model_gb")

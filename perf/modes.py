@@ -8,6 +8,16 @@
   the same random weights, mapped read-only: `offload_from_safetensors`; the
   harness writes the checkpoint first, untimed), `graphs` (CUDA graphs on);
   `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
+- coded: `layerwise-coded`, `graphs-coded` (`-coded` combines like the others):
+  `weight_codec="exp-k"`, block images stored losslessly coded, H2D of the
+  coded bytes, decode on a decode stream beside the copy stream. Their weights are Student-t filled
+  (`weightstream.fills`, df=4, std 0.02: heavy tails like trained weights;
+  the normal fill of the other modes codes a little better than real
+  checkpoints do), so their outputs are not compared with the resident one.
+  `streamed_bytes` stays the RAW bytes: ratio_to_floor is against the
+  uncoded floor (raw streamed bytes / best H2D of the run), so a coded mode
+  below 1.0 beats what any uncoded stream can do. `coded_bytes` and
+  `bits_per_weight` come from the source's stats.
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -41,7 +51,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded)$")
+CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class ModeSpec:
     compile: bool = False                           # diffusers' regional compile (compile_repeated_blocks)
     half_pinned: bool = False                       # pinned_memory_budget_gb = half the streamed block images
     stage: bool | None = None                       # PinnedSource(stage=...) of the half-pinned modes
+    weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
 
     @property
     def builds_on_device(self) -> bool:
@@ -76,13 +88,14 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         kw: dict[str, Any] = {"cuda_graphs": "on"} if head == "graphs" else {}
         source = "memory"
         compiled = False
+        weight_fill = "normal"
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), auto "
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
-                                 "compile (regional compile of the repeated blocks)")
+                                 "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k')")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -97,9 +110,16 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 kw["graph_boundary_loads"] = "in-graph"
             elif v == "compile":
                 compiled = True
+            elif v == "coded":
+                kw["weight_codec"] = "exp-k"
+                weight_fill = CODED_FILL
             else:
                 kw["cuda_graphs"] = "on"
-        return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled)
+        if source == "mmap" and "weight_codec" in kw:
+            raise ValueError(f"mode {name!r}: coded weights are not supported by the mmap source yet; "
+                             "drop -coded or -mmap")
+        return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
+                        weight_fill=weight_fill)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -115,7 +135,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
-                     f"resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile], graphs[-nextstep|-ingraph], {', '.join(PEER_MODES)}")
+                     "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], "
+                     f"graphs[-nextstep|-ingraph|-coded], {', '.join(PEER_MODES)}")
 
 
 @dataclass
@@ -278,16 +299,40 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
     pinned = stats.get("pinned_bytes")
     if pinned is None and stats.get("pinned"):
         pinned = stats.get("host_bytes")
-    prepared = Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+    prepared = Prepared(m, streamed_bytes=_streamed_bytes(spec, stats), stats=stats,
                         events=m.events if record_events else None, pinned_bytes=pinned,
-                        notes={"config": cfg.to_dict()})
+                        notes=_notes(spec, cfg))
 
     def refresh() -> None:  # the placement (and so the streamed bytes) is known after the first step
         prepared.stats = m.stats()
-        prepared.streamed_bytes = placed_streamed_bytes(prepared.stats)
+        prepared.streamed_bytes = _streamed_bytes(spec, prepared.stats)
 
     prepared.refresh = refresh
     return prepared
+
+
+def _streamed_bytes(spec: ModeSpec, stats: dict) -> int:
+    """Bytes the floor counts: the raw (uncoded) streamed bytes for coded modes (every
+    streamed block's raw image; under resident_layers='auto' also the promoted ones'),
+    else what the placement streams."""
+    if spec.config_kw.get("weight_codec", "none") != "none":
+        if "coded_bytes" not in stats or "raw_bytes" not in stats:
+            raise RuntimeError(f"mode {spec.name!r}: the model's stats() carry no coded_bytes/raw_bytes; "
+                               "weight_codec did not reach a coded source")
+        return int(stats["raw_bytes"])
+    return placed_streamed_bytes(stats)
+
+
+def _notes(spec: ModeSpec, cfg) -> dict:
+    notes = {"config": cfg.to_dict()}
+    if spec.weight_fill != "normal":
+        notes["weight_fill"] = f"{spec.weight_fill} (df=4, std 0.02): outputs differ from the resident mode's"
+    return notes
+
+
+def coded_figures(stats: dict) -> dict:
+    """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
+    return {k: stats[k] for k in ("coded_bytes", "bits_per_weight") if k in stats}
 
 
 def placed_streamed_bytes(stats: dict) -> int:

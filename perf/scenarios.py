@@ -13,7 +13,9 @@ parameter is materialised with random values generated on the GPU in chunks
 and copied to its destination: on the device directly, or to the host through
 two page-locked staging buffers whose D2H copies overlap the multi-threaded
 host copies (a plain pageable D2H per parameter ran at ~1 GB/s). Weights get N(0, 0.02), biases
-zero and norm scales one, which keeps bf16 activations finite.
+zero and norm scales one, which keeps bf16 activations finite. `weight_fill="student-t"`
+(the coded modes) draws the weights from Student's t (df=4, std 0.02,
+`weightstream.fills`) instead: heavy tails, exponent statistics like trained weights.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 DTYPE = torch.bfloat16
+WEIGHT_FILLS = ("normal", "student-t")  # build_model(weight_fill=...): how weight matrices are drawn
 CHUNK_ELEMS = 1 << 26  # 64 Mi elements (128 MB of bf16) per generated chunk
 
 
@@ -175,13 +178,13 @@ class _HostStager:
             dst.copy_(staged)
             self.pending[slot] = None
 
-    def fill_normal(self, dst: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    def fill_normal(self, dst: torch.Tensor, std: float, gen: torch.Generator, weight_fill: str = "normal") -> None:
         flat = dst.view(-1)
         for start in range(0, flat.numel(), self.chunk_elems):
             n = min(self.chunk_elems, flat.numel() - start)
             slot = self.slot
             self._drain(slot)
-            chunk = torch.empty(n, dtype=dst.dtype, device=self.device).normal_(0.0, std, generator=gen)
+            chunk = _chunk(n, dst.dtype, self.device, std, gen, weight_fill)
             staged = self.bufs[slot][: n * dst.element_size()].view(dst.dtype)
             staged.copy_(chunk, non_blocking=self._registered[slot])
             self.events[slot].record()
@@ -199,13 +202,28 @@ class _HostStager:
         self._raw, self.bufs = [], []
 
 
-def _fill(data: torch.Tensor, kind: str, std: float, gen: torch.Generator, stager: _HostStager | None) -> None:
+def _chunk(n: int, dtype, device, std: float, gen: torch.Generator, weight_fill: str) -> torch.Tensor:
+    """``n`` weight values drawn on ``device`` (see WEIGHT_FILLS)."""
+    if weight_fill == "student-t":
+        from weightstream.fills import fill
+
+        return fill("student-t", (n,), dtype=dtype, generator=gen, device=device, scale=std)
+    return torch.empty(n, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+
+def _fill(data: torch.Tensor, kind: str, std: float, gen: torch.Generator, stager: _HostStager | None,
+          weight_fill: str = "normal") -> None:
     if kind == "zeros":
         data.zero_()
     elif kind == "ones":
         data.fill_(1)
     elif stager is not None:
-        stager.fill_normal(data, std, gen)
+        stager.fill_normal(data, std, gen, weight_fill)
+    elif weight_fill != "normal":
+        flat = data.view(-1)
+        for start in range(0, flat.numel(), CHUNK_ELEMS):
+            n = min(CHUNK_ELEMS, flat.numel() - start)
+            flat[start:start + n].copy_(_chunk(n, data.dtype, data.device, std, gen, weight_fill))
     else:
         # same chunking as the stager: the generator hands out the same values
         # whether a model is built on the device or on the host
@@ -220,9 +238,12 @@ def default_gen_device() -> torch.device:
 
 def build_model(scenario: Scenario, *, tiny: bool = False, device: str | torch.device = "cpu",
                 gen_device: str | torch.device | None = None, std: float = 0.02, seed: int = 0,
-                progress: Callable[[str], None] | None = None) -> nn.Module:
+                progress: Callable[[str], None] | None = None, weight_fill: str = "normal") -> nn.Module:
     """The scenario's transformer with random weights, in eval mode, bf16
-    (modules the class keeps in fp32 stay fp32), every tensor on `device`."""
+    (modules the class keeps in fp32 stay fp32), every tensor on `device`;
+    weight matrices drawn as `weight_fill` says (WEIGHT_FILLS)."""
+    if weight_fill not in WEIGHT_FILLS:
+        raise ValueError(f"weight_fill={weight_fill!r} is not allowed; choose from: {', '.join(WEIGHT_FILLS)}")
     device = torch.device(device)
     gen_device = torch.device(gen_device) if gen_device is not None else default_gen_device()
     if device.type == "cuda" and device.index is None:
@@ -244,7 +265,7 @@ def build_model(scenario: Scenario, *, tiny: bool = False, device: str | torch.d
                 full = f"{mod_name}.{pname}" if mod_name else pname
                 dtype = torch.float32 if _keeps_fp32(model, full) else DTYPE
                 data = torch.empty(param.shape, dtype=dtype, device=device)
-                _fill(data, _fill_kind(module, pname), std, gen, stager)
+                _fill(data, _fill_kind(module, pname), std, gen, stager, weight_fill)
                 setattr(module, pname, nn.Parameter(data, requires_grad=False))
                 done += data.numel() * data.element_size()
             for bname, buf in list(module.named_buffers(recurse=False)):

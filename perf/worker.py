@@ -21,7 +21,7 @@ import traceback
 import torch
 
 from perf.common import measure_h2d_gbps, timed_steps
-from perf.modes import parse_mode, prepare, prepare_mmap, weightstream_config
+from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, weightstream_config
 from perf.results import GB, placement_figures
 from perf.scenarios import (
     block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output,
@@ -148,7 +148,7 @@ def run_mode(args, prefix: str) -> dict:
         log(prefix, f"model on meta; weights from the checkpoint {ckpt} ({info['checkpoint_bytes'] / 1e9:.2f} GB)")
     else:
         model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",
-                            seed=args.seed, progress=lambda m: log(prefix, m))
+                            seed=args.seed, progress=lambda m: log(prefix, m), weight_fill=spec.weight_fill)
         model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
     build_s = time.perf_counter() - t
     inputs = build_inputs(scenario, device, tiny=tiny)
@@ -223,6 +223,7 @@ def run_mode(args, prefix: str) -> dict:
     if prepared.stats:
         figs["stats"] = prepared.stats
         figs.update(placement_figures(prepared.stats))
+        figs.update(coded_figures(prepared.stats))  # coded modes: coded_bytes, bits_per_weight
     if prepared.notes:
         figs["notes"] = prepared.notes
     if device.type == "cuda":

@@ -86,6 +86,7 @@ from ..host_store import copy_from_image
 from ..misuse import WeightUpdateError
 from ..staging import Stager, StagingError, check_threads
 from ..streamed import StreamedBlocks, resolve_device
+from .coded import check_codec_supported
 from .mmap_plans import (
     COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block,
     split_run,
@@ -484,6 +485,7 @@ def offload_from_safetensors(
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
+    check_codec_supported(cfg, "the mmap source (offload_from_safetensors)")
     if "dit" not in cfg.components:
         raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; the mmap source streams a DiT")
     if cfg.weight_transfer == "allgather":

@@ -1,0 +1,605 @@
+"""CodedSource: streamed block images stored losslessly coded, decoded on the copy side.
+
+``weight_codec="exp-k"`` (:mod:`weightstream.kernels.codec`): every 16-bit
+float tensor of a block keeps its sign/mantissa byte raw and codes its
+exponent byte as a k-bit table code with escapes (about 0.70 of the bytes on
+bf16 weights); every other tensor is stored raw (k = 8: its bytes as they
+are) in the same coded image, so one decode launch writes the whole block.
+
+Host side. One anonymous arena holds, per block, a region as large as the
+block's worst case (every tensor at k = 8); only the coded prefix is ever
+written, so only it takes memory. A block is encoded on worker threads, its
+coded bytes written to its region, its original tensors dropped (the region
+is now the one host copy) and its region registered with CUDA (page-locked),
+block by block, within ``pinned_memory_budget_gb``. A failure part-way gives
+the dropped tensors their weights back (decoded) before it raises.
+
+Per load (the executor's copy stream is current): one H2D copy of the
+block's coded bytes into the slot's coded buffer on that stream, then one
+Triton decode launch from it into the slot on the source's decode stream
+(``decode_stream=True``, the default: the next block's H2D overlaps this
+decode; events order the decode after its copy and the next copy into the
+same coded buffer after the decode that read it), or on the copy stream
+itself (``decode_stream=False``: copy and decode serialised). The decode tables go to
+the device at ``attach`` and never move: a re-encoded block (``write``,
+edited host views) updates its table in place, so captured CUDA graphs keep
+reading the current weights. Each block copies a fixed byte count (its coded
+size at build plus a small slack, ``copy_bytes``): a re-encode that grows past
+it still works eagerly, but makes graphs captured before it unusable (named
+error at the next step: disable() and wrap again).
+
+Host views (``state_dict()``) are decoded host copies, made on first use.
+Their version counters are checked at every step start (``check``): a copy
+edited in place through torch is re-encoded and ``host_version()`` moves, so
+the executor re-copies the slots already loaded and the edit reaches the very
+next forward, as with the pinned store. Writes that bypass torch's version counter (numpy,
+ctypes, ``.data`` of a view) are not seen. A decoded copy whose views are all
+gone is dropped at the next check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ...kernels.codec import DEFAULT_TILE, CodecSegment, DecodeTable, HEADER_BYTES, decode, decode_torch, encode
+from ...kernels._buffers import canonical_device
+from ...kernels.codec import read_header
+from ..host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister
+from ..host_store import PAGE, copy_from_image
+from ..layout import BlockLayout, TensorSpec, align_up
+from ..misuse import OffloadMisuseError
+from ..progress import Progress
+
+__all__ = ["CodedSource", "CodedCaptureStaleError", "coded_source", "check_codec_supported", "CODECS"]
+
+CODECS = ("exp-k",)
+CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
+_ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
+_NEVER = object()  # capture tag of an event never recorded
+
+
+class CodedCaptureStaleError(OffloadMisuseError, RuntimeError):
+    """A re-encoded block outgrew the bytes CUDA graphs captured before copy for it."""
+
+
+def check_codec_supported(config, where: str) -> None:
+    """ValueError naming ``weight_codec`` when ``where`` (a source that cannot code) is asked to."""
+    codec = getattr(config, "weight_codec", "none")
+    if codec != "none":
+        raise ValueError(
+            f"weight_codec={codec!r} is not allowed with {where}: coded weights are not supported "
+            "there yet (only the pinned host source of layer mode decodes them); choose from: none")
+
+
+def coded_source(req) -> "CodedSource":
+    """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``."""
+    cfg = req.config
+    if cfg.weight_codec not in CODECS:
+        raise ValueError(f"weight_codec={cfg.weight_codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
+    budget = cfg.pinned_memory_budget_gb
+    return CodedSource(
+        req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
+        pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
+        drop=lambda ts: _drop(ts, req.device),
+    )
+
+
+# -- encoding one block (pure, CPU, runs on worker threads) --------------------
+
+
+def _span_bytes(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The bytes of ``t``'s strided span as the block image holds them (uint8, CPU)."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous() and tuple(t.stride()) == spec.stride:
+        return t.reshape(-1).view(torch.uint8)
+    out = torch.zeros(spec.nbytes, dtype=torch.uint8)
+    dataclasses.replace(spec, offset=0).view_of(out).copy_(t)
+    return out
+
+
+def _raw_bound(spec: TensorSpec) -> int:
+    """Coded bytes of ``spec`` at k = 8 (its bytes as they are): what any encoding is held to."""
+    n = -(-spec.nbytes // 2)
+    tiles = -(-n // DEFAULT_TILE)
+    return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
+
+
+def _encode_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+        raise ValueError(f"tensor {spec.name!r}: got {t.dtype} {tuple(t.shape)}, the layout says "
+                         f"{spec.dtype} {spec.shape}")
+    raw = _span_bytes(t, spec)
+    if spec.dtype in CODED_DTYPES:
+        blob = encode(raw.view(spec.dtype))
+        if blob.numel() <= _raw_bound(spec):
+            return blob
+    if raw.numel() % 2:  # odd byte count: one pad byte (the next tensor starts 512-aligned)
+        raw = torch.cat([raw, raw.new_zeros(1)])
+    return encode(raw.view(torch.int16), k=8)
+
+
+def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], DecodeTable]:
+    """Coded tensors of one block (empty ones left out) and the table decoding them into its image."""
+    blobs, segs, at = [], [], 0
+    for spec, t in zip(layout.tensors, tensors):
+        if not spec.nbytes:
+            continue
+        blob = _encode_tensor(t, spec)
+        blobs.append(blob)
+        segs.append(CodecSegment(at, spec.offset, read_header(blob)))
+        at += blob.numel()
+    return blobs, DecodeTable(segs)
+
+
+def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]]):
+    """``encode_image`` of every block, computed on worker threads a few blocks ahead and
+    yielded in block order (torch's copies and shifts release the GIL)."""
+    n = len(layouts)
+    workers = max(1, min(8, os.cpu_count() or 1, n))
+    ahead = 2 * workers
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
+        futs = {k: pool.submit(encode_image, layouts[k], objs[k]) for k in range(min(n, ahead))}
+        try:
+            for k in range(n):
+                done = futs.pop(k).result()
+                if k + ahead < n:
+                    futs[k + ahead] = pool.submit(encode_image, layouts[k + ahead], objs[k + ahead])
+                yield done
+        finally:
+            for f in futs.values():
+                f.cancel()
+
+
+def _capacity(layout: BlockLayout) -> int:
+    return max(PAGE, align_up(sum(_raw_bound(s) for s in layout.tensors if s.nbytes), PAGE))
+
+
+def _slack(layout: BlockLayout) -> int:
+    """Bytes beyond the coded size every load copies, so that a re-encode a little larger
+    (an update, an edit) still fits what captured graphs copy."""
+    return align_up(layout.nbytes // 256 + 4096, _ALIGN)
+
+
+class _BlockRegistration:
+    """The cudaHostRegister ranges of one block region (chunks from its start; a copy
+    may not span two, see copy_from_image)."""
+
+    def __init__(self):
+        self.ptrs: list[int] = []
+        self.bytes = 0
+
+    def register(self, base: int, size: int) -> str | None:
+        done = 0
+        while done < size:
+            n = min(REGISTER_CHUNK, size - done)
+            err = _cuda_register(base + done, n)
+            if err is not None:
+                self.release()
+                return err
+            self.ptrs.append(base + done)
+            self.bytes += n
+            done += n
+        return None
+
+    def release(self) -> None:
+        for p in self.ptrs:
+            _cuda_unregister(p)
+        self.ptrs.clear()
+        self.bytes = 0
+
+
+def _release_all(regs: list[_BlockRegistration]) -> None:
+    if any(r.ptrs for r in regs) and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # teardown only: copies may still read the pages
+    for r in regs:
+        r.release()
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """A block's decoded host image handed out as views (state_dict), with the version
+    counter it had when the coded bytes last matched it."""
+
+    image: torch.Tensor
+    version: int
+    handed: list = dataclasses.field(default_factory=list)  # weakrefs to views given out
+
+
+class _HostViews(MutableMapping):
+    """id(streamed tensor) -> its decoded host view, decoded on first access. Entries can be
+    taken out and put back (auto placement keeps a promoted block's tensors on the device);
+    a value put back is served decoded again from the source, never stored."""
+
+    def __init__(self, source: "CodedSource", where: dict[int, tuple[int, int]]):
+        self._source, self._all, self._where = source, where, dict(where)
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        k, i = self._where[key]
+        return self._source.host_view(k, i)
+
+    def __setitem__(self, key: int, value) -> None:
+        if key not in self._all:
+            raise KeyError(f"{key} is not a streamed tensor of this coded source")
+        self._where[key] = self._all[key]
+
+    def __delitem__(self, key: int) -> None:
+        del self._where[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def clear(self) -> None:
+        self._where = {}
+        self._all = {}
+
+
+class CodedSource:
+    """Lossless coded block images in pinned host memory; H2D of the coded bytes on the copy
+    stream and a Triton decode into the slot on the decode stream (see the module docstring)."""
+
+    name = "coded-exp-k"
+    collective = False
+    waits_for_free = False
+
+    def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
+                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True):
+        self.layouts = list(layouts)
+        self.device = canonical_device(device)
+        self.slot_bytes = max(lay.nbytes for lay in self.layouts)
+        self._ids = {id(t): (k, i) for k, ts in enumerate(objs) for i, t in enumerate(ts)}
+        self._init_arena()
+        self.want_pin = bool(pin) and self.device.type == "cuda" and torch.cuda.is_available()
+        self.budget, self.pin_failure = budget_bytes, None
+        self._regs = [_BlockRegistration() for _ in self.layouts]
+        self._finalizer = weakref.finalize(self, _release_all, self._regs)
+        self.tables: list[DecodeTable | None] = [None] * len(self.layouts)
+        self.coded = [0] * len(self.layouts)  # coded bytes of block k
+        self.copy_bytes = [0] * len(self.layouts)  # bytes every load of block k copies
+        self._decoded: dict[int, _Decoded] = {}
+        self._dirty: set[int] = set()
+        self._streams = self._slots = None
+        self._buffers: list[torch.Tensor] = []
+        self._dev_tables: list[torch.Tensor | None] = []
+        self._copy_stream = None
+        self.decode_stream = bool(decode_stream)  # decode on a side stream, overlapping the next H2D
+        self._dstream = None
+        self._captured = False
+        self._stale: str | None = None
+        self._host_edits = 0  # re-encodes of edited host copies so far (host_version)
+        t0 = time.perf_counter()
+        self._build(objs, drop or _drop, progress)
+        self.encode_s = time.perf_counter() - t0
+
+    # -- build -------------------------------------------------------------------
+    def _init_arena(self) -> None:
+        self.offsets, off = [], 0
+        self.capacity = [_capacity(lay) for lay in self.layouts]
+        for cap in self.capacity:
+            self.offsets.append(off)
+            off += cap
+        self._map = mmap.mmap(-1, max(off, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
+            self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def region(self, k: int) -> torch.Tensor:
+        """Block ``k``'s host region (its coded bytes first)."""
+        return self.arena[self.offsets[k] : self.offsets[k] + self.capacity[k]]
+
+    def _build(self, objs, drop, progress) -> None:
+        """Encode on worker threads (a few blocks ahead); store, drop, pin in block order."""
+        n = len(self.layouts)
+        bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
+        dropped = 0
+        try:
+            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
+                self._store(k, blobs, table, grow=True)
+                drop(objs[k])  # the region is now the one host copy
+                dropped = k + 1
+                self._pin(k)
+                bar.update(self.layouts[k].nbytes)
+        except BaseException:
+            self._give_back(objs, dropped)
+            raise
+        finally:
+            bar.close()
+
+    def _give_back(self, objs, dropped: int) -> None:
+        """Nothing lost: dropped tensors get their weights back (decoded) before the error."""
+        with torch.no_grad():
+            for k in range(dropped):
+                image = self._decode_host(k)
+                for t, spec in zip(objs[k], self.layouts[k].tensors):
+                    t.data = spec.view_of(image).clone()
+        self.close()
+
+    def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
+        """Write block ``k``'s coded tensors into its region; True when its copy size grew."""
+        region, at = self.region(k), 0
+        for b in blobs:
+            region[at : at + b.numel()].copy_(b)
+            at += b.numel()
+        self.coded[k], self.tables[k] = at, table
+        need = min(self.capacity[k], align_up(at + _slack(self.layouts[k]), _ALIGN))
+        if not grow and at <= self.copy_bytes[k]:
+            return False
+        old, self.copy_bytes[k] = self.copy_bytes[k], need
+        return old != 0
+
+    def _pin(self, k: int) -> None:
+        """Register block ``k``'s copied bytes, whole or not at all (a copy must not read past its
+        registration), unless pinning is off, failed, or over budget."""
+        if not self.want_pin:
+            return
+        self._regs[k].release()  # callers made sure no copy reads the region now
+        if self.pin_failure is not None:
+            return
+        size = align_up(self.copy_bytes[k], PAGE)
+        total = sum(r.bytes for r in self._regs)
+        if self.budget is not None and total + size > self.budget:
+            self.pin_failure = (f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; coded blocks from "
+                                f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
+            return
+        err = self._regs[k].register(self.region(k).data_ptr(), size)
+        if err is not None:
+            self.pin_failure = f"{err} for block {self.layouts[k].name!r}; its coded bytes stay pageable"
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
+
+    # -- the executor's side ------------------------------------------------------
+    def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
+        """One device buffer per slot for the coded bytes (plus, with ``decode_stream``, the
+        decode stream and two events per slot); every decode table on the device now (never
+        inside a capture)."""
+        self._slots, self._streams, self.device = slots, streams, canonical_device(device)
+        self._alloc_buffers()
+        self._dev_tables = [t.upload(self.device) if t.num_tiles else None for t in self.tables]
+        if streams is not None and self.decode_stream:
+            self._dstream = streams.new_stream(self.device)
+            self._copied = [streams.new_event() for _ in slots]  # H2D into coded[s] done
+            self._read = [streams.new_event() for _ in slots]  # decode from coded[s] done
+            self._read_tag: list = [_NEVER] * len(slots)  # capture context each _read was recorded in
+
+    def _alloc_buffers(self) -> None:
+        size = max(self.copy_bytes)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self._slots]
+
+    def side_streams(self) -> list:
+        return [self._dstream] if self._dstream is not None else []
+
+    def load(self, k: int, slot: int, *, position: int = 0, after=None, tag=None):
+        """H2D of block ``k``'s coded bytes into the slot's coded buffer on the current (copy)
+        stream, then one decode launch into ``slots[slot]`` on that stream or, with
+        ``decode_stream``, on the decode stream (so the next H2D overlaps this decode);
+        returns the stream that decoded."""
+        if self._dirty:
+            self._fold()
+        st = self._streams
+        if st is None:  # CPU, no streams: decode straight from the host region, synchronously
+            self._decode(self.region(k)[: self.copy_bytes[k]], self._slots[slot], k)
+            return None
+        if tag is not None:
+            self._captured = True
+        self._copy_stream = st.current_stream(self.device)
+        return self._issue(k, slot, tag)
+
+    def _issue(self, k: int, slot: int, tag=None):
+        n, st, cs = self.copy_bytes[k], self._streams, self._copy_stream
+        buf, what, key = self._buffers[slot][:n], self.layouts[k].index, ("coded", slot)
+        ds = self._dstream
+        if ds is not None and self._read_tag[slot] == tag:  # the last decode from coded[slot] read it
+            cs.wait_event(self._read[slot])  # (other contexts: ordered through the slot's readers)
+        copy_from_image(buf, self.region(k)[:n])
+        st.access("write", key, what)
+        if ds is not None:
+            self._copied[slot].record(cs)
+            ds.wait_event(self._copied[slot])
+        with st.stream(ds if ds is not None else cs):
+            st.access("read_begin", key, what)
+            self._decode(buf, self._slots[slot], k)
+            st.access("read_end", key, what)
+            if ds is not None:
+                self._read[slot].record(ds)
+                self._read_tag[slot] = tag
+        return ds if ds is not None else cs
+
+    def _decode(self, src: torch.Tensor, dst: torch.Tensor, k: int) -> None:
+        if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            decode(src, dst, self.tables[k])
+        else:
+            decode_torch(src, dst, self.tables[k])
+
+    def check(self) -> None:
+        """Step start / before a replay: refuse stale captures; re-encode decoded host copies
+        edited in place (then :meth:`host_version` moves and the executor re-copies the slots
+        already loaded)."""
+        if self._stale is not None:
+            raise CodedCaptureStaleError(self._stale)
+        if self._decoded:
+            self._sweep()
+
+    def slot_bytes_of(self, ks) -> int:
+        """Slot bytes for a ring that streams only blocks ``ks`` (auto placement): their largest image."""
+        return max((self.layouts[k].nbytes for k in ks), default=self.slot_bytes)
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over the host link (the planner's transfer term)."""
+        return self.copy_bytes[k]
+
+    def host_version(self) -> int:
+        """Moves when a step start re-encoded an edited host copy (the executor then re-copies
+        the slots already loaded for upcoming positions)."""
+        return self._host_edits
+
+    def reload(self) -> None:
+        """Before the executor re-copies pending slots (update_weights): re-encode written blocks."""
+        if self._dirty:
+            self._fold()
+
+    def uncapturable(self) -> str | None:
+        """Why CUDA graphs cannot hold the loads: a copy from pageable memory cannot be captured."""
+        if self.device.type == "cuda" and not all(r.bytes for r in self._regs):
+            why = self.pin_failure or "pin_memory is off"
+            return f"some coded blocks are in pageable host memory ({why})"
+        return None
+
+    def remove(self) -> None:
+        """Executor teardown: no threads to stop."""
+
+    # -- host views, edits, writes --------------------------------------------------
+    def host_views(self) -> Mapping[int, torch.Tensor]:
+        return _HostViews(self, dict(self._ids))
+
+    def host_view(self, k: int, i: int) -> torch.Tensor:
+        """Tensor ``i`` of block ``k`` in the block's decoded host copy (decoded on first use)."""
+        d = self._decoded_block(k)
+        view = self.layouts[k].tensors[i].view_of(d.image)
+        d.handed.append(weakref.ref(view))
+        return view
+
+    def _decoded_block(self, k: int) -> _Decoded:
+        d = self._decoded.get(k)
+        if d is None:
+            image = self._decode_host(k)
+            d = self._decoded[k] = _Decoded(image, image._version)
+        return d
+
+    def _sweep(self) -> None:
+        """Re-encode edited decoded copies; drop those nobody holds a view of any more."""
+        edited = [k for k, d in self._decoded.items() if d.image._version != d.version]
+        if edited:
+            self._dirty.update(edited)
+            self._fold()
+            self._host_edits += 1  # the executor re-copies the slots already loaded (host_version)
+        for k, d in list(self._decoded.items()):
+            d.handed = [r for r in d.handed if r() is not None]
+            if not d.handed and k not in self._dirty:
+                del self._decoded[k]
+
+    def write(self, k: int, index: int, value: torch.Tensor) -> None:
+        """Tensor ``index`` of block ``k`` = ``value`` (re-encoded at the next reload/load/check)."""
+        d = self._decoded_block(k)
+        with torch.no_grad():
+            self.layouts[k].tensors[index].view_of(d.image).copy_(value)
+        self._dirty.add(k)
+
+    def _fold(self) -> None:
+        """Re-encode every dirty block from its decoded copy (not on the hot path)."""
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise CodedCaptureStaleError(
+                    "coded weights changed while a CUDA graph was being captured; call the model again")
+            torch.cuda.synchronize(self.device)  # in-flight copies may read the regions
+        grown = False
+        dirty = sorted(self._dirty)
+        images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
+        for k, (blobs, table) in zip(dirty, encoded_in_order([self.layouts[k] for k in dirty], images)):
+            d = self._decoded[k]
+            if self._store(k, blobs, table, grow=False):
+                grown = True
+                self._pin(k)
+            self._retable(k)
+            d.version = d.image._version
+        self._dirty.clear()
+        if grown:
+            self._grew()
+
+    def _retable(self, k: int) -> None:
+        """Block ``k``'s new table into its device tensor, in place (graphs read it at replay)."""
+        if not self._dev_tables or self._dev_tables[k] is None:
+            return
+        dev = self._dev_tables[k]
+        dev.copy_(self.tables[k]._host)  # same size: one record per tensor, fixed tile counts
+        self.tables[k]._device[self.device] = dev
+
+    def _grew(self) -> None:
+        if self._slots is None:
+            return
+        if max(self.copy_bytes) > self._buffers[0].numel():
+            self._alloc_buffers()
+        if self._captured:
+            self._stale = (
+                "a weight update or an edit of a state_dict() tensor made a coded block larger than the bytes "
+                "the captured CUDA graphs copy for it; those graphs would read it truncated. disable() the "
+                "model and wrap it again (or use cuda_graphs='off')")
+
+    # -- images --------------------------------------------------------------------
+    def image(self, k: int) -> torch.Tensor:
+        """Block ``k``'s runtime image in a fresh tensor on the device (current stream)."""
+        if self._dirty:
+            self._fold()
+        d = self._decoded.get(k)
+        if d is not None:
+            return d.image.to(self.device, copy=True)
+        return self._decode_to(k, self.device)
+
+    def _decode_host(self, k: int) -> torch.Tensor:
+        if self.device.type == "cuda" and self.tables[k].num_tiles:
+            return self._decode_to(k, self.device).cpu()
+        return self._decode_to(k, torch.device("cpu"))
+
+    def _decode_to(self, k: int, device: torch.device) -> torch.Tensor:
+        out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=device)
+        n = self.copy_bytes[k]
+        src = self.region(k)[:n]
+        if device.type == "cuda":
+            buf = torch.empty(n, dtype=torch.uint8, device=device)
+            copy_from_image(buf, src)
+            src = buf
+        self._decode(src, out, k)
+        return out
+
+    # -- figures and teardown ---------------------------------------------------------
+    def stats(self) -> dict:
+        raw = sum(lay.nbytes for lay in self.layouts)
+        coded16 = [(s.header.nbytes, s.header.numel) for t in self.tables if t is not None for s in t._live
+                   if s.header.k != 8 or s.header.dtype != torch.int16]
+        c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+        return {
+            "source": self.name,
+            "host_bytes": sum(align_up(c, PAGE) for c in self.copy_bytes),
+            "pinned_bytes": sum(r.bytes for r in self._regs),
+            "pinned": self.want_pin and all(r.bytes for r in self._regs),
+            "pin_failure": self.pin_failure,
+            "h2d_bytes_per_step": sum(self.copy_bytes),
+            "slot_bytes": self.slot_bytes,
+            "coded_bytes": sum(self.coded),
+            "raw_bytes": raw,
+            "coded_ratio": sum(self.coded) / raw if raw else 0.0,
+            "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+            "encode_s": self.encode_s,
+            "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
+        }
+
+    def close(self) -> None:
+        """Unregister the regions; drop decoded copies and device buffers."""
+        self._finalizer()
+        self._decoded.clear()
+        self._buffers = []
+        self._dev_tables = []
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"CodedSource({len(self.layouts)} blocks, {s['coded_bytes'] / 1e9:.3f} GB coded of "
+                f"{s['raw_bytes'] / 1e9:.3f} GB, pinned {s['pinned_bytes'] / 1e9:.3f} GB)")
+
+
+def _drop(tensors, device="cpu") -> None:
+    """Point tensors at empty placeholders on ``device`` (identity kept, storage released)."""
+    empties: dict[torch.dtype, torch.Tensor] = {}
+    for t in tensors:
+        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))

@@ -1,0 +1,104 @@
+"""Stream/event ordering of the coded source (H2D of coded bytes on the copy stream, decode on
+the decode stream), checked on the CPU with RecordingStreams and tests/stream_trace.py, as
+tests/test_happens_before.py does for the pinned and DLO sources: every schedule is clean,
+and one-line mutations of CodedSource keep the CPU outputs bit-exact but break the rules."""
+import copy
+import warnings
+
+import pytest
+import torch
+from stream_trace import RULES, accesses, check, counts
+from test_happens_before import MODES, SKIPS, SkippingToyDiT, _traced, mutant
+
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import toy_inputs
+from weightstream.offload.sources.coded import CodedSource, coded_source
+from weightstream.offload.streamed import StreamedBlocks
+from weightstream.offload.streams import RecordingStreams
+
+DEV = torch.device("cpu")
+
+
+class CodedCase:
+    """A wrapped SkippingToyDiT (7 blocks, fp32 and bf16) streamed from coded images, traced."""
+
+    def __init__(self, *, slots=2, resident=0, mode="ring", source_cls=CodedSource):
+        self.rec = RecordingStreams()
+        model = SkippingToyDiT()
+        self.ref = copy.deepcopy(model)
+        self.x = toy_inputs()
+        cfg = OffloadConfig.layerwise(resident_layers=resident, weight_codec="exp-k", progress=False)
+        cls = _traced(StreamedBlocks, self.rec, slots, mode)
+
+        def factory(req):
+            src = coded_source(req)
+            src.__class__ = source_cls  # the same object, with the (mutated) methods of source_cls
+            return src
+
+        streamed = cls(model, cfg, DEV, None, source=factory)
+        self.wrapped = OffloadedTransformer(streamed.module, cfg, device=DEV, streamed=streamed)
+
+    def forward(self, skip=()):
+        with torch.no_grad():
+            assert torch.equal(self.wrapped(self.x["x"], skip=skip), self.ref(self.x["x"], skip=skip))
+
+    def violations(self):
+        return check(self.rec.trace)
+
+
+def _assert_clean(case, min_reads):
+    c = counts(case.rec.trace)
+    assert c["reads"] >= min_reads and c["writes"] >= min_reads, c
+    bad = {r: v[:3] for r, v in case.violations().items() if v}
+    assert not bad, bad
+    coded = [s for s in accesses(case.rec.trace).reads if isinstance(s, tuple) and s[0] == "coded"]
+    assert coded, "the decodes note their reads of the coded buffers"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("slots,resident", [(1, 0), (2, 1), (3, 3)])
+def test_coded_schedules_are_ordered(slots, resident, mode):
+    """Skipped blocks, a weight update and an edit of a state_dict() tensor between forwards."""
+    case = CodedCase(slots=slots, resident=resident, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for skip in SKIPS[:6]:
+            case.forward(skip=skip)
+        case.wrapped.update_weights(case.ref.state_dict())
+        case.forward()
+        key = "single_blocks.4.up.weight"
+        with torch.no_grad():
+            case.wrapped.state_dict()[key].mul_(0.5)
+            case.ref.state_dict()[key].mul_(0.5)
+        case.forward()
+        case.forward(skip=(6,))
+    _assert_clean(case, min_reads=3 * (7 - resident))
+    assert case.wrapped.stats()["source"].startswith("coded")
+
+
+CODED_MUTATIONS = {
+    # the decode does not wait for the H2D of its coded bytes
+    "decode-no-wait-copied": ("ds.wait_event(self._copied[slot])", {"read_after_load"}, "ring"),
+    # the H2D into a coded buffer does not wait for the decode that last read it (a skipped
+    # block's slot is freed without anyone waiting for its decode)
+    "copy-no-wait-read": ("cs.wait_event(self._read[slot])", {"no_concurrent_write"}, "ring"),
+}
+
+
+@pytest.mark.parametrize("name", list(CODED_MUTATIONS))
+def test_coded_mutation_is_caught(name):
+    line, rules, mode = CODED_MUTATIONS[name]
+    case = CodedCase(mode=mode, source_cls=mutant(CodedSource, "_issue", line))
+    for skip in SKIPS:
+        case.forward(skip=skip)  # outputs still equal the resident model's
+    v = case.violations()
+    broken = {r for r in RULES if v[r]}
+    assert rules <= broken, f"{name}: expected {sorted(rules)} broken, got {sorted(broken)}"
+
+
+def test_coded_unmutated_twin_is_clean():
+    line = CODED_MUTATIONS["copy-no-wait-read"][0]
+    case = CodedCase(source_cls=mutant(CodedSource, "_issue", line, line))
+    for skip in SKIPS:
+        case.forward(skip=skip)
+    _assert_clean(case, min_reads=3 * 7)

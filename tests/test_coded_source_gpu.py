@@ -1,0 +1,127 @@
+"""weight_codec='exp-k' on the device: H2D of coded bytes + Triton decode on the copy stream,
+bit-exact against the resident model, CUDA graphs off and on (the decode captured inside
+the step's graph), each case in its own process (pytest -m gpu)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_isolated(name: str):
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_coded_source_gpu as t; t.{name}()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+# -- bodies (run in a fresh process each) -------------------------------------------------
+
+def _student_t(model, torch):
+    """Heavy-tailed bf16 weights (what the codec is for) in every 2-D weight."""
+    from weightstream.fills import fill
+
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and p.dtype == torch.bfloat16:
+                p.copy_(fill("student-t", p.shape, dtype=p.dtype, generator=g, scale=0.02))
+    return model
+
+
+def _setup(name="flux", graphs="off", big=False, **cfg):
+    import copy
+
+    import torch
+
+    from layerwise_cases import MODELS, first
+    from weightstream import OffloadConfig, OffloadedTransformer
+
+    make, inputs = MODELS[name]
+    over = {}
+    if big and name == "flux":  # ~9 MB of weights: headers and tile padding no longer count
+        over = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24))
+    model = _student_t(make(dtype=torch.bfloat16, **over), torch)
+    ref = copy.deepcopy(model).to("cuda")
+    x = inputs(model, device="cuda")
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs=graphs, weight_codec="exp-k", **cfg),
+                             device="cuda")
+    return torch, first, w, ref, x
+
+
+def _check(torch, first, w, ref, x, steps=5):
+    with torch.no_grad():
+        expected = first(ref(**x))
+        outs = [first(w(**x)) for _ in range(steps)]
+    diffs = [float((o.float() - expected.float()).abs().max()) for o in outs]
+    assert all(torch.equal(o, expected) for o in outs), diffs
+    s = w.stats()
+    assert str(s["source"]).startswith("coded") and s["pinned"], s
+    return s
+
+
+def case_eager_flux():
+    torch, first, w, ref, x = _setup("flux")
+    _check(torch, first, w, ref, x)
+
+
+def case_eager_wan_resident():
+    torch, first, w, ref, x = _setup("wan", resident_layers=1)
+    _check(torch, first, w, ref, x)
+
+
+def case_eager_big_flux_codes_below_raw():
+    torch, first, w, ref, x = _setup("flux", big=True)
+    s = _check(torch, first, w, ref, x)
+    assert s["h2d_bytes_per_step"] < 0.8 * s["raw_bytes"], s
+    assert s["bits_per_weight"] < 12.5, s
+
+
+def case_graphs_flux():
+    torch, first, w, ref, x = _setup("flux", graphs="on")
+    _check(torch, first, w, ref, x)
+    c = w.graphs.counts
+    assert c["capture"] >= 1 and c["replay"] >= 2, c
+
+
+def case_graphs_wan_resident():
+    torch, first, w, ref, x = _setup("wan", graphs="on", resident_layers=1)
+    _check(torch, first, w, ref, x)
+    assert w.graphs.counts["replay"] >= 2, w.graphs.counts
+
+
+def case_graphs_decode_reads_current_weights():
+    """After capture, update_weights and a state_dict() edit re-encode blocks in place: the
+    replayed graphs (H2D of the coded bytes, decode with the in-place table) compute with
+    the new weights, without a new capture."""
+    torch, first, w, ref, x = _setup("flux", graphs="on", big=True)
+    _check(torch, first, w, ref, x, steps=4)
+    captures = w.graphs.counts["capture"]
+    with torch.no_grad():
+        new = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
+        ref.load_state_dict(new)
+        w.update_weights(new)
+        outs = [first(w(**x)) for _ in range(3)]
+        expected = first(ref(**x))
+        assert all(torch.equal(o, expected) for o in outs)
+        key = "single_transformer_blocks.0.proj_out.weight"
+        w.state_dict()[key].mul_(-1.0)
+        ref.state_dict()[key].mul_(-1.0)
+        outs = [first(w(**x)) for _ in range(3)]
+        expected = first(ref(**x))
+        assert all(torch.equal(o, expected) for o in outs)
+    assert w.graphs.counts["capture"] == captures, w.graphs.counts
+    plain = w.disable()
+    with torch.no_grad():
+        assert torch.equal(first(plain(**x)), expected)
+
+
+@pytest.mark.parametrize("name", [
+    "case_eager_flux", "case_eager_wan_resident", "case_eager_big_flux_codes_below_raw", "case_graphs_flux",
+    "case_graphs_wan_resident", "case_graphs_decode_reads_current_weights",
+])
+def test_coded_gpu(name):
+    run_isolated(name)
