@@ -458,7 +458,8 @@ class CodedSource:
         return None
 
     def remove(self) -> None:
-        """Executor teardown: no threads to stop."""
+        """Executor teardown: no threads to stop; let go of the slots and the coded buffers."""
+        self._slots, self._buffers = [], []
 
     # -- host views, edits, writes --------------------------------------------------
     def host_views(self) -> Mapping[int, torch.Tensor]:
@@ -527,7 +528,7 @@ class CodedSource:
         self.tables[k]._device[self.device] = dev
 
     def _grew(self) -> None:
-        if self._slots is None:
+        if not self._slots:  # not attached, or the executor was torn down
             return
         if max(self.copy_bytes) > self._buffers[0].numel():
             self._alloc_buffers()
