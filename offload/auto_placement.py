@@ -111,7 +111,8 @@ class AutoPlacement:
         prior = self.current.inputs.compute_ms if self.current is not None else None
         return planner.plan_from_events(
             events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
-            fixed_device_bytes=sb.resident_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps)
+            fixed_device_bytes=sb.resident_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps,
+            cold_outliers=True)  # a signature's first step runs its first blocks cold
 
     # -- applying ------------------------------------------------------------------------
     def apply(self, plan: planner.AutoPlan) -> None:

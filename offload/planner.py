@@ -551,9 +551,18 @@ def _check_events(events, num_blocks: int) -> list[dict]:
     return out
 
 
-def compute_from_events(events, device_bytes, *, prior_compute_ms=None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+COLD_FACTOR = 3.0  # a block measured over this many times its same-layout peers' median ran cold
+
+
+def compute_from_events(events, device_bytes, *, prior_compute_ms=None,
+                        cold_outliers: bool = False) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """Per-block compute ms from the log's compute records (the median over the
     steps present), and the blocks that had none (resident while measured).
+    ``cold_outliers``: a block measured over ``COLD_FACTOR`` times the median of
+    the other blocks of its layout (at least two) takes that median: the first
+    step of a signature pays one-time costs in its first blocks (library
+    initialisation, autotuning: 97 ms instead of 3.7 ms for Flux's first block on
+    the H200), which a plan must not mistake for compute.
     Those take ``prior_compute_ms[i]`` when given (an earlier plan's figures),
     else the median of the measured blocks of the same ``device_bytes`` (the
     same layout computes alike), else the median measured ms per byte times
@@ -567,6 +576,8 @@ def compute_from_events(events, device_bytes, *, prior_compute_ms=None) -> tuple
         raise ValueError("events hold no compute record; allowed: the event log of at least one step "
                          "(record_events=True)")
     measured = {b: statistics.median(v) for b, v in per.items()}
+    if cold_outliers:
+        measured = _without_cold_outliers(measured, dev)
     prior = None
     if prior_compute_ms is not None:
         prior = tuple(_number(f"prior_compute_ms[{i}]", v, positive=False) for i, v in enumerate(prior_compute_ms))
@@ -582,6 +593,17 @@ def compute_from_events(events, device_bytes, *, prior_compute_ms=None) -> tuple
         same = [ms for b, ms in measured.items() if dev[b] == nbytes]
         out.append(prior[i] if prior is not None else statistics.median(same) if same else per_byte * nbytes)
     return tuple(out), tuple(estimated)
+
+
+def _without_cold_outliers(measured: dict[int, float], dev) -> dict[int, float]:
+    out = dict(measured)
+    for b, ms in measured.items():
+        peers = [m for p, m in measured.items() if p != b and dev[p] == dev[b]]
+        if len(peers) >= 2:
+            typical = statistics.median(peers)
+            if ms > COLD_FACTOR * typical:
+                out[b] = typical
+    return out
 
 
 def h2d_from_events(events, link_bytes, *, device_bytes=None, decode_gbps=None) -> float:
@@ -635,7 +657,7 @@ class AutoPlan:
 def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d_gbps: float | None = None,
                      fixed_device_bytes: int = 0, decode_gbps: float | None = None,
                      slot_counts=(2, 3, 4), decode_on_copy_stream: bool = True,
-                     prior_compute_ms=None, step_local: bool = False) -> AutoPlan:
+                     prior_compute_ms=None, step_local: bool = False, cold_outliers: bool = False) -> AutoPlan:
     """Plan from an executor's event log (``EventLog.resolve()``: dicts with
     step, block, lane, start_ms, end_ms; block = index in execution order):
     per-block compute from its compute records (:func:`compute_from_events`),
@@ -643,7 +665,8 @@ def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d
     (:func:`h2d_from_events`), then :func:`plan` under ``budget_bytes``."""
     if hasattr(events, "__iter__") and not isinstance(events, (str, bytes, dict)):
         events = list(events)  # read twice: compute records, then copy records
-    compute, estimated = compute_from_events(events, device_bytes, prior_compute_ms=prior_compute_ms)
+    compute, estimated = compute_from_events(events, device_bytes, prior_compute_ms=prior_compute_ms,
+                                             cold_outliers=cold_outliers)
     measured = h2d_gbps is None
     if measured:
         h2d_gbps = h2d_from_events(events, link_bytes, device_bytes=device_bytes,

@@ -680,3 +680,21 @@ def test_plan_from_a_cuda_event_log_predicts_the_streamed_step():
     measured = statistics.median(times[2:])
     assert 0.75 < ran.predicted_ms / measured < 1.25, (ran.predicted_ms, measured, auto.describe())
     assert auto.placement.fits and auto.placement.predicted_ms <= ran.predicted_ms
+
+
+def test_a_cold_first_block_is_not_taken_for_compute():
+    """The first step of a signature pays one-time costs in its first block (97 ms
+    instead of 3.7 ms for Flux's first block on the H200, perf/results/*0ad2713*):
+    with cold_outliers (auto placement's choice) the block takes the median of its
+    layout's other blocks; a unique layout keeps its figure; by default every
+    measurement is kept."""
+    from weightstream.offload.planner import compute_from_events
+
+    dev = [100, 100, 100, 100, 50]
+    ms = [97.0, 3.6, 3.7, 3.65, 9.0]
+    events = [{"step": 0, "block": i, "lane": "compute", "start_ms": 10.0 * i, "end_ms": 10.0 * i + m}
+              for i, m in enumerate(ms)]
+    got, _ = compute_from_events(events, dev, cold_outliers=True)
+    assert got[0] == pytest.approx(3.65) and got[1:] == pytest.approx(ms[1:])
+    raw, _ = compute_from_events(events, dev)
+    assert raw == pytest.approx(ms)
