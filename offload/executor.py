@@ -554,6 +554,12 @@ class LayerwiseExecutor:
         p = self.position
         if self._started != p and block == self.schedule.first:
             self._start_step()  # a step entered without the DiT's hook (root.forward(...)), or the plain ring
+        elif interrupted and block == expected:
+            # the block that raised runs again (its step already started): what the step start
+            # checks may have changed since (a state_dict() edit, a checkpoint file)
+            if self._source_check is not None:
+                self._source_check()
+            self._check_host_edits()
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
         slot = self.schedule.slot_at(p)

@@ -1,5 +1,6 @@
 """Layerwise offload on the CPU: the same mechanism as on CUDA, without streams."""
 import copy
+import warnings
 import gc
 import json
 import weakref
@@ -409,3 +410,31 @@ def test_disable_lets_go_of_the_slots(source):
     del wrapped, streamed
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("at", ["first", "later"])
+def test_edit_after_a_step_cut_inside_a_block_reaches_the_next_forward(at):
+    """A forward raises inside a streamed block (the block stays bound); the weights
+    are then edited in place through state_dict(); the next forward, which enters
+    that same block again (first block) or re-primes (a later one), computes with
+    the edit."""
+    model = ToyDiT()
+    ref = copy.deepcopy(model)
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=DEV)
+    x = toy_inputs()
+    blocks = [*model.double_blocks, *model.single_blocks]
+    victim = blocks[0 if at == "first" else 3]
+    sub = next(m for m in victim.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad():
+        wrapped(**x)
+        h = sub.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(KeyError("boom")))
+        with pytest.raises(KeyError):
+            wrapped(**x)
+        h.remove()
+        key = next(k for k in ref.state_dict() if k.startswith("double_blocks.0.") and k.endswith("weight"))
+        wrapped.state_dict()[key].mul_(0.5)
+        ref.state_dict()[key].mul_(0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the re-priming warning of the later case
+            assert torch.equal(wrapped(**x), ref(**x))
+            assert torch.equal(wrapped(**x), ref(**x))
