@@ -505,27 +505,22 @@ class LayerwiseExecutor:
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
-        g = self.guard
-        if g is None:
-            self._before_block(block)
-            return
-        g.check()
-        if not g.sticky_blocks:
-            self._before_block(block)
-            return
-        try:
-            self._before_block(block)
-        except Exception as e:
-            g.mark_failed(f"{type(e).__name__}: {e}")
-            raise
+        if self.guard is not None:
+            self.guard.check()  # a failed DLO backend stops here, before any transfer or collective
+        self._guarded(self._before_block, block)
 
     def after_block(self, block: int) -> None:
+        self._guarded(self._after_block, block)
+
+    def _guarded(self, step, block: int) -> None:
+        """``step(block)``; under a guard whose block failures are sticky (DLO AllGather:
+        peers may be out of step after one) an exception also ends the backend, named."""
         g = self.guard
         if g is None or not g.sticky_blocks:
-            self._after_block(block)
+            step(block)
             return
         try:
-            self._after_block(block)
+            step(block)
         except Exception as e:
             g.mark_failed(f"{type(e).__name__}: {e}")
             raise
