@@ -38,6 +38,7 @@ gone is dropped at the next check.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -139,19 +140,50 @@ def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], Deco
     return blobs, DecodeTable(segs)
 
 
-def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]]):
+def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, workers: int | None = None):
     """``encode_image`` of every block, computed on worker threads a few blocks ahead and
-    yielded in block order (torch's copies and shifts release the GIL)."""
-    n = len(layouts)
-    workers = max(1, min(8, os.cpu_count() or 1, n))
-    ahead = 2 * workers
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
-        futs = {k: pool.submit(encode_image, layouts[k], objs[k]) for k in range(min(n, ahead))}
+    yielded in block order (torch's copies and shifts release the GIL). See :func:`in_order`
+    for the threads; ``workers`` defaults to :func:`encode_workers`."""
+    return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k]), workers=workers)
+
+
+def encode_workers() -> int:
+    """Encode worker threads: the cores this process may run on (``os.sched_getaffinity``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op threads set to 1 inside the block, restored after it, on error too.
+
+    Each encode worker is one thread doing small per-chunk ops: with torch's default
+    intra-op threads (one per core) every worker's ops fan out to a pool of its own and
+    W workers x N threads thrash (16 cores: 0.2-0.4 GB/s in all). ``torch.set_num_threads``
+    is process-wide: other threads of the process run single-threaded torch ops meanwhile.
+    Threads started inside the block take 1 (torch reads the count lazily per thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def in_order(n: int, work, *, workers: int | None = None):
+    """``work(k)`` for k in 0..n-1 on ``workers`` threads (default :func:`encode_workers`),
+    a few ahead, yielded in order; torch runs one intra-op thread per worker meanwhile
+    (:func:`one_intra_op_thread`, restored when the generator finishes or is closed)."""
+    workers = max(1, min(encode_workers() if workers is None else workers, n))
+    ahead = workers + 2  # results waiting for the consumer: bounded host memory
+    with one_intra_op_thread(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
+        futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
         try:
             for k in range(n):
                 done = futs.pop(k).result()
                 if k + ahead < n:
-                    futs[k + ahead] = pool.submit(encode_image, layouts[k + ahead], objs[k + ahead])
+                    futs[k + ahead] = pool.submit(work, k + ahead)
                 yield done
         finally:
             for f in futs.values():
@@ -306,12 +338,13 @@ class CodedSource:
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
         dropped = 0
         try:
-            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
-                self._store(k, blobs, table, grow=True)
-                drop(objs[k])  # the region is now the one host copy
-                dropped = k + 1
-                self._pin(k)
-                bar.update(self.layouts[k].nbytes)
+            with contextlib.closing(encoded_in_order(self.layouts, objs)) as coded:  # closing: threads restored
+                for k, (blobs, table) in enumerate(coded):
+                    self._store(k, blobs, table, grow=True)
+                    drop(objs[k])  # the region is now the one host copy
+                    dropped = k + 1
+                    self._pin(k)
+                    bar.update(self.layouts[k].nbytes)
         except BaseException:
             self._give_back(objs, dropped)
             raise
@@ -508,13 +541,14 @@ class CodedSource:
         grown = False
         dirty = sorted(self._dirty)
         images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
-        for k, (blobs, table) in zip(dirty, encoded_in_order([self.layouts[k] for k in dirty], images)):
-            d = self._decoded[k]
-            if self._store(k, blobs, table, grow=False):
-                grown = True
-                self._pin(k)
-            self._retable(k)
-            d.version = d.image._version
+        with contextlib.closing(encoded_in_order([self.layouts[k] for k in dirty], images)) as coded:
+            for k, (blobs, table) in zip(dirty, coded):
+                d = self._decoded[k]
+                if self._store(k, blobs, table, grow=False):
+                    grown = True
+                    self._pin(k)
+                self._retable(k)
+                d.version = d.image._version
         self._dirty.clear()
         if grown:
             self._grew()
