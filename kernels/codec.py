@@ -401,7 +401,8 @@ class _Coder:
         codes = codes.view(tiles, tile)
         self.codes.append(_pack_planes(codes, k, tile))
         if k < 8:
-            idx = np.flatnonzero((codes.reshape(-1) == (1 << k) - 1).numpy())  # ~10x faster than torch's nonzero
+            # numpy's compare and flatnonzero: ~5x faster than torch's uint8 == scalar, ~10x than nonzero
+            idx = np.flatnonzero(codes.reshape(-1).numpy() == (1 << k) - 1)
             self.bases.append(torch.from_numpy(np.searchsorted(idx, np.arange(tiles) * tile) + self.num_exc))
             self.num_exc += idx.size
             self.exc.append(torch.from_numpy(sym.numpy()[idx]))
