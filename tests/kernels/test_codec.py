@@ -471,3 +471,72 @@ def test_gpu_big_tensor_unaligned_destinations(dst_shift):
     torch.cuda.synchronize()
     for s, t in zip(table.segments, ts):
         assert torch.equal(dst[s.dst_offset : s.dst_end].cpu(), t.reshape(-1).view(torch.uint8))
+
+
+def _weightlike_bits(numel: int) -> torch.Tensor:
+    """bf16 bit patterns from integer arithmetic alone (no RNG: the same on every torch):
+    exponents mostly in a window of 8, every 97th element anywhere, so the coder escapes."""
+    h = (torch.arange(numel, dtype=torch.int64) * 2654435761) % 4294967291
+    exp = torch.where(h % 97 == 0, (h >> 11) % 256, 118 + (h >> 3) % 8)
+    bits = ((h >> 20) & 1) << 15 | exp << 7 | (h & 0x7F)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+# sha256 of encode(_weightlike_bits(n)) as the format first shipped it: the encoder may get
+# faster, its bytes may not change (a changed digest is a format change, not a speed-up)
+GOLDEN_SHA256 = {
+    5000: "822635647261d4d836d41a6c75cc60dad3ee31ac5a66732945d6dbccf3022541",
+    1_500_000: "3d182d68070e640887a0043c22af3bc405807d5219815e68d621d0360323fcb4",
+}
+
+
+@pytest.mark.parametrize("numel", sorted(GOLDEN_SHA256))
+def test_encoded_bytes_are_the_format_golden_bytes(numel):
+    import hashlib
+
+    blob = encode(_weightlike_bits(numel))
+    assert read_header(blob).k == 3 and read_header(blob).num_exceptions > 0
+    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[numel]
+
+
+def test_encoded_bytes_do_not_depend_on_intra_op_threads():
+    t = fill("student-t", (1200, 1024), generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        blobs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            blobs.append(encode(t))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(blobs[0], b) for b in blobs[1:])
+    assert torch.equal(decode_tensor(blobs[0], t.shape).view(torch.int16), t.view(torch.int16))
+
+
+def test_bench_codec_build_path_figures():
+    """perf/bench_codec.py's build-path rates: real encodes at 1 and 2 workers, figures that
+    agree with each other, and a result file perf/results.py accepts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from perf import bench_codec
+    from perf.results import validate_result
+
+    assert bench_codec.default_build_workers(16) == [1, 2, 4, 8, 16]
+    assert bench_codec.default_build_workers(6) == [1, 2, 4, 6]
+    assert bench_codec.default_build_workers(1) == [1]
+    gen = torch.Generator().manual_seed(0)
+    tensors = [fill("gaussian", (300, 1024), generator=gen), fill("gaussian", (64,), generator=gen, dtype=torch.float16)]
+    modes = bench_codec.build_figures(tensors, blocks=3, workers=[1, 2], reps=2)
+    assert sorted(modes) == ["triton-build-source", "triton-build-w1", "triton-build-w2"]
+    raw = 3 * (300 * 1024 + 64) * 2
+    for name, f in modes.items():
+        assert f["raw_bytes"] == raw and f["blocks"] == 3 and f["reps"] == 2
+        assert math.isclose(f["gbps"], raw / f["build_s"] / 1e9)
+        assert math.isclose(f["gbps_per_worker"], f["gbps"] / f["workers"])
+        assert f["cpu_gbps_per_core"] > 0 and math.isclose(f["step_ms"], 1e3 * f["build_s"])
+    assert modes["triton-build-w2"]["workers"] == 2
+    assert modes["triton-build-source"]["workers"] == modes["triton-build-source"]["cores"] == bench_codec.usable_cores()
+    validate_result({"scenario": "codec-cpu", "gpu": "cpu", "gpus": 0, "commit": "abc", "torch": torch.__version__,
+                     "date": "2026-01-01T00:00:00Z", "modes": modes})
