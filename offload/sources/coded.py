@@ -140,6 +140,22 @@ def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], Deco
     return blobs, DecodeTable(segs)
 
 
+def encode_into(region: torch.Tensor, layout: BlockLayout, tensors) -> tuple[int, DecodeTable]:
+    """``encode_image`` with its coded tensors written back to back at the start of ``region``
+    (on the worker: the copy and the first touch of the region's pages run in parallel too);
+    returns (coded bytes, table)."""
+    blobs, table = encode_image(layout, tensors)
+    return _write(region, blobs), table
+
+
+def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:
+    at = 0
+    for b in blobs:
+        region[at : at + b.numel()].copy_(b)  # a block's coded tensors fit its region (_capacity)
+        at += b.numel()
+    return at
+
+
 def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, workers: int | None = None):
     """``encode_image`` of every block, computed on worker threads a few blocks ahead and
     yielded in block order (torch's copies and shifts release the GIL). See :func:`in_order`
@@ -338,9 +354,10 @@ class CodedSource:
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
         dropped = 0
         try:
-            with contextlib.closing(encoded_in_order(self.layouts, objs)) as coded:  # closing: threads restored
-                for k, (blobs, table) in enumerate(coded):
-                    self._store(k, blobs, table, grow=True)
+            work = lambda k: encode_into(self.region(k), self.layouts[k], objs[k])  # noqa: E731
+            with contextlib.closing(in_order(n, work)) as coded:  # closing: torch's threads restored
+                for k, (at, table) in enumerate(coded):
+                    self._commit(k, at, table, grow=True)
                     drop(objs[k])  # the region is now the one host copy
                     dropped = k + 1
                     self._pin(k)
@@ -362,10 +379,11 @@ class CodedSource:
 
     def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
         """Write block ``k``'s coded tensors into its region; True when its copy size grew."""
-        region, at = self.region(k), 0
-        for b in blobs:
-            region[at : at + b.numel()].copy_(b)
-            at += b.numel()
+        return self._commit(k, _write(self.region(k), blobs), table, grow=grow)
+
+    def _commit(self, k: int, at: int, table: DecodeTable, *, grow: bool) -> bool:
+        """Block ``k``'s region holds ``at`` coded bytes decoded by ``table``; True when its copy
+        size grew."""
         self.coded[k], self.tables[k] = at, table
         need = min(self.capacity[k], align_up(at + _slack(self.layouts[k]), _ALIGN))
         if not grow and at <= self.copy_bytes[k]:
