@@ -193,7 +193,8 @@ def in_order(n: int, work, *, workers: int | None = None):
     (:func:`one_intra_op_thread`, restored when the generator finishes or is closed)."""
     workers = max(1, min(encode_workers() if workers is None else workers, n))
     ahead = workers + 2  # results waiting for the consumer: bounded host memory
-    with one_intra_op_thread(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode")
+    with one_intra_op_thread(), pool:
         futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
         try:
             for k in range(n):

@@ -527,7 +527,8 @@ def test_bench_codec_build_path_figures():
     assert bench_codec.default_build_workers(6) == [1, 2, 4, 6]
     assert bench_codec.default_build_workers(1) == [1]
     gen = torch.Generator().manual_seed(0)
-    tensors = [fill("gaussian", (300, 1024), generator=gen), fill("gaussian", (64,), generator=gen, dtype=torch.float16)]
+    tensors = [fill("gaussian", (300, 1024), generator=gen),
+               fill("gaussian", (64,), generator=gen, dtype=torch.float16)]
     modes = bench_codec.build_figures(tensors, blocks=3, workers=[1, 2], reps=2)
     assert sorted(modes) == ["triton-build-source", "triton-build-w1", "triton-build-w2"]
     raw = 3 * (300 * 1024 + 64) * 2
@@ -537,6 +538,7 @@ def test_bench_codec_build_path_figures():
         assert math.isclose(f["gbps_per_worker"], f["gbps"] / f["workers"])
         assert f["cpu_gbps_per_core"] > 0 and math.isclose(f["step_ms"], 1e3 * f["build_s"])
     assert modes["triton-build-w2"]["workers"] == 2
-    assert modes["triton-build-source"]["workers"] == modes["triton-build-source"]["cores"] == bench_codec.usable_cores()
+    whole = modes["triton-build-source"]
+    assert whole["workers"] == whole["cores"] == bench_codec.usable_cores()
     validate_result({"scenario": "codec-cpu", "gpu": "cpu", "gpus": 0, "commit": "abc", "torch": torch.__version__,
                      "date": "2026-01-01T00:00:00Z", "modes": modes})
