@@ -274,14 +274,33 @@ def _table_len(k: int) -> int:
 # ----------------------------------------------------------------------------
 
 
-def _split_chunk(v: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(symbol, raw) bytes of contiguous int16 elements `v` (narrowing casts keep the low byte)."""
+def _split_chunk(v: torch.Tensor, bf16: bool, scratch: _Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(symbol, raw) bytes of contiguous int16 elements `v` (narrowing casts keep the low byte).
+    With `scratch`, the int16 intermediates and the symbols live in its buffers (the symbols
+    are overwritten by the next call); raw is always a new tensor."""
+    if scratch is None:
+        scratch = _Scratch(v.numel())
+    n = v.numel()
+    a, b, sym = scratch.a[:n], scratch.b[:n], scratch.sym[:n]
+    torch.bitwise_right_shift(v, 7 if bf16 else 8, out=a)
+    sym.copy_(a)
     if not bf16:
-        return (v >> 8).to(torch.uint8), v.to(torch.uint8)
-    sym = (v >> 7).to(torch.uint8)
-    t = v & -32641  # 0x807F: sign and mantissa
-    raw = t.bitwise_or_(t >> 8).to(torch.uint8)  # the arithmetic shift copies the sign into bit 7
-    return sym, raw
+        return sym, v.to(torch.uint8)
+    torch.bitwise_and(v, -32641, out=a)  # 0x807F: sign and mantissa
+    torch.bitwise_right_shift(a, 8, out=b)  # the arithmetic shift copies the sign into bit 7
+    return sym, a.bitwise_or_(b).to(torch.uint8)
+
+
+class _Scratch:
+    """Buffers one encode reuses chunk after chunk: fresh multi-MB temporaries per chunk
+    cost page faults (the allocator hands large blocks back to the OS) of the order of the
+    arithmetic itself."""
+
+    def __init__(self, n: int):
+        self.a = torch.empty(n, dtype=torch.int16)
+        self.b = torch.empty(n, dtype=torch.int16)
+        self.sym = torch.empty(n, dtype=torch.uint8)
+        self.codes = torch.empty(n, dtype=torch.uint8)
 
 
 def _given_table(counts: list[int], k: int, table: tuple[int, ...]):
@@ -379,6 +398,7 @@ class _Coder:
     codes: list
     exc: list
     bases: list  # per chunk: escapes before each of its tiles (int64, whole tensor)
+    scratch: _Scratch
     num_exc: int = 0
 
     def lut(self) -> torch.Tensor:
@@ -388,7 +408,7 @@ class _Coder:
 
     def add(self, v: torch.Tensor, lut: torch.Tensor | None) -> None:
         """Code one chunk of int16 elements (a whole number of tiles, except the last chunk)."""
-        sym, raw = _split_chunk(v, self.bf16)
+        sym, raw = _split_chunk(v, self.bf16, self.scratch)
         self.raw.append(raw)
         k, tile = self.k, self.tile
         if k == 0:
@@ -402,7 +422,7 @@ class _Coder:
         if k == 8:
             codes = sym
         elif self.window is not None:  # the table is a contiguous (mod 256) window of symbols
-            codes = (sym - self.window).clamp_(max=(1 << k) - 1)
+            codes = torch.sub(sym, self.window, out=self.scratch.codes[: sym.numel()]).clamp_(max=(1 << k) - 1)
         else:
             codes = lut[sym.long()]
         codes = codes.view(tiles, tile)
@@ -415,11 +435,11 @@ class _Coder:
             self.exc.append(torch.from_numpy(sym.numpy()[idx]))
 
 
-def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int) -> torch.Tensor:
+def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch: _Scratch) -> torch.Tensor:
     """Symbol counts over every `sample`-th chunk of `step` elements."""
     hist = torch.zeros(256, dtype=torch.int64)
     for a in range(0, elems.numel(), step * sample):
-        sym, _ = _split_chunk(elems[a : a + step], bf16)
+        sym, _ = _split_chunk(elems[a : a + step], bf16, scratch)
         hist += torch.bincount(sym, minlength=256)
     return hist
 
@@ -449,13 +469,14 @@ def encode(
     table = _check_table(k, table)
     elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.int16)
     bf16, step = tensor.dtype == torch.bfloat16, _round_up(_CHUNK, tile)
-    sample = 4 if elems.numel() > 4 * step and table is None else 1
-    kk, table, window = _choose(_histogram(elems, bf16, step, sample), k, table)
-    if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
-        kk, table, window = _choose(_histogram(elems, bf16, step, 1), k, None)
-    coder = _Coder(kk, table, window, tile, bf16, [], [], [], [])
-    lut = coder.lut() if 0 < kk < 8 and window is None else None
     code_step = _round_up(max(_CODE_CHUNK, tile), tile)
+    scratch = _Scratch(min(code_step, _round_up(elems.numel(), tile)))  # >= any chunk, padded or not
+    sample = 4 if elems.numel() > 4 * step and table is None else 1
+    kk, table, window = _choose(_histogram(elems, bf16, step, sample, scratch), k, table)
+    if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
+        kk, table, window = _choose(_histogram(elems, bf16, step, 1, scratch), k, None)
+    coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch)
+    lut = coder.lut() if 0 < kk < 8 and window is None else None
     for a in range(0, elems.numel(), code_step):
         coder.add(elems[a : a + code_step], lut)
     return _assemble(coder, tensor.dtype, elems.numel())
@@ -752,8 +773,9 @@ def symbol_entropy(tensor: torch.Tensor) -> float:
         raise TypeError(f"tensor must be a torch.Tensor of dtype in {list(DTYPE_CODES)}")
     elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.int16)
     hist = torch.zeros(256, dtype=torch.float64)
+    scratch = _Scratch(min(_CHUNK, elems.numel()))
     for a in range(0, elems.numel(), _CHUNK):
-        sym, _ = _split_chunk(elems[a : a + _CHUNK], tensor.dtype == torch.bfloat16)
+        sym, _ = _split_chunk(elems[a : a + _CHUNK], tensor.dtype == torch.bfloat16, scratch)
         hist += torch.bincount(sym, minlength=256)
     p = hist[hist > 0] / hist.sum().clamp(min=1)
     return float(-(p * p.log2()).sum())
