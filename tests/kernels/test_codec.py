@@ -473,30 +473,48 @@ def test_gpu_big_tensor_unaligned_destinations(dst_shift):
         assert torch.equal(dst[s.dst_offset : s.dst_end].cpu(), t.reshape(-1).view(torch.uint8))
 
 
-def _weightlike_bits(numel: int) -> torch.Tensor:
+def _weightlike_bits(numel: int, window: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
     """bf16 bit patterns from integer arithmetic alone (no RNG: the same on every torch):
-    exponents mostly in a window of 8, every 97th element anywhere, so the coder escapes."""
+    exponents mostly in a window of `window` (7: the coder's table is a window; 8: a lookup),
+    every 97th element anywhere, so the coder escapes. Other dtypes view the same bits."""
     h = (torch.arange(numel, dtype=torch.int64) * 2654435761) % 4294967291
-    exp = torch.where(h % 97 == 0, (h >> 11) % 256, 118 + (h >> 3) % 8)
+    exp = torch.where(h % 97 == 0, (h >> 11) % 256, 126 - window + (h >> 3) % window)
     bits = ((h >> 20) & 1) << 15 | exp << 7 | (h & 0x7F)
-    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
 
 
-# sha256 of encode(_weightlike_bits(n)) as the format first shipped it: the encoder may get
-# faster, its bytes may not change (a changed digest is a format change, not a speed-up)
+# sha256 of the coded bytes as the format first shipped them (computed with the encoder before
+# its speed-ups): the encoder may get faster, its bytes may not change
 GOLDEN_SHA256 = {
-    5000: "822635647261d4d836d41a6c75cc60dad3ee31ac5a66732945d6dbccf3022541",
-    1_500_000: "3d182d68070e640887a0043c22af3bc405807d5219815e68d621d0360323fcb4",
+    ("bf16-lookup", 5000): "822635647261d4d836d41a6c75cc60dad3ee31ac5a66732945d6dbccf3022541",
+    ("bf16-lookup", 1_500_000): "3d182d68070e640887a0043c22af3bc405807d5219815e68d621d0360323fcb4",
+    ("bf16-window", 1_500_000): "32180cab8a28c4aea23e797d91a149ca7ae5788c7717189bd8b3935853b9458f",
+    ("fp16", 1_500_000): "4789bb8c91d561ed47c78e43461119370822314f1772025f7df9549aba166a17",
+    ("int16-k8", 1_300_001): "fe0dda3ec4eaf54313e770073676825dabb4d61167b1f62c98e6eb850e864087",
 }
 
 
-@pytest.mark.parametrize("numel", sorted(GOLDEN_SHA256))
-def test_encoded_bytes_are_the_format_golden_bytes(numel):
+def _golden_blob(case: str, numel: int) -> torch.Tensor:
+    if case == "bf16-lookup":
+        return encode(_weightlike_bits(numel))
+    if case == "bf16-window":
+        return encode(_weightlike_bits(numel, window=7))
+    if case == "fp16":
+        return encode(_weightlike_bits(numel, dtype=torch.float16))
+    return encode(_weightlike_bits(numel, dtype=torch.int16), k=8, tile=1024)
+
+
+@pytest.mark.parametrize("case, numel", sorted(GOLDEN_SHA256))
+def test_encoded_bytes_are_the_format_golden_bytes(case, numel):
     import hashlib
 
-    blob = encode(_weightlike_bits(numel))
-    assert read_header(blob).k == 3 and read_header(blob).num_exceptions > 0
-    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[numel]
+    blob = _golden_blob(case, numel)
+    head = read_header(blob)
+    assert head.k == (8 if case == "int16-k8" else 3) and (head.num_exceptions > 0) == (case != "int16-k8")
+    if case.startswith("bf16"):  # the window case codes by subtraction, the other by a lookup
+        t = head.table
+        assert all((b - a) % 256 == 1 for a, b in zip(t, t[1:])) == (case == "bf16-window")
+    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[(case, numel)]
 
 
 def test_encoded_bytes_do_not_depend_on_intra_op_threads():
