@@ -445,9 +445,11 @@ def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch:
 
 
 def encode(
-    tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None
+    tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer.
+    """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer
+    (or, with `out`, at the start of `out` when it fits: the result is then a view of it).
 
     k: bits per symbol code (0..8, see the module doc); None picks the k that
     gives the smallest buffer (from the symbol histogram of the tensor, or of
@@ -457,7 +459,10 @@ def encode(
     use (needs k in [0, 7]; 2^k - 1 distinct symbols, one for k = 0), default
     the most frequent symbols. Non-contiguous or non-CPU tensors are copied to
     a contiguous CPU tensor first. Read the header of the result with
-    `read_header`.
+    `read_header`. out: a 1-D contiguous uint8 CPU tensor not overlapping
+    `tensor`; a coded tensor longer than it goes to a new buffer instead (the
+    caller tells by `result.data_ptr() == out.data_ptr()`); its bytes are the
+    same either way.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -467,6 +472,10 @@ def encode(
         _check_int("k", k, 0, 8)
     _check_tile(tile)
     table = _check_table(k, table)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+                            or out.device.type != "cpu" or not out.is_contiguous()):
+        raise TypeError(f"out must be a 1-D contiguous uint8 CPU tensor or None, got "
+                        f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
     elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.int16)
     bf16, step = tensor.dtype == torch.bfloat16, _round_up(_CHUNK, tile)
     code_step = _round_up(max(_CODE_CHUNK, tile), tile)
@@ -479,14 +488,18 @@ def encode(
     lut = coder.lut() if 0 < kk < 8 and window is None else None
     for a in range(0, elems.numel(), code_step):
         coder.add(elems[a : a + code_step], lut)
-    return _assemble(coder, tensor.dtype, elems.numel())
+    return _assemble(coder, tensor.dtype, elems.numel(), out)
 
 
-def _assemble(c: _Coder, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """Lay a coded tensor out in one buffer (see the module docstring)."""
+def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Lay a coded tensor out in one buffer (see the module docstring): the start of `into`
+    when it fits, else a new one."""
     num_exc = sum(e.numel() for e in c.exc)
     head = _layout(dtype, c.k, c.table, n, c.tile, num_exc)
-    out = torch.empty(head.nbytes, dtype=torch.uint8)
+    if into is not None and into.numel() >= head.nbytes:
+        out = into[: head.nbytes]
+    else:
+        out = torch.empty(head.nbytes, dtype=torch.uint8)
     hdr = head.pack()
     out[: len(hdr)] = torch.frombuffer(bytearray(hdr), dtype=torch.uint8)
     out[len(hdr) : head.raw_off].zero_()

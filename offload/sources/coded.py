@@ -113,27 +113,33 @@ def _raw_bound(spec: TensorSpec) -> int:
     return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
 
 
-def _encode_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec.encode`)."""
     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
         raise ValueError(f"tensor {spec.name!r}: got {t.dtype} {tuple(t.shape)}, the layout says "
                          f"{spec.dtype} {spec.shape}")
     raw = _span_bytes(t, spec)
     if spec.dtype in CODED_DTYPES:
-        blob = encode(raw.view(spec.dtype))
+        blob = encode(raw.view(spec.dtype), out=out)
         if blob.numel() <= _raw_bound(spec):
             return blob
     if raw.numel() % 2:  # odd byte count: one pad byte (the next tensor starts 512-aligned)
         raw = torch.cat([raw, raw.new_zeros(1)])
-    return encode(raw.view(torch.int16), k=8)
+    return encode(raw.view(torch.int16), k=8, out=out)
 
 
-def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], DecodeTable]:
-    """Coded tensors of one block (empty ones left out) and the table decoding them into its image."""
+def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = None):
+    """Coded tensors of one block (empty ones left out) and the table decoding them into its image.
+    With ``region`` (a block region, :func:`_capacity` bytes), the coded tensors are written back
+    to back at its start and the blobs returned are views of it."""
     blobs, segs, at = [], [], 0
     for spec, t in zip(layout.tensors, tensors):
         if not spec.nbytes:
             continue
-        blob = _encode_tensor(t, spec)
+        out = None if region is None else region[at:]
+        blob = _encode_tensor(t, spec, out)
+        if out is not None and blob.data_ptr() != out.data_ptr():  # did not fit where it goes: copy
+            blob = out[: blob.numel()].copy_(blob)  # (raises if the region is too small)
         blobs.append(blob)
         segs.append(CodecSegment(at, spec.offset, read_header(blob)))
         at += blob.numel()
@@ -141,11 +147,11 @@ def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], Deco
 
 
 def encode_into(region: torch.Tensor, layout: BlockLayout, tensors) -> tuple[int, DecodeTable]:
-    """``encode_image`` with its coded tensors written back to back at the start of ``region``
-    (on the worker: the copy and the first touch of the region's pages run in parallel too);
-    returns (coded bytes, table)."""
-    blobs, table = encode_image(layout, tensors)
-    return _write(region, blobs), table
+    """``encode_image`` coding straight into the start of ``region`` (on the worker: no copy
+    afterwards, and the first touch of the region's pages runs in parallel too); returns
+    (coded bytes, table)."""
+    blobs, table = encode_image(layout, tensors, region)
+    return sum(b.numel() for b in blobs), table
 
 
 def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:

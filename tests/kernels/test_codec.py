@@ -560,3 +560,18 @@ def test_bench_codec_build_path_figures():
     assert whole["workers"] == whole["cores"] == bench_codec.usable_cores()
     validate_result({"scenario": "codec-cpu", "gpu": "cpu", "gpus": 0, "commit": "abc", "torch": torch.__version__,
                      "date": "2026-01-01T00:00:00Z", "modes": modes})
+
+
+def test_encode_into_out():
+    t = fill("student-t", (700, 1600), generator=torch.Generator().manual_seed(5))
+    ref = encode(t)
+    big = torch.full((ref.numel() + 100,), 0xA5, dtype=torch.uint8)
+    got = encode(t, out=big[16:])
+    assert got.data_ptr() == big[16:].data_ptr() and torch.equal(got, ref)
+    assert (big[:16] == 0xA5).all() and (big[16 + ref.numel():] == 0xA5).all(), "wrote outside the coded bytes"
+    small = torch.zeros(ref.numel() - 1, dtype=torch.uint8)
+    got = encode(t, out=small)
+    assert got.data_ptr() != small.data_ptr() and torch.equal(got, ref) and not small.any()
+    for bad in (torch.zeros(10, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8), [0] * 10):
+        with pytest.raises(TypeError, match="out must be"):
+            encode(t, out=bad)
