@@ -15,13 +15,23 @@ single-stream block of ~283 MB, a double-stream block of ~680 MB):
   DRAM traffic rate (coded bytes read + decoded bytes written) / time.
   Each decode is checked byte for byte against the original tensors first.
 
-Without a GPU (or with --cpu) only the coding figures and the encode rate are
+- build path (``--build``, on by default): the coded source's encode as setup runs it
+  (`offload.sources.coded.encoded_in_order`: one block per worker thread, torch's
+  intra-op threads at 1) over ``--build-blocks`` blocks of the first size, at
+  1..N workers (``--build-workers``, default powers of two up to the usable
+  cores, and the cores): raw GB/s in aggregate and per worker (modes
+  ``triton-build-w<W>``), and a whole `CodedSource` build (encode + store into its
+  arena, unpinned) at its default worker count (``triton-build-source``).
+
+Without a GPU (or with --cpu) only the coding figures and the encode rates are
 measured. Results: perf/results/codec-<gpu>-<commit>.json (codec-cpu-... on
 CPU) with the metadata keys of perf/results.py.
 
     python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
     python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
     python perf/bench_codec.py --cpu --sizes tensor # coding figures only
+    python perf/bench_codec.py --cpu --sizes single --fills gaussian --no-threaded-encode --build-blocks 32
+                                                    # the setup figure: build-path GB/s at 1..cores workers
 """
 from __future__ import annotations
 
@@ -100,6 +110,69 @@ def encode_stats(tensors, tile: int, threaded: bool = True) -> tuple[torch.Tenso
         "tile": tile,
     }
     return buf, table, figs
+
+
+def usable_cores() -> int:
+    from weightstream.offload.sources.coded import encode_workers
+
+    return encode_workers()
+
+
+def default_build_workers(cores: int) -> list[int]:
+    """1, 2, 4, ... below ``cores``, then ``cores``."""
+    out, w = [], 1
+    while w < cores:
+        out.append(w)
+        w *= 2
+    return out + [cores]
+
+
+def _build_blocks(tensors, blocks: int):
+    """``blocks`` block layouts over the same tensors (the encoder only reads them)."""
+    from weightstream.offload.layout import build_layout
+
+    named = [(f"t{i}", "parameter", t) for i, t in enumerate(tensors)]
+    return [build_layout(k, f"blocks.{k}", named) for k in range(blocks)], [list(tensors) for _ in range(blocks)]
+
+
+def build_figures(tensors, blocks: int, workers: list[int], reps: int = 1) -> dict:
+    """Build-path encode rates (modes ``triton-build-w<W>`` and ``triton-build-source``), each the
+    median of ``reps`` runs; every run's coded bytes are checked equal to the first run's."""
+    from weightstream.offload.sources.coded import CodedSource, encoded_in_order
+
+    layouts, objs = _build_blocks(tensors, blocks)
+    raw = blocks * sum(t.numel() * t.element_size() for t in tensors)
+    modes, ref = {}, None
+    for w in workers:
+        runs = []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            coded = [torch.cat(b) for b, _ in encoded_in_order(layouts, objs, workers=w)]
+            runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            ref = coded if ref is None else ref
+            if any(not torch.equal(a, b) for a, b in zip(ref, coded)):
+                raise SystemExit(f"the build at {w} workers coded other bytes than at {workers[0]}")
+            del coded
+        modes[f"triton-build-w{w}"] = _rate(raw, runs, w, blocks)
+    runs = []
+    for _ in range(reps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        src = CodedSource(layouts, objs, device="cpu", pin=False, drop=lambda ts: None)
+        runs.append((time.perf_counter() - t0, time.process_time() - c0))
+        if any(not torch.equal(src.region(k)[: r.numel()], r) for k, r in enumerate(ref)):
+            raise SystemExit("the coded source's build coded other bytes than encoded_in_order")
+        del src
+    modes["triton-build-source"] = _rate(raw, runs, usable_cores(), blocks)
+    return modes
+
+
+def _rate(raw: int, runs, workers: int, blocks: int) -> dict:
+    wall = sorted(r[0] for r in runs)[len(runs) // 2]
+    cpu = sorted(r[1] for r in runs)[len(runs) // 2]
+    gbps = raw / wall / 1e9
+    return {"step_ms": wall * 1e3, "build_s": wall, "gbps": gbps, "gbps_per_worker": gbps / workers,
+            "cpu_gbps_per_core": raw / cpu / 1e9, "workers": workers, "cores": usable_cores(),
+            "blocks": blocks, "raw_bytes": raw, "reps": len(runs)}
 
 
 def _median_ms(fn) -> float:
@@ -183,6 +256,19 @@ def run(args) -> dict:
             del tensors
         if gpu:
             torch.cuda.empty_cache()
+    if args.build:
+        modes.update(run_build(args))
+    return modes
+
+
+def run_build(args) -> dict:
+    workers = args.build_workers or default_build_workers(usable_cores())
+    tensors = make_tensors(args.sizes[0], args.build_fill, "cpu")
+    modes = build_figures(tensors, args.build_blocks, workers, args.build_reps)
+    for name, f in modes.items():
+        print(f"[{name}] {f['raw_bytes'] / 1e9:.2f} GB in {f['blocks']} blocks: {f['gbps']:.2f} GB/s on "
+              f"{f['workers']} workers = {f['gbps_per_worker']:.3f} GB/s per worker "
+              f"({f['cpu_gbps_per_core']:.3f} GB/s per core by CPU time; {f['cores']} usable cores)", flush=True)
     return modes
 
 
@@ -204,9 +290,23 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",
                    help="skip the encode rate with torch's default threads (slow on a shared machine)")
+    p.add_argument("--no-build", dest="build", action="store_false", help="skip the build-path encode rates")
+    p.add_argument("--build-workers", type=int, nargs="+", default=None,
+                   help="worker counts of the build path (default: 1, 2, 4, ... and the usable cores)")
+    p.add_argument("--build-blocks", type=int, default=None,
+                   help="blocks of the first --sizes entry the build path codes (default: 2x the most workers)")
+    p.add_argument("--build-fill", choices=FILLS, default="gaussian", help="weight fill of the build-path blocks")
+    p.add_argument("--build-reps", type=int, default=3, help="runs per build figure (median)")
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results", help="results folder")
     p.add_argument("--check", action="store_true", help=f"exit 1 if a decode is below {TARGET_GBPS} GB/s")
     args = p.parse_args(argv)
+    for key in ("build_blocks", "build_reps"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.build_workers is not None and min(args.build_workers) < 1:
+        p.error(f"--build-workers must all be >= 1, got {args.build_workers}")
+    if args.build_blocks is None:
+        args.build_blocks = 2 * max(args.build_workers or [usable_cores()])
 
     modes = run(args)
     on_gpu = torch.cuda.is_available() and not args.cpu

@@ -5,6 +5,7 @@ The source is driven directly (as the executor does: attach, then load per block
 through the wrapper, compared with the unwrapped model (see test_coded_model_* below).
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -385,3 +386,86 @@ def test_coded_auto_placement_is_bit_exact(name):
         assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
         back = wrapped.disable()
         assert torch.equal(first(back(**x)), expected)
+
+
+def _big_blocks(n=5, seed=0):
+    """Blocks of multi-chunk tensors (over 1 Mi elements: the encoder samples its histogram),
+    bf16 / fp16 / float32 (stored raw), Student-t weights with some special values."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, layouts = [], []
+    for k in range(n):
+        w = fill("student-t", (1100, 1024 + 64 * k), generator=gen, dtype=torch.bfloat16)
+        w.view(-1)[:: 9973] = float("nan")
+        ts = [("w", "parameter", w),
+              ("h", "parameter", fill("gaussian", (700, 1600), generator=gen, dtype=torch.float16)),
+              ("b", "buffer", torch.randn(257, generator=gen))]
+        tensors.append(ts)
+        layouts.append(build_layout(k, f"big.{k}", ts))
+    return tensors, layouts
+
+
+def test_parallel_build_is_byte_identical_to_one_thread_build():
+    """Coded images are the same bytes whatever the worker count and intra-op threads."""
+    from weightstream.offload.sources.coded import encoded_in_order
+
+    tensors, layouts = _big_blocks()
+    objs = [[t for _, _, t in ts] for ts in tensors]
+    raw = _raw_images(tensors, layouts)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the reference: one worker, one intra-op thread, block by block
+        ref = [b for b in encoded_in_order(layouts, objs, workers=1)]
+    finally:
+        torch.set_num_threads(before)
+    par = list(encoded_in_order(layouts, objs, workers=4))
+    src = CodedSource(layouts, [list(o) for o in objs], device="cpu", pin=False)  # default workers
+    for k, ((rb, rt), (pb, pt)) in enumerate(zip(ref, par)):
+        one = torch.cat(rb)
+        assert torch.equal(one, torch.cat(pb)), f"block {k}: 4 workers coded other bytes than 1"
+        assert torch.equal(rt._host, pt._host), f"block {k}: decode tables differ"
+        assert src.coded[k] == one.numel()
+        assert torch.equal(src.region(k)[: one.numel()], one), f"block {k}: the source's build coded other bytes"
+    from weightstream.kernels.codec import decode_tensor
+
+    for seg in src.tables[0].segments:  # and they decode to the raw image (plain-torch reference decode)
+        vals = decode_tensor(src.region(0)[seg.src_offset : seg.src_end]).view(torch.uint8)
+        assert torch.equal(vals[: seg.dst_end - seg.dst_offset], raw[0][seg.dst_offset : seg.dst_end])
+
+
+def test_build_runs_one_intra_op_thread_per_worker_and_restores():
+    from weightstream.offload.sources.coded import encode_workers, in_order
+
+    outer = torch.get_num_threads()
+    torch.set_num_threads(3)  # not 1, whatever the machine: a restore must show
+    try:
+        _check_threads_restored(in_order, 3)
+    finally:
+        torch.set_num_threads(outer)
+    assert encode_workers() == len(os.sched_getaffinity(0))
+
+
+def _check_threads_restored(in_order, before):
+    seen = list(in_order(6, lambda k: torch.get_num_threads(), workers=3))
+    assert seen == [1] * 6, "encode workers ran torch ops on more than one intra-op thread"
+    assert torch.get_num_threads() == before
+
+    def boom(k):
+        if k == 2:
+            raise RuntimeError("encode failed")
+        return k
+
+    gen = in_order(5, boom, workers=2)
+    with pytest.raises(RuntimeError, match="encode failed"):
+        list(gen)
+    assert torch.get_num_threads() == before, "intra-op threads not restored after a failed encode"
+    stopped = in_order(5, lambda k: k, workers=2)
+    assert next(stopped) == 0 and torch.get_num_threads() == 1
+    stopped.close()
+    assert torch.get_num_threads() == before, "intra-op threads not restored when the consumer stops early"
+    model = tiny_flux(dtype=torch.bfloat16)
+    tensors, layouts = _blocks(model)
+    objs = [[t for _, _, t in ts] for ts in tensors]
+    objs[3][1] = torch.zeros(3, dtype=torch.bfloat16)  # a failed build
+    with pytest.raises(ValueError, match="the layout says"):
+        CodedSource(layouts, objs, device="cpu", pin=False)
+    assert torch.get_num_threads() == before, "intra-op threads not restored after a failed build"

@@ -38,6 +38,7 @@ gone is dropped at the next check.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -112,46 +113,100 @@ def _raw_bound(spec: TensorSpec) -> int:
     return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
 
 
-def _encode_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec.encode`)."""
     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
         raise ValueError(f"tensor {spec.name!r}: got {t.dtype} {tuple(t.shape)}, the layout says "
                          f"{spec.dtype} {spec.shape}")
     raw = _span_bytes(t, spec)
     if spec.dtype in CODED_DTYPES:
-        blob = encode(raw.view(spec.dtype))
+        blob = encode(raw.view(spec.dtype), out=out)
         if blob.numel() <= _raw_bound(spec):
             return blob
     if raw.numel() % 2:  # odd byte count: one pad byte (the next tensor starts 512-aligned)
         raw = torch.cat([raw, raw.new_zeros(1)])
-    return encode(raw.view(torch.int16), k=8)
+    return encode(raw.view(torch.int16), k=8, out=out)
 
 
-def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], DecodeTable]:
-    """Coded tensors of one block (empty ones left out) and the table decoding them into its image."""
+def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = None):
+    """Coded tensors of one block (empty ones left out) and the table decoding them into its image.
+    With ``region`` (a block region, :func:`_capacity` bytes), the coded tensors are written back
+    to back at its start and the blobs returned are views of it."""
     blobs, segs, at = [], [], 0
     for spec, t in zip(layout.tensors, tensors):
         if not spec.nbytes:
             continue
-        blob = _encode_tensor(t, spec)
+        out = None if region is None else region[at:]
+        blob = _encode_tensor(t, spec, out)
+        if out is not None and blob.data_ptr() != out.data_ptr():  # did not fit where it goes: copy
+            blob = out[: blob.numel()].copy_(blob)  # (raises if the region is too small)
         blobs.append(blob)
         segs.append(CodecSegment(at, spec.offset, read_header(blob)))
         at += blob.numel()
     return blobs, DecodeTable(segs)
 
 
-def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]]):
+def encode_into(region: torch.Tensor, layout: BlockLayout, tensors) -> tuple[int, DecodeTable]:
+    """``encode_image`` coding straight into the start of ``region`` (on the worker: no copy
+    afterwards, and the first touch of the region's pages runs in parallel too); returns
+    (coded bytes, table)."""
+    blobs, table = encode_image(layout, tensors, region)
+    return sum(b.numel() for b in blobs), table
+
+
+def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:
+    at = 0
+    for b in blobs:
+        region[at : at + b.numel()].copy_(b)  # a block's coded tensors fit its region (_capacity)
+        at += b.numel()
+    return at
+
+
+def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, workers: int | None = None):
     """``encode_image`` of every block, computed on worker threads a few blocks ahead and
-    yielded in block order (torch's copies and shifts release the GIL)."""
-    n = len(layouts)
-    workers = max(1, min(8, os.cpu_count() or 1, n))
-    ahead = 2 * workers
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
-        futs = {k: pool.submit(encode_image, layouts[k], objs[k]) for k in range(min(n, ahead))}
+    yielded in block order (torch's copies and shifts release the GIL). See :func:`in_order`
+    for the threads; ``workers`` defaults to :func:`encode_workers`."""
+    return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k]), workers=workers)
+
+
+def encode_workers() -> int:
+    """Encode worker threads: the cores this process may run on (``os.sched_getaffinity``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op threads set to 1 inside the block, restored after it, on error too.
+
+    Each encode worker is one thread doing small per-chunk ops: with torch's default
+    intra-op threads (one per core) every worker's ops fan out to a pool of its own and
+    W workers x N threads thrash (16 cores: 0.2-0.4 GB/s in all). ``torch.set_num_threads``
+    is process-wide: other threads of the process run single-threaded torch ops meanwhile.
+    Threads started inside the block take 1 (torch reads the count lazily per thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def in_order(n: int, work, *, workers: int | None = None):
+    """``work(k)`` for k in 0..n-1 on ``workers`` threads (default :func:`encode_workers`),
+    a few ahead, yielded in order; torch runs one intra-op thread per worker meanwhile
+    (:func:`one_intra_op_thread`, restored when the generator finishes or is closed)."""
+    workers = max(1, min(encode_workers() if workers is None else workers, n))
+    ahead = workers + 2  # results waiting for the consumer: bounded host memory
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode")
+    with one_intra_op_thread(), pool:
+        futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
         try:
             for k in range(n):
                 done = futs.pop(k).result()
                 if k + ahead < n:
-                    futs[k + ahead] = pool.submit(encode_image, layouts[k + ahead], objs[k + ahead])
+                    futs[k + ahead] = pool.submit(work, k + ahead)
                 yield done
         finally:
             for f in futs.values():
@@ -306,12 +361,14 @@ class CodedSource:
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
         dropped = 0
         try:
-            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
-                self._store(k, blobs, table, grow=True)
-                drop(objs[k])  # the region is now the one host copy
-                dropped = k + 1
-                self._pin(k)
-                bar.update(self.layouts[k].nbytes)
+            work = lambda k: encode_into(self.region(k), self.layouts[k], objs[k])  # noqa: E731
+            with contextlib.closing(in_order(n, work)) as coded:  # closing: torch's threads restored
+                for k, (at, table) in enumerate(coded):
+                    self._commit(k, at, table, grow=True)
+                    drop(objs[k])  # the region is now the one host copy
+                    dropped = k + 1
+                    self._pin(k)
+                    bar.update(self.layouts[k].nbytes)
         except BaseException:
             self._give_back(objs, dropped)
             raise
@@ -329,10 +386,11 @@ class CodedSource:
 
     def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
         """Write block ``k``'s coded tensors into its region; True when its copy size grew."""
-        region, at = self.region(k), 0
-        for b in blobs:
-            region[at : at + b.numel()].copy_(b)
-            at += b.numel()
+        return self._commit(k, _write(self.region(k), blobs), table, grow=grow)
+
+    def _commit(self, k: int, at: int, table: DecodeTable, *, grow: bool) -> bool:
+        """Block ``k``'s region holds ``at`` coded bytes decoded by ``table``; True when its copy
+        size grew."""
         self.coded[k], self.tables[k] = at, table
         need = min(self.capacity[k], align_up(at + _slack(self.layouts[k]), _ALIGN))
         if not grow and at <= self.copy_bytes[k]:
@@ -508,13 +566,14 @@ class CodedSource:
         grown = False
         dirty = sorted(self._dirty)
         images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
-        for k, (blobs, table) in zip(dirty, encoded_in_order([self.layouts[k] for k in dirty], images)):
-            d = self._decoded[k]
-            if self._store(k, blobs, table, grow=False):
-                grown = True
-                self._pin(k)
-            self._retable(k)
-            d.version = d.image._version
+        with contextlib.closing(encoded_in_order([self.layouts[k] for k in dirty], images)) as coded:
+            for k, (blobs, table) in zip(dirty, coded):
+                d = self._decoded[k]
+                if self._store(k, blobs, table, grow=False):
+                    grown = True
+                    self._pin(k)
+                self._retable(k)
+                d.version = d.image._version
         self._dirty.clear()
         if grown:
             self._grew()

@@ -471,3 +471,107 @@ def test_gpu_big_tensor_unaligned_destinations(dst_shift):
     torch.cuda.synchronize()
     for s, t in zip(table.segments, ts):
         assert torch.equal(dst[s.dst_offset : s.dst_end].cpu(), t.reshape(-1).view(torch.uint8))
+
+
+def _weightlike_bits(numel: int, window: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
+    """bf16 bit patterns from integer arithmetic alone (no RNG: the same on every torch):
+    exponents mostly in a window of `window` (7: the coder's table is a window; 8: a lookup),
+    every 97th element anywhere, so the coder escapes. Other dtypes view the same bits."""
+    h = (torch.arange(numel, dtype=torch.int64) * 2654435761) % 4294967291
+    exp = torch.where(h % 97 == 0, (h >> 11) % 256, 126 - window + (h >> 3) % window)
+    bits = ((h >> 20) & 1) << 15 | exp << 7 | (h & 0x7F)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
+
+
+# sha256 of the coded bytes as the format first shipped them (computed with the encoder before
+# its speed-ups): the encoder may get faster, its bytes may not change
+GOLDEN_SHA256 = {
+    ("bf16-lookup", 5000): "822635647261d4d836d41a6c75cc60dad3ee31ac5a66732945d6dbccf3022541",
+    ("bf16-lookup", 1_500_000): "3d182d68070e640887a0043c22af3bc405807d5219815e68d621d0360323fcb4",
+    ("bf16-window", 1_500_000): "32180cab8a28c4aea23e797d91a149ca7ae5788c7717189bd8b3935853b9458f",
+    ("fp16", 1_500_000): "4789bb8c91d561ed47c78e43461119370822314f1772025f7df9549aba166a17",
+    ("int16-k8", 1_300_001): "fe0dda3ec4eaf54313e770073676825dabb4d61167b1f62c98e6eb850e864087",
+}
+
+
+def _golden_blob(case: str, numel: int) -> torch.Tensor:
+    if case == "bf16-lookup":
+        return encode(_weightlike_bits(numel))
+    if case == "bf16-window":
+        return encode(_weightlike_bits(numel, window=7))
+    if case == "fp16":
+        return encode(_weightlike_bits(numel, dtype=torch.float16))
+    return encode(_weightlike_bits(numel, dtype=torch.int16), k=8, tile=1024)
+
+
+@pytest.mark.parametrize("case, numel", sorted(GOLDEN_SHA256))
+def test_encoded_bytes_are_the_format_golden_bytes(case, numel):
+    import hashlib
+
+    blob = _golden_blob(case, numel)
+    head = read_header(blob)
+    assert head.k == (8 if case == "int16-k8" else 3) and (head.num_exceptions > 0) == (case != "int16-k8")
+    if case.startswith("bf16"):  # the window case codes by subtraction, the other by a lookup
+        t = head.table
+        assert all((b - a) % 256 == 1 for a, b in zip(t, t[1:])) == (case == "bf16-window")
+    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[(case, numel)]
+
+
+def test_encoded_bytes_do_not_depend_on_intra_op_threads():
+    t = fill("student-t", (1200, 1024), generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        blobs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            blobs.append(encode(t))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(blobs[0], b) for b in blobs[1:])
+    assert torch.equal(decode_tensor(blobs[0], t.shape).view(torch.int16), t.view(torch.int16))
+
+
+def test_bench_codec_build_path_figures():
+    """perf/bench_codec.py's build-path rates: real encodes at 1 and 2 workers, figures that
+    agree with each other, and a result file perf/results.py accepts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from perf import bench_codec
+    from perf.results import validate_result
+
+    assert bench_codec.default_build_workers(16) == [1, 2, 4, 8, 16]
+    assert bench_codec.default_build_workers(6) == [1, 2, 4, 6]
+    assert bench_codec.default_build_workers(1) == [1]
+    gen = torch.Generator().manual_seed(0)
+    tensors = [fill("gaussian", (300, 1024), generator=gen),
+               fill("gaussian", (64,), generator=gen, dtype=torch.float16)]
+    modes = bench_codec.build_figures(tensors, blocks=3, workers=[1, 2], reps=2)
+    assert sorted(modes) == ["triton-build-source", "triton-build-w1", "triton-build-w2"]
+    raw = 3 * (300 * 1024 + 64) * 2
+    for name, f in modes.items():
+        assert f["raw_bytes"] == raw and f["blocks"] == 3 and f["reps"] == 2
+        assert math.isclose(f["gbps"], raw / f["build_s"] / 1e9)
+        assert math.isclose(f["gbps_per_worker"], f["gbps"] / f["workers"])
+        assert f["cpu_gbps_per_core"] > 0 and math.isclose(f["step_ms"], 1e3 * f["build_s"])
+    assert modes["triton-build-w2"]["workers"] == 2
+    whole = modes["triton-build-source"]
+    assert whole["workers"] == whole["cores"] == bench_codec.usable_cores()
+    validate_result({"scenario": "codec-cpu", "gpu": "cpu", "gpus": 0, "commit": "abc", "torch": torch.__version__,
+                     "date": "2026-01-01T00:00:00Z", "modes": modes})
+
+
+def test_encode_into_out():
+    t = fill("student-t", (700, 1600), generator=torch.Generator().manual_seed(5))
+    ref = encode(t)
+    big = torch.full((ref.numel() + 100,), 0xA5, dtype=torch.uint8)
+    got = encode(t, out=big[16:])
+    assert got.data_ptr() == big[16:].data_ptr() and torch.equal(got, ref)
+    assert (big[:16] == 0xA5).all() and (big[16 + ref.numel():] == 0xA5).all(), "wrote outside the coded bytes"
+    small = torch.zeros(ref.numel() - 1, dtype=torch.uint8)
+    got = encode(t, out=small)
+    assert got.data_ptr() != small.data_ptr() and torch.equal(got, ref) and not small.any()
+    for bad in (torch.zeros(10, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8), [0] * 10):
+        with pytest.raises(TypeError, match="out must be"):
+            encode(t, out=bad)
