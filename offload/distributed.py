@@ -69,7 +69,8 @@ from .discovery import OffloadPlan
 from .dlo_guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardedHostViews, ShardedStore, ShardSource, _all_gather_tensor_fn  # noqa: F401  (re-exported)
 from .sources.pinned import SourceRequest, pinned_source
-from .sources.coded import check_codec_supported
+from .sources.coded import coded_source
+from .sources.dlo_coded import CodedShardSource
 from .streamed import StreamedBlocks
 from .dlo_control import (  # noqa: F401  (re-exported: distributed.py stays the DLO entry module)
     _AGREE_MAGIC, _CONTROL_CAP, _DIGEST_SAMPLE_BYTES, _STATUS_BYTES, _STATUS_INTS, DEFAULT_PATH_KEYS,
@@ -97,17 +98,20 @@ __all__ = [
 
 def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.device,
                    plan: OffloadPlan | None, parallel: ParallelConfig, *, dlo: DLOPlan | None = None,
-                   cls: type = StreamedBlocks, source_cls: type = ShardSource) -> StreamedBlocks:
+                   cls: type = StreamedBlocks, source_cls: type | None = None) -> StreamedBlocks:
     """The DLO backend of ``OffloadedTransformer(..., parallel=...)``: the one
     StreamedBlocks with a DLO source (AllGather shards, or rank-local pinned
     images) and a DLO guard. ``dlo``, ``cls`` and ``source_cls`` let tests run it
-    over a fake group.
+    over a fake group. ``weight_codec != 'none'``: AllGather streams coded shards
+    (:class:`CodedShardSource`), rank-local full coded blocks (:class:`CodedSource`).
 
     All compatibility rules are checked before any tensor is touched.
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
-    check_codec_supported(config, "distributed layerwise offload (DLO)")
+    coded = config.weight_codec != "none"
+    if source_cls is None:
+        source_cls = CodedShardSource if coded else ShardSource
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
     if config.graph_boundary_loads == "next-step":
@@ -124,7 +128,7 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     def source(req: SourceRequest):
         _check_peers(control, config, dlo, req)
         if not allgather:
-            return pinned_source(req)
+            return coded_source(req) if coded else pinned_source(req)
         guard.source = source_cls(req, group=dlo.group, world=dlo.group_size, rank=dlo.rank,
                                   gather=source_cls.gather_mode(dlo, config.dlo_timeout_s, device),
                                   timeout_s=config.dlo_timeout_s,
