@@ -45,7 +45,7 @@ def _first(out):
 def _model(kind, seed_inputs=1):
     if kind == "toy":
         return ToyDiT(), toy_inputs(seed=seed_inputs)
-    m = tiny_flux(dtype=torch.bfloat16, num_attention_heads=8)  # tensors that code
+    m = tiny_flux(dtype=torch.bfloat16, num_attention_heads=4)  # tensors that code
     return m, flux_inputs(m, seed=seed_inputs)
 
 
@@ -159,3 +159,190 @@ def test_config_and_wiring_accept_the_codec_with_dlo():
     assert cfg.weight_codec == "exp-k"
     with pytest.raises(ValueError, match="weight_codec='exp-k'.*mode='layer' only"):
         OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k")
+
+
+# --------------------------------------------------------------------------- gloo, 2 ranks
+def _coded_cfg(**kw):
+    return OffloadConfig.layerwise(weight_transfer="allgather", weight_codec="exp-k", progress=False, **kw)
+
+
+def _rank_equal(kind, parallel, rank):
+    model, x = _model(kind, seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        equal = [torch.equal(_first(om(**x)), want) for _ in range(2)]
+    stats = om._streamed.source.stats()
+    local = om.local_state_dict()
+    plain = om.disable()
+    with torch.no_grad():
+        restored = torch.equal(_first(plain(**x)), want)
+    back = all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+    return dict(equal=equal, restored=restored, back=back, stats=stats, local=local,
+                ref={k: v.clone() for k, v in ref.state_dict().items()})
+
+
+def _rank_weights(parallel, rank):
+    model, x = _model("flux", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**x)
+    g = torch.Generator().manual_seed(7)  # the same new weights on every rank
+    new = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) for k, v in ref.state_dict().items()}
+    written = om.update_weights(new)
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        equal = [torch.equal(_first(om(**x)), want) for _ in range(2)]
+    full = om.gather_state_dict()
+    try:
+        om.state_dict()
+        sd_error = None
+    except RuntimeError as e:
+        sd_error = str(e)
+    om.disable()
+    return dict(written=len(written), expected=len(new), equal=equal, sd_error=sd_error,
+                gathered=sorted(full) == sorted(new) and all(torch.equal(full[k], new[k]) for k in new))
+
+
+def _rank_failure_one(rank, world):
+    """One rank raises inside a block: every rank raises at the step's end, the next forward runs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=15))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, x = _model("toy", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(dlo_timeout_s=5.0), device="cpu", parallel=parallel)
+    state = {"forward": 0}
+
+    def boom(module, args):
+        if rank == 1 and state["forward"] == 1:
+            raise ValueError("injected failure inside single_blocks.0 on rank 1")
+
+    handle = model.single_blocks[0].register_forward_pre_hook(boom)
+    errors, equal = [], []
+    for i in range(3):
+        state["forward"] = i
+        try:
+            with torch.no_grad():
+                equal.append(torch.equal(om(**x), ref(**x)))
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    handle.remove()
+    return dict(errors=errors, equal=equal, usable=om._streamed.usable)
+
+
+def _rank_collective_failure(parallel, rank):
+    """A failed gather marks the backend unusable; local_state_dict() still gives every weight back."""
+    import torch.distributed as dist
+
+    model, x = _model("flux", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**x)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
+    calls = {"n": 0}
+
+    def failing(*args, **kw):  # third-party function replaced in this rank process only
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected collective failure")
+        return original(*args, **kw)
+
+    setattr(dist, name, failing)
+    try:
+        try:
+            with torch.no_grad():
+                om(**x)
+            first = None
+        except RuntimeError as e:
+            first = str(e)
+        try:
+            om.gather_state_dict()
+            gather = None
+        except RuntimeError as e:
+            gather = str(e)
+        try:
+            om.update_weights({k: v for k, v in ref.state_dict().items()})
+            update = None
+        except RuntimeError as e:
+            update = str(e)
+    finally:
+        setattr(dist, name, original)
+    return dict(first=first, gather=gather, update=update, usable=om._streamed.usable,
+                local=om.local_state_dict(), ref={k: v.clone() for k, v in ref.state_dict().items()})
+
+
+def scenario_two(rank, world):
+    from test_distributed import Checks
+
+    par = ParallelConfig.data_parallel()
+    c = Checks()
+    c.run("equal_toy", _rank_equal, "toy", par, rank)
+    c.run("equal_flux", _rank_equal, "flux", par, rank)
+    c.run("weights", _rank_weights, par, rank)
+    c.run("failure_one", _rank_failure_one, rank, world)
+    c.run("collective_failure", _rank_collective_failure, par, rank)
+    return c.report
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    from test_distributed import run_ranks
+
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two")
+
+
+@pytest.mark.parametrize("kind", ["toy", "flux"])
+def test_two_ranks_bit_exact_and_each_holds_half_the_coded_bytes(two, kind):
+    from test_distributed import get
+
+    reps = get(two, f"equal_{kind}")
+    for r in reps:
+        assert r["equal"] == [True, True] and r["restored"] and r["back"]
+    s0, s1 = reps[0]["stats"], reps[1]["stats"]
+    assert s0["coded_bytes"] == s1["coded_bytes"], "every rank encodes the same bytes"
+    assert s0["shard_bytes"] == s1["shard_bytes"] < s0["coded_bytes"], (s0, s1)
+    assert 2 * s0["shard_bytes"] >= s0["coded_bytes"] and s0["gathered_bytes_per_step"] == 2 * s0["shard_bytes"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items()) and sorted(merged) == sorted(reps[0]["ref"])
+    with pytest.raises(ValueError, match="merge_shards"):
+        merge_coded_shards([reps[0]["local"]])  # one rank's share is not enough
+
+
+def test_two_ranks_update_weights_and_gather_state_dict(two):
+    from test_distributed import get
+
+    for r in get(two, "weights"):
+        assert r["written"] == r["expected"] and r["equal"] == [True, True] and r["gathered"]
+        assert "gather_state_dict" in r["sd_error"]
+
+
+def test_two_ranks_a_failure_on_one_rank_is_an_error_on_both_then_usable(two):
+    from test_distributed import get
+
+    reps = get(two, "failure_one")
+    assert "injected failure" in reps[1]["errors"][1]
+    assert reps[0]["errors"][1] is not None and "rank 1" in reps[0]["errors"][1], reps[0]
+    for r in reps:
+        assert r["errors"][0] is None and r["errors"][2] is None and r["usable"]
+        assert r["equal"] == [True, True]
+
+
+def test_two_ranks_collective_failure_loses_nothing(two):
+    from test_distributed import get
+
+    reps = get(two, "collective_failure")
+    for r in reps:
+        assert r["first"] is not None and not r["usable"]
+        assert "merge_coded_shards" in r["gather"] and "unusable" in r["update"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
