@@ -42,11 +42,11 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _model(kind, seed_inputs=1):
+def _model(kind, seed_inputs=1, device="cpu"):
     if kind == "toy":
-        return ToyDiT(), toy_inputs(seed=seed_inputs)
+        return ToyDiT(), toy_inputs(seed=seed_inputs, device=device)
     m = tiny_flux(dtype=torch.bfloat16, num_attention_heads=4)  # tensors that code
-    return m, flux_inputs(m, seed=seed_inputs)
+    return m, flux_inputs(m, seed=seed_inputs, device=device)
 
 
 def _fake(model, cls=StreamedBlocks, **cfg_kw):
@@ -162,36 +162,42 @@ def test_config_and_wiring_accept_the_codec_with_dlo():
 
 
 # --------------------------------------------------------------------------- gloo, 2 ranks
-def _coded_cfg(**kw):
-    return OffloadConfig.layerwise(weight_transfer="allgather", weight_codec="exp-k", progress=False, **kw)
+def _coded_cfg(transfer="allgather", **kw):
+    return OffloadConfig.layerwise(weight_transfer=transfer, weight_codec="exp-k", progress=False, **kw)
 
 
-def _rank_equal(kind, parallel, rank):
-    model, x = _model(kind, seed_inputs=1 + rank)
-    ref = copy.deepcopy(model)
-    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
+    """Bit-exact vs the unwrapped model over ``forwards``; disable() gives the weights back."""
+    model, x = _model(kind, seed_inputs=1 + rank, device=device)
+    ref = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, _coded_cfg(**cfg_kw), device=device, parallel=parallel)
     with torch.no_grad():
         want = _first(ref(**x))
-        equal = [torch.equal(_first(om(**x)), want) for _ in range(2)]
-    stats = om._streamed.source.stats()
+        equal = [torch.equal(_first(om(**x)), want) for _ in range(forwards)]
+    stats = dict(om._streamed.source.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
     local = om.local_state_dict()
     plain = om.disable()
     with torch.no_grad():
         restored = torch.equal(_first(plain(**x)), want)
-    back = all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+    back = all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
     return dict(equal=equal, restored=restored, back=back, stats=stats, local=local,
-                ref={k: v.clone() for k, v in ref.state_dict().items()})
+                ref={k: v.cpu().clone() for k, v in ref.state_dict().items()})
 
 
-def _rank_weights(parallel, rank):
-    model, x = _model("flux", seed_inputs=1 + rank)
-    ref = copy.deepcopy(model)
-    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+def _rank_weights(parallel, rank, device="cpu"):
+    model, x = _model("flux", seed_inputs=1 + rank, device=device)
+    ref = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, _coded_cfg(), device=device, parallel=parallel)
     with torch.no_grad():
         om(**x)
     g = torch.Generator().manual_seed(7)  # the same new weights on every rank
     new = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) for k, v in ref.state_dict().items()}
+    name = "single_transformer_blocks.0.proj_mlp.weight"  # random bits: codes larger, a re-shard
+    new[name] = torch.randint(0, 2**14, new[name].shape, generator=g, dtype=torch.int32).to(
+        torch.int16).view(torch.bfloat16)
+    before = list(om._streamed.source.store.shard_bytes)
     written = om.update_weights(new)
+    resharded = om._streamed.source.store.shard_bytes != before
     ref.load_state_dict(new)
     with torch.no_grad():
         want = _first(ref(**x))
@@ -203,8 +209,8 @@ def _rank_weights(parallel, rank):
     except RuntimeError as e:
         sd_error = str(e)
     om.disable()
-    return dict(written=len(written), expected=len(new), equal=equal, sd_error=sd_error,
-                gathered=sorted(full) == sorted(new) and all(torch.equal(full[k], new[k]) for k in new))
+    return dict(written=len(written), expected=len(new), equal=equal, sd_error=sd_error, resharded=resharded,
+                gathered=sorted(full) == sorted(new) and all(torch.equal(_bits(full[k]), _bits(new[k])) for k in new))
 
 
 def _rank_failure_one(rank, world):
@@ -281,6 +287,17 @@ def _rank_collective_failure(parallel, rank):
                 local=om.local_state_dict(), ref={k: v.clone() for k, v in ref.state_dict().items()})
 
 
+def _codec_differs(parallel, rank):
+    """Rank 1 without the codec: both ranks are told at setup (no gather of mismatched sizes)."""
+    model, _ = _model("toy")
+    cfg = _coded_cfg() if rank == 0 else OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    try:
+        OffloadedTransformer(model, cfg, device="cpu", parallel=parallel)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def scenario_two(rank, world):
     from test_distributed import Checks
 
@@ -288,6 +305,8 @@ def scenario_two(rank, world):
     c = Checks()
     c.run("equal_toy", _rank_equal, "toy", par, rank)
     c.run("equal_flux", _rank_equal, "flux", par, rank)
+    c.run("rank_local", _rank_equal, "flux", par, rank, transfer="rank-local")
+    c.run("codec_differs", _codec_differs, par, rank)
     c.run("weights", _rank_weights, par, rank)
     c.run("failure_one", _rank_failure_one, rank, world)
     c.run("collective_failure", _rank_collective_failure, par, rank)
@@ -322,8 +341,25 @@ def test_two_ranks_update_weights_and_gather_state_dict(two):
     from test_distributed import get
 
     for r in get(two, "weights"):
-        assert r["written"] == r["expected"] and r["equal"] == [True, True] and r["gathered"]
+        assert r["written"] == r["expected"] and r["equal"] == [True, True] and r["gathered"] and r["resharded"]
         assert "gather_state_dict" in r["sd_error"]
+
+
+def test_two_ranks_rank_local_streams_full_coded_blocks(two):
+    from test_distributed import get
+
+    for r in get(two, "rank_local"):
+        assert r["equal"] == [True, True] and r["restored"] and r["back"]
+        assert r["stats"]["source"] == "coded-exp-k" and r["stats"]["transfer"] == "rank-local"
+        assert r["stats"]["h2d_bytes_per_step"] >= r["stats"]["coded_bytes"]
+        assert not any(isinstance(v, CodedPiece) for v in r["local"].values())
+
+
+def test_two_ranks_disagreeing_on_the_codec_are_told_at_setup(two):
+    from test_distributed import get
+
+    for msg in get(two, "codec_differs"):
+        assert msg is not None and "weight_codec" in msg and "disagree" in msg, msg
 
 
 def test_two_ranks_a_failure_on_one_rank_is_an_error_on_both_then_usable(two):
