@@ -382,3 +382,71 @@ def test_two_ranks_collective_failure_loses_nothing(two):
         assert "merge_coded_shards" in r["gather"] and "unusable" in r["update"]
     merged = merge_coded_shards([r["local"] for r in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
+
+
+# --------------------------------------------------------------------------- perf/bench_dlo.py
+def _bench():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    return repo, importlib.import_module("perf.bench_dlo")
+
+
+def test_bench_coded_figures_use_the_uncoded_floor():
+    """At N=2, 24 GB streamed, 55 GB/s, resident 170 ms: uncoded floor 24e9/2/55e9 = 218.2 ms; a coded
+    shard of 8 GB per rank would floor at 170 ms (resident); the ratio is to the uncoded one."""
+    _, bench = _bench()
+    f0 = {"streamed_gb": 24.0, "h2d_gb_per_rank": 8.0, "coded_bytes": 16_000_000_000, "bits_per_weight": 10.9,
+          "coded_ratio": 0.68}
+    out = bench.coded_figures(f0, 170.0, 55.0, 2, 200.0)
+    assert out["floor_ms"] == pytest.approx(24e9 / 2 / 55e9 * 1e3, abs=0.01)
+    assert out["coded_floor_ms"] == pytest.approx(170.0, abs=0.01)
+    assert out["ratio_to_floor"] == pytest.approx(200.0 / out["floor_ms"], rel=1e-3) and out["ratio_to_floor"] < 1
+    assert out["coded_bytes"] == 16_000_000_000 and out["bits_per_weight"] == 10.9
+    assert "floor_ms" not in bench.coded_figures(f0, 170.0, 0.0, 2, 200.0)  # CPU: no link measured
+
+
+def test_bench_student_t_fill_and_mode_names():
+    _, bench = _bench()
+    from perf.results import validate_mode_name
+
+    validate_mode_name("dlo-allgather-coded")
+    assert "dlo-allgather-coded" in bench.parse_args(["--modes", "dlo-allgather-coded"]).modes
+    normal = bench.build_model(bench.FLUX_TINY, "cpu")
+    heavy = bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="student-t")
+    w_n = normal.transformer_blocks[0].attn.to_q.weight
+    w_t = heavy.transformer_blocks[0].attn.to_q.weight
+    kurt = lambda w: float(((w - w.mean()) ** 4).mean() / w.var() ** 2)  # noqa: E731
+    assert abs(w_n.std().item() - 0.02) < 0.003 and abs(w_t.std().item() - 0.02) < 0.006
+    assert kurt(w_n) < 3.5 < kurt(w_t), (kurt(w_n), kurt(w_t))  # Student-t df=4: heavy tails
+    with pytest.raises(ValueError, match="weight_fill='uniform'"):
+        bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="uniform")
+
+
+def test_bench_dlo_tiny_coded_mode(tmp_path):
+    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded`: both bit-exact over gloo,
+    the coded mode reports its coded size and the Student-t fill."""
+    import json
+    import subprocess
+    import sys
+
+    from perf.results import validate_result
+
+    repo, _ = _bench()
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "2", "--steps", "2",
+                           "--warmup", "1", "--modes", "dlo-allgather,dlo-allgather-coded", "--out", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    res = json.loads(path.read_text())
+    validate_result(res)
+    assert res["weight_fill"] == "student-t"
+    coded, plain = res["modes"]["dlo-allgather-coded"], res["modes"]["dlo-allgather"]
+    assert coded["bit_exact"] is True and plain["bit_exact"] is True
+    assert coded["coded_bytes"] > 0 and coded["shard_group_size"] == 2
+    assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
+    assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
