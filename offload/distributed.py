@@ -16,6 +16,14 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
     Full blocks per rank through the ordinary :class:`LayerwiseExecutor`; no
     DLO collective. TP-local or HSDP-local tensors stream as they are.
 
+With ``weight_codec='exp-k'`` AllGather keeps 1/N of every block's *coded*
+image per rank (:class:`~.sources.dlo_coded.CodedShardSource`: H2D of the coded
+shard, all-gather of coded bytes, one decode into the slot), and rank-local
+streams full coded blocks (:class:`~.sources.coded.CodedSource`). Coded shards
+are not a plain share of the weights: ``local_state_dict()`` holds
+:class:`~.sources.dlo_coded.CodedPiece` values, joined by
+:func:`~.sources.dlo_coded.merge_coded_shards`.
+
 Both prime their first loads at the first forward (in the same order on every
 rank).
 
