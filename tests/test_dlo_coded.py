@@ -11,7 +11,7 @@ import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer, ParallelConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
-from weightstream.offload.distributed import DLOPlan, build_streamed, merge_shards
+from weightstream.offload.distributed import merge_shards
 from weightstream.offload.sources.dlo_coded import CodedPiece, CodedShardSource, merge_coded_shards
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
@@ -50,9 +50,10 @@ def _model(kind, seed_inputs=1, device="cpu"):
 
 
 def _fake(model, cls=StreamedBlocks, **cfg_kw):
+    from test_happens_before import fake_dlo
+
     cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False, **cfg_kw)
-    dlo = DLOPlan("allgather", "allgather", None, 1, 0, "dp", "fake")
-    sb = build_streamed(model, cfg, DEV, None, ParallelConfig(), dlo=dlo, cls=cls, source_cls=FakeCodedGather)
+    sb = fake_dlo(model, cfg, cls, source_cls=FakeCodedGather)
     return OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
 
 
