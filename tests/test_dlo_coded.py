@@ -451,3 +451,36 @@ def test_bench_dlo_tiny_coded_mode(tmp_path):
     assert coded["coded_bytes"] > 0 and coded["shard_group_size"] == 2
     assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
     assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
+
+
+def _direct():
+    """The fake coded source with ShardSource.load itself (what CodedShardSource.load runs eagerly),
+    so that mutant() can edit its lines."""
+    from weightstream.offload.sources.dlo import ShardSource
+
+    return type("DirectCodedGather", (FakeCodedGather,), {"load": ShardSource.load})
+
+
+@pytest.mark.parametrize("line,rules", [
+    ("comm.wait_event(after)", {"write_after_previous_read", "no_concurrent_write"}),  # decode ignores slot-free
+    ("comm.wait_event(self.shard_loaded[slot])", {"read_after_load"}),  # gather before its shard's copy
+])
+def test_happens_before_catches_a_mutated_coded_load(line, rules):
+    """One-line mutations of the load the coded source runs keep the CPU outputs bit-exact
+    but break the ordering rules: the checks above can fail."""
+    from test_happens_before import RULES, _traced, mutant
+
+    rec = RecordingStreams()
+    model, x = _model("toy")
+    ref = copy.deepcopy(model)
+    cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
+    from test_happens_before import fake_dlo
+
+    sb = fake_dlo(model, cfg, _traced(StreamedBlocks, rec, 2, "ring"), source_cls=mutant(_direct(), "load", line))
+    om = OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
+    with torch.no_grad():
+        want = ref(**x)
+        assert all(torch.equal(om(**x), want) for _ in range(3))
+    v = check(rec.trace)
+    broken = {r for r in RULES if v[r]}
+    assert rules <= broken, broken
