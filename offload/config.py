@@ -248,9 +248,10 @@ class OffloadConfig:
         images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
-        slot on the copy stream (offload/sources/coded.py). Layer mode with
-        the pinned host source only: DLO (weight_transfer) and checkpoint
-        mappings (mmap source) reject it.
+        slot on the copy stream (offload/sources/coded.py). Layer mode only.
+        With DLO AllGather every rank keeps 1/N of each coded image and the
+        gather moves coded bytes (offload/sources/dlo_coded.py); rank-local DLO
+        streams full coded blocks per rank.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -329,16 +330,11 @@ class OffloadConfig:
                               "'rank-local'), not 'allgather'; or set resident_layers to 0")
 
     def _check_codec(self) -> None:
-        """weight_codec codes streamed block images: layer mode, no DLO (not supported yet)."""
+        """weight_codec codes streamed block images: layer mode only (DLO included:
+        AllGather gathers coded shards, rank-local streams full coded blocks)."""
         if self.mode != "layer":
             raise _reject("weight_codec", self.weight_codec,
                           f"coded weights stream in mode='layer' only (got mode={self.mode!r}); choose from: none")
-        for comp, opts in self.layer_options.items():
-            if opts.weight_transfer is not None:
-                raise _reject("weight_codec", self.weight_codec,
-                              f"coded weights are not supported with distributed layerwise offload yet "
-                              f"(layer_options.{comp}.weight_transfer={opts.weight_transfer!r}); "
-                              "choose from: none, or leave weight_transfer unset")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

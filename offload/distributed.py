@@ -16,6 +16,14 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
     Full blocks per rank through the ordinary :class:`LayerwiseExecutor`; no
     DLO collective. TP-local or HSDP-local tensors stream as they are.
 
+With ``weight_codec='exp-k'`` AllGather keeps 1/N of every block's *coded*
+image per rank (:class:`~.sources.dlo_coded.CodedShardSource`: H2D of the coded
+shard, all-gather of coded bytes, one decode into the slot), and rank-local
+streams full coded blocks (:class:`~.sources.coded.CodedSource`). Coded shards
+are not a plain share of the weights: ``local_state_dict()`` holds
+:class:`~.sources.dlo_coded.CodedPiece` values, joined by
+:func:`~.sources.dlo_coded.merge_coded_shards`.
+
 Both prime their first loads at the first forward (in the same order on every
 rank).
 
@@ -69,7 +77,8 @@ from .discovery import OffloadPlan
 from .dlo_guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardedHostViews, ShardedStore, ShardSource, _all_gather_tensor_fn  # noqa: F401  (re-exported)
 from .sources.pinned import SourceRequest, pinned_source
-from .sources.coded import check_codec_supported
+from .sources.coded import coded_source
+from .sources.dlo_coded import CodedShardSource
 from .streamed import StreamedBlocks
 from .dlo_control import (  # noqa: F401  (re-exported: distributed.py stays the DLO entry module)
     _AGREE_MAGIC, _CONTROL_CAP, _DIGEST_SAMPLE_BYTES, _STATUS_BYTES, _STATUS_INTS, DEFAULT_PATH_KEYS,
@@ -97,17 +106,20 @@ __all__ = [
 
 def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.device,
                    plan: OffloadPlan | None, parallel: ParallelConfig, *, dlo: DLOPlan | None = None,
-                   cls: type = StreamedBlocks, source_cls: type = ShardSource) -> StreamedBlocks:
+                   cls: type = StreamedBlocks, source_cls: type | None = None) -> StreamedBlocks:
     """The DLO backend of ``OffloadedTransformer(..., parallel=...)``: the one
     StreamedBlocks with a DLO source (AllGather shards, or rank-local pinned
     images) and a DLO guard. ``dlo``, ``cls`` and ``source_cls`` let tests run it
-    over a fake group.
+    over a fake group. ``weight_codec != 'none'``: AllGather streams coded shards
+    (:class:`CodedShardSource`), rank-local full coded blocks (:class:`CodedSource`).
 
     All compatibility rules are checked before any tensor is touched.
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
-    check_codec_supported(config, "distributed layerwise offload (DLO)")
+    coded = config.weight_codec != "none"
+    if source_cls is None:
+        source_cls = CodedShardSource if coded else ShardSource
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
     if config.graph_boundary_loads == "next-step":
@@ -124,7 +136,7 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     def source(req: SourceRequest):
         _check_peers(control, config, dlo, req)
         if not allgather:
-            return pinned_source(req)
+            return coded_source(req) if coded else pinned_source(req)
         guard.source = source_cls(req, group=dlo.group, world=dlo.group_size, rank=dlo.rank,
                                   gather=source_cls.gather_mode(dlo, config.dlo_timeout_s, device),
                                   timeout_s=config.dlo_timeout_s,

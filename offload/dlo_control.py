@@ -198,6 +198,7 @@ def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayou
         "weight_transfer": dlo.transfer, "num_slots": config.num_slots,
         "resident_layers": config.resident_layers, "cuda_graphs": config.cuda_graphs,
         "graph_boundary_loads": config.graph_boundary_loads, "dlo_verify_weights": config.dlo_verify_weights,
+        "weight_codec": getattr(config, "weight_codec", "none"),
         "blocks": num_blocks, "streamed_blocks": len(layouts), "dtypes": dtypes,
         "block_names": [lay.name for lay in layouts],
         "block_layouts": [_layout_digest(lay) for lay in layouts],

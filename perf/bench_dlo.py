@@ -29,6 +29,15 @@ output (``allgather_gbps``), and NCCL's bus bandwidth, that times (N - 1) / N
 N = 2: AllGather step <= 1.1 x floor, pinned per rank <= 0.51 x model;
 N >= 4: step <= 1.05 x resident, pinned per rank <= 1/N + 0.01 x model
 (0.26 at 4, 0.13 at 8, rounded down to 2 places).
+``dlo-allgather-coded`` (issue 14): AllGather of losslessly coded shards
+(``weight_codec="exp-k"``: each rank copies its share of the coded image, the
+gather moves coded bytes, each rank decodes). A run with it fills every weight
+matrix Student-t (df=4, std 0.02, ``weightstream.fills``, as perf/modes.py's
+coded modes: exponent statistics like trained weights) for all its modes. It
+reports ``coded_bytes`` / ``bits_per_weight`` / ``coded_ratio``, its
+``ratio_to_floor`` against the UNCODED floor (raw shard bytes / H2D: below 1.0
+beats any uncoded stream) beside ``coded_floor_ms``, and issue 14's target
+(step <= 1.10 x resident) as ``targets.coded_met``.
 Writes perf/results/flux-12b-1024-<gpu-slug>-x<N>-<commit>.json (rank 0);
 ``WEIGHTSTREAM_COMMIT`` names the commit where the tree has no .git.
 ``--tiny`` runs a tiny Flux on CPU ranks over gloo (a smoke test of every
@@ -59,7 +68,9 @@ if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
     sys.path.insert(0, str(REPO))
 
 SCENARIO = "flux-12b-1024"
-MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise")
+MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded")
+CODED_MODES = ("dlo-allgather-coded",)  # weight_codec="exp-k"; their runs fill the weights Student-t
+CODED_TARGET = 1.10  # issue 14: 2x H200, coded AllGather step <= 1.10 x resident
 FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
 FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
@@ -131,9 +142,12 @@ class Clock:
 
 
 # --------------------------------------------------------------------------- model
-def build_model(cfg: dict, device, seed: int = 0):
-    """FluxTransformer2DModel on ``device`` with N(0, 0.02) weights, zero biases and unit
-    norm scales, generated on ``device`` (meta construction: no CPU init)."""
+def build_model(cfg: dict, device, seed: int = 0, weight_fill: str = "normal"):
+    """FluxTransformer2DModel on ``device`` with N(0, 0.02) weights (``weight_fill="student-t"``:
+    Student-t, df=4, std 0.02), zero biases and unit norm scales, generated on ``device``
+    (meta construction: no CPU init)."""
+    if weight_fill not in ("normal", "student-t"):
+        raise ValueError(f"weight_fill={weight_fill!r} is not allowed; choose from: normal, student-t")
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -150,11 +164,24 @@ def build_model(cfg: dict, device, seed: int = 0):
                     p.zero_()
                 elif is_norm and name == "weight":
                     p.fill_(1)
+                elif weight_fill == "student-t":
+                    _student_t_(p, gen)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
     if list(model.buffers()):
         raise RuntimeError("this Flux version has buffers, which meta construction leaves uninitialised")
     return model
+
+
+def _student_t_(p, gen, chunk: int = 1 << 26) -> None:
+    """``p`` <- Student-t (df=4) scaled to std 0.02, in chunks (bounded scratch memory)."""
+    from weightstream.fills import fill
+
+    flat = p.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        flat[start:start + n].copy_(fill("student-t", (n,), dtype=p.dtype, generator=gen, device=p.device,
+                                         scale=0.02))
 
 
 def model_inputs(model, device, rank: int, tiny: bool):
@@ -209,8 +236,10 @@ def run_mode(mode, model, inputs, ref, args, ctx):
     from weightstream.offload.distributed import ParallelConfig
 
     clock, device, cuda = ctx["clock"], ctx["device"], ctx["cuda"]
-    transfer = {"dlo-allgather": "allgather", "dlo-rank-local": "rank-local"}.get(mode)
-    cfg = OffloadConfig.layerwise(weight_transfer=transfer, progress=ctx["rank"] == 0)
+    transfer = {"dlo-allgather": "allgather", "dlo-rank-local": "rank-local",
+                "dlo-allgather-coded": "allgather"}.get(mode)
+    codec = "exp-k" if mode in CODED_MODES else "none"
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, progress=ctx["rank"] == 0)
     dist.barrier()
     t0 = time.perf_counter()
     if transfer is None:
@@ -249,6 +278,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
         shard_group_size=s.get("shard_group_size", 1), setup_s=setup_s, restore_s=restore_s,
         peak_device_gb=peak, pin_failure=s["pin_failure"],
     )
+    fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio") if k in s})
     clock.log(f"{mode}: median {fig['step_ms']:.1f} ms/step (rank {ctx['rank']}), bit-exact {exact}, pinned "
               f"{fig['pinned_host_gb_per_rank']:.2f} GB of {fig['model_gb']:.2f} GB", all_ranks=True)
     return fig, model
@@ -281,7 +311,8 @@ def rank_main(args, rank: int, world: int, local: int) -> int:
         clock.log(f"H2D {h2d:.1f} GB/s per rank (1 GiB pinned, all ranks at once); all-gather {ag:.1f} GB/s "
                   f"({gather_bytes / 1e6:.0f} MB output)", all_ranks=True)
         t0 = time.perf_counter()
-        model = build_model(FLUX_TINY if args.tiny else FLUX_12B, device)
+        fill = "student-t" if any(m in CODED_MODES for m in args.modes) else "normal"
+        model = build_model(FLUX_TINY if args.tiny else FLUX_12B, device, weight_fill=fill)
         inputs = model_inputs(model, device, rank, args.tiny)
         if cuda:
             torch.cuda.synchronize()
@@ -368,8 +399,13 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
         )
         if f0["pin_failure"]:
             modes[mode]["pin_failure"] = f0["pin_failure"]
+        if mode in CODED_MODES:
+            modes[mode].update(coded_figures(f0, resident, h2d, world, step))
     targets = targets_for(world) if world >= 2 else None
     met = targets_met(modes.get("dlo-allgather"), targets) if h2d > 0 else None
+    coded = modes.get("dlo-allgather-coded")
+    coded_met = None if coded is None or h2d <= 0 else bool(
+        coded["ratio_to_resident"] <= CODED_TARGET and coded["bit_exact"])
     commit, dirty = git_commit()
     result = {
         "scenario": SCENARIO + ("-tiny" if args.tiny else ""), "gpu": gpu, "gpus": world, "commit": commit,
@@ -380,11 +416,30 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
         "allgather_backend": "gloo" if args.tiny else "nccl",
         "steps": args.steps, "warmup": args.warmup, "modes": modes,
         "targets": {**(targets or {}), "met": met},
+        "weight_fill": "student-t" if any(m in CODED_MODES for m in args.modes) else "normal",
     }
+    if coded is not None:
+        result["targets"].update(coded_ratio_max=CODED_TARGET, coded_met=coded_met)
     failed = {m: e["failed"][m] for e in everyone for m in e["failed"]}
     if failed:
         result["failed"] = failed
     return result
+
+
+def coded_figures(f0: dict, resident: float, h2d: float, world: int, step: float) -> dict:
+    """A coded mode's figures: coded size, and its ratio to the UNCODED floor (raw bytes / N per
+    rank over H2D), which replaces the floor of the coded bytes it moved (kept as coded_floor_ms)."""
+    from perf.results import floor_ms
+
+    raw_per_rank = f0["streamed_gb"] * 1e9 / world
+    out = {"coded_bytes": int(f0.get("coded_bytes", 0)), "coded_gb": round(f0.get("coded_bytes", 0) / 1e9, 4),
+           "bits_per_weight": round(f0.get("bits_per_weight", 0.0), 4),
+           "coded_ratio": round(f0.get("coded_ratio", 0.0), 4)}
+    if h2d > 0:
+        uncoded, coded = floor_ms(resident, raw_per_rank, h2d), floor_ms(resident, f0["h2d_gb_per_rank"] * 1e9, h2d)
+        out.update(floor_ms=round(uncoded, 3), ratio_to_floor=round(step / uncoded, 4),
+                   coded_floor_ms=round(coded, 3))
+    return out
 
 
 def write(result: dict, args, clock: Clock) -> None:

@@ -242,9 +242,9 @@ def test_config_weight_codec():
         OffloadConfig(mode="layer", components=["dit"], weight_codec=True)
     with pytest.raises(ValueError, match="weight_codec='exp-k'.*mode='layer' only"):
         OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k")
-    with pytest.raises(ValueError, match="weight_codec='exp-k'.*distributed layerwise offload"):
-        OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
-                      layer_options={"dit": {"weight_transfer": "allgather"}})
+    # DLO takes the codec now (tests/test_dlo_coded.py)
+    assert OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
+                         layer_options={"dit": {"weight_transfer": "allgather"}}).weight_codec == "exp-k"
     with pytest.raises(ValueError, match="weight_codec='exp-k' is not allowed with the mmap source"):
         check_codec_supported(cfg, "the mmap source")
     check_codec_supported(OffloadConfig.layerwise(), "the mmap source")
@@ -340,23 +340,11 @@ def test_coded_model_special_weights_round_trip():
     assert torch.equal(got.view(torch.int16), want["transformer_blocks.0.attn.to_q.weight"].view(torch.int16))
 
 
-def test_codec_refused_by_dlo_and_mmap(tmp_path):
-    import torch.distributed as dist
-
-    from weightstream import ParallelConfig
+def test_codec_refused_by_mmap(tmp_path):
     from weightstream.offload.mmap_source import offload_from_safetensors
 
     cfg = OffloadConfig.layerwise(weight_codec="exp-k")
     model = tiny_flux()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        with pytest.raises(ValueError, match=r"weight_codec='exp-k' is not allowed with distributed layerwise "
-                                             r"offload \(DLO\).*not supported there yet"):
-            OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig.data_parallel())
-    finally:
-        dist.destroy_process_group()
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "nothing moved"
     with pytest.raises(ValueError, match=r"weight_codec='exp-k' is not allowed with the mmap source"):
         offload_from_safetensors(model, str(tmp_path), cfg, device="cpu")
 

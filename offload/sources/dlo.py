@@ -257,7 +257,7 @@ class ShardSource:
         sb = self.store.shard_bytes[k]
         src = self.store.image(k)
         shard = self.shard_slots[slot][:sb]
-        full = self.slots[slot][: self.world * sb]
+        full = self._gather_out(k, slot)
         name = self.layouts[k].name
         log = self.event_log
         rec = None if log is None else _Record(self.step_of(position), self.layouts[k].index, "gather")
@@ -271,6 +271,7 @@ class ShardSource:
             if rec is not None:
                 rec.end = log.mark()
                 log.records.append(rec)
+            self._after_gather(k, slot)
             return None
         streams, comm = self.streams, self.comm_stream
         cs = streams.current_stream(self.device)  # the executor's copy stream
@@ -300,7 +301,15 @@ class ShardSource:
             if rec is not None:
                 rec.end = log.mark(comm)
                 log.records.append(rec)
+            self._after_gather(k, slot)
         return comm
+
+    def _gather_out(self, k: int, slot: int) -> torch.Tensor:
+        """Where block ``k``'s gather lands: the block slot itself (the coded source: a coded buffer)."""
+        return self.slots[slot][: self.world * self.store.shard_bytes[k]]
+
+    def _after_gather(self, k: int, slot: int) -> None:
+        """Work after the gather on the communication stream (current): none here (the coded source decodes)."""
 
     # -- host side -----------------------------------------------------------------------
     def host_views(self) -> "ShardedHostViews":
@@ -314,6 +323,8 @@ class ShardSource:
         with torch.no_grad():
             self.store.write(k, self.layouts[k].tensors[index], value)
 
+    merge_hint = "weightstream.offload.distributed.merge_shards([...])"  # how local_state_dict()s join
+
     def ready_to_gather(self, what: str) -> None:
         """After a failed collective no further one is issued: a timed-out gloo
         operation stays pending and would pair with the next collective (a size
@@ -324,7 +335,7 @@ class ShardSource:
             raise RuntimeError(
                 f"{what} is a collective, and this rank's DLO collectives stopped after a failure "
                 f"({failure}). The host shards are intact: call local_state_dict() on every rank (no "
-                "collective) and join them with weightstream.offload.distributed.merge_shards([...])"
+                "collective) and join them with " + self.merge_hint
             )
 
     def image(self, k: int) -> torch.Tensor:

@@ -1,0 +1,359 @@
+"""DLO AllGather with coded shards: each rank holds 1/N of every block's *coded* image.
+
+``weight_transfer='allgather'`` with ``weight_codec='exp-k'``. At build every
+rank encodes every block with the deterministic encoder of
+:mod:`.coded` (the same bytes on every rank), and keeps only its share of the
+coded image: ``shard = shard_size(coded + slack, N)`` (512-aligned, the last
+share zero-padded; the slack lets a slightly larger re-encode keep its shard
+size, so captured graphs stay valid). Per load (the :class:`.dlo.ShardSource`
+pipeline, gathering coded bytes):
+
+1. copy stream: H2D of the coded shard into the shard slot;
+2. communication stream: ``all_gather`` of the coded shards into the slot's
+   coded buffer (``N * shard`` bytes: the coded image, then padding), then one
+   Triton decode launch from it into the block slot (the decode tables went to
+   the device at ``attach``); the executor records ``loaded`` there.
+
+Each rank's link moves ``coded / N`` bytes per block, the gather ``coded``.
+
+Updates (``update_weights``, a collective as for :class:`ShardSource`: every
+rank calls it with the same weights): ``write`` keeps the new values; the
+executor's ``reload`` then gathers and decodes each written block (in block
+order, the same on every rank), patches it, re-encodes it and stores this
+rank's share again (re-sharded when the new coded size passes ``N * shard``;
+CUDA graphs captured before then refuse to replay: named error).
+
+``state_dict()``: as :class:`ShardSource` (a rank holds a share: the error
+names ``gather_state_dict()``). ``local_state_dict()`` gives, per streamed
+tensor, a :class:`CodedPiece` (a :class:`ShardPiece` of the tensor's *coded*
+bytes that fall in this rank's share); :func:`merge_coded_shards` of every
+rank's result joins and decodes them into the full state dict (no collective).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from ...kernels.codec import DecodeTable, decode, decode_tensor, decode_torch
+from ..dlo_control import ShardPiece, merge_shards
+from ..dlo_topology import shard_size
+from ..layout import BlockLayout, TensorSpec
+from .coded import CODECS, CodedCaptureStaleError, _slack, encode_image, encoded_in_order
+from .dlo import ShardedHostViews, ShardSource
+from .pinned import SourceRequest, drop_storage
+
+__all__ = ["CodedShardSource", "CodedShardStore", "CodedPiece", "merge_coded_shards"]
+
+
+def decode_into(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
+    """One decode launch (CUDA, or CPU under TRITON_INTERPRET=1); the torch reference elsewhere on the CPU."""
+    if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        decode(src, dst, table)
+    else:
+        decode_torch(src, dst, table)
+
+
+def _joined(blobs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(blobs) if blobs else torch.empty(0, dtype=torch.uint8)
+
+
+class CodedShardStore:
+    """This rank's share of every block's coded image, one host tensor per block (pinned
+    within the budget). The same interface as :class:`.dlo.ShardedStore` where the
+    executor side reads it (``shard_bytes``, ``max_shard``, ``image``, ``range``)."""
+
+    def __init__(self, layouts: list[BlockLayout], world: int, rank: int, *, pin: bool,
+                 budget_bytes: int | None = None):
+        self.layouts, self.world, self.rank = list(layouts), world, rank
+        self.want_pin = bool(pin) and torch.cuda.is_available()
+        self.budget, self.pin_failure = budget_bytes, None
+        n = len(self.layouts)
+        self.shard_bytes, self.coded = [0] * n, [0] * n
+        self.tables: list[DecodeTable | None] = [None] * n
+        self._shards: list[torch.Tensor | None] = [None] * n
+        self._pinned = [False] * n
+
+    @property
+    def max_shard(self) -> int:
+        return max(self.shard_bytes)
+
+    def image(self, k: int) -> torch.Tensor:
+        return self._shards[k]
+
+    def range(self, k: int) -> tuple[int, int]:
+        """Byte range [lo, hi) of block k's coded image held here."""
+        lo = self.rank * self.shard_bytes[k]
+        return lo, lo + self.shard_bytes[k]
+
+    def set(self, k: int, coded: torch.Tensor, table: DecodeTable) -> bool:
+        """Store this rank's share of block ``k``'s coded image; True when it was re-sharded
+        (a new shard size: the coded image outgrew ``N * shard``)."""
+        old = self.shard_bytes[k]
+        resharded = old == 0 or coded.numel() > self.world * old
+        if resharded:
+            self.shard_bytes[k] = shard_size(coded.numel() + _slack(self.layouts[k]), self.world)
+        sb = self.shard_bytes[k]
+        lo = self.rank * sb
+        share = torch.zeros(sb, dtype=torch.uint8)
+        part = coded[lo : lo + sb]
+        share[: part.numel()] = part
+        if resharded:
+            self._shards[k] = self._alloc(k, sb)
+        self._shards[k].copy_(share)
+        self.coded[k], self.tables[k] = coded.numel(), table
+        return resharded and old != 0
+
+    def _alloc(self, k: int, n: int) -> torch.Tensor:
+        self._pinned[k] = False
+        if not self.want_pin or self.pin_failure is not None:
+            return torch.empty(n, dtype=torch.uint8)
+        if self.budget is not None and self.pinned_bytes + n > self.budget:
+            self.pin_failure = (f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; coded shards from "
+                                f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=4)
+            return torch.empty(n, dtype=torch.uint8)
+        self._pinned[k] = True
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.shard_bytes)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(sb for sb, p in zip(self.shard_bytes, self._pinned) if p)
+
+    @property
+    def pinned(self) -> bool:
+        return self.want_pin and all(self._pinned)
+
+    def close(self) -> None:
+        self._shards = [None] * len(self._shards)
+        self._pinned = [False] * len(self._pinned)
+
+    def __repr__(self) -> str:
+        return (f"CodedShardStore(rank {self.rank}/{self.world}, {len(self.layouts)} blocks, "
+                f"{self.nbytes / 1e9:.3f} GB coded share, pinned {self.pinned_bytes / 1e9:.3f} GB)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodedPiece(ShardPiece):
+    """A :class:`ShardPiece` of a tensor's coded bytes (``spec``: the coded blob, uint8);
+    ``target``: the decoded tensor's spec (offset 0). :func:`merge_coded_shards` decodes."""
+
+    target: TensorSpec | None = None
+
+    def __repr__(self) -> str:
+        return (f"CodedPiece({self.name!r}, coded bytes [{self.start}, {self.start + self.data.numel()}) of "
+                f"{self.spec.nbytes}: join every rank's with merge_coded_shards)")
+
+
+def merge_coded_shards(local_state_dicts: list[Mapping]) -> dict[str, torch.Tensor]:
+    """The full state dict from every rank's ``local_state_dict()`` under coded DLO AllGather
+    (no collective): :func:`merge_shards`, then each coded tensor decoded."""
+    targets = {name: v.target for sd in local_state_dicts for name, v in sd.items() if isinstance(v, CodedPiece)}
+    out = merge_shards(local_state_dicts)
+    for name, spec in targets.items():
+        raw = decode_tensor(out[name]).view(torch.uint8)[: spec.nbytes]
+        out[name] = spec.view_of(raw).clone()
+    return out
+
+
+class CodedShardSource(ShardSource):
+    """DLO AllGather of coded shards, decoded into the slot after the gather (module docstring)."""
+
+    name = "dlo-allgather-coded"
+    merge_hint = "weightstream.offload.sources.dlo_coded.merge_coded_shards([...])"
+
+    def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
+                 failure=lambda: None):
+        codec = req.config.weight_codec
+        if codec not in CODECS:
+            raise ValueError(f"weight_codec={codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
+        if gather not in ("tensor", "list"):
+            raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
+        self.layouts = list(req.layouts)
+        self.device, self.group, self.world, self.gather = req.device, group, world, gather
+        self.timeout_s, self._failure, self.ncoll = timeout_s, failure, 0
+        self.store = CodedShardStore(self.layouts, world, rank, pin=req.pin, budget_bytes=req.pin_budget())
+        self._pack(req)
+        self.slot_bytes = max(lay.nbytes for lay in self.layouts)
+        self._ids = {id(t): (k, i) for k in range(len(self.layouts)) for i, t in enumerate(req.objects(k))}
+        self._host_views = ShardedHostViews(self._ids, world)
+        self.slots, self.shard_slots, self.streams = [], [], None
+        self.coded_bufs: list[torch.Tensor] = []
+        self._dev_tables: dict[int, torch.Tensor] = {}
+        self._patches: dict[int, dict[int, torch.Tensor]] = {}
+        self._captured, self._stale = False, None
+
+    def _pack(self, req: SourceRequest) -> None:
+        """Encode (worker threads), keep this rank's share; originals are dropped only when
+        every share is stored (a failure part-way leaves the model as it was)."""
+        from ..progress import Progress
+
+        n = len(self.layouts)
+        bar = Progress(f"coding {n} blocks, keeping this rank's 1/{self.world} share",
+                       sum(lay.nbytes for lay in self.layouts), req.config.progress)
+        try:
+            objs = [req.objects(k) for k in range(n)]
+            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
+                self.store.set(k, _joined(blobs), table)
+                bar.update(self.layouts[k].nbytes)
+        except BaseException:
+            self.store.close()
+            raise
+        finally:
+            bar.close()
+        for k in range(n):
+            drop_storage(req.objects(k), req.device)
+
+    # -- the executor's side --------------------------------------------------------
+    def attach(self, slots, streams, device) -> None:
+        super().attach(slots, streams, device)
+        self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=device) for _ in slots]
+        # every table on the device now (never inside a capture); re-encodes update these in place
+        self._dev_tables = {k: t.upload(self.device) for k, t in enumerate(self.store.tables) if t.num_tiles}
+        if device.type == "cuda" and streams is not None:
+            for t in self.coded_bufs:
+                t.record_stream(self.comm_stream)
+
+    def _coded_buf_bytes(self) -> int:
+        return max(self.world * sb for sb in self.store.shard_bytes)
+
+    def _gather_out(self, k: int, slot: int) -> torch.Tensor:
+        return self.coded_bufs[slot][: self.world * self.store.shard_bytes[k]]
+
+    def _after_gather(self, k: int, slot: int) -> None:
+        """The decode of the gathered coded image into the block slot (communication stream)."""
+        st, key, block = self.streams, ("coded", slot), self.layouts[k].index
+        if st is not None:
+            st.access("write", key, block)  # the gather just wrote it, on this stream
+            st.access("read_begin", key, block)
+        decode_into(self.coded_bufs[slot], self.slots[slot], self.store.tables[k])
+        if st is not None:
+            st.access("read_end", key, block)
+
+    def load(self, k: int, slot: int, *, position: int, after, tag):
+        if tag is not None:
+            self._captured = True
+        return super().load(k, slot, position=position, after=after, tag=tag)
+
+    def check(self) -> None:
+        """Step start / before a replay: refuse graphs captured before a re-shard."""
+        if self._stale is not None:
+            raise CodedCaptureStaleError(self._stale)
+
+    def uncapturable(self) -> str | None:
+        if self.device.type == "cuda" and not self.store.pinned:
+            return f"some coded shards are in pageable host memory ({self.store.pin_failure or 'pin_memory is off'})"
+        return None
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over this rank's host link."""
+        return self.store.shard_bytes[k]
+
+    # -- host side -----------------------------------------------------------------------
+    def image(self, k: int) -> torch.Tensor:
+        """Block ``k``'s decoded image in a fresh device tensor (a collective: gather, then decode)."""
+        coded = super().image(k)
+        out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
+        decode_into(coded, out, self.store.tables[k])
+        return out
+
+    def check_write(self, k: int, index: int) -> None:
+        """An update needs gathers (every rank re-encodes whole blocks): refused after a failure."""
+        self.ready_to_gather("update_weights() with coded DLO shards")
+
+    def write(self, k: int, index: int, value: torch.Tensor) -> None:
+        """Keep the new value; :meth:`reload` (the same on every rank) re-encodes the block."""
+        spec = self.layouts[k].tensors[index]
+        if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
+            raise ValueError(f"tensor {spec.name!r} is {value.dtype} {tuple(value.shape)}, the layout says "
+                             f"{spec.dtype} {spec.shape}")
+        self._patches.setdefault(k, {})[index] = value.detach().to("cpu", copy=True)
+
+    def reload(self) -> None:
+        """Re-encode every written block (gather + decode, patch, encode, keep the share),
+        in block order: the same collectives on every rank."""
+        if not self._patches:
+            return
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise CodedCaptureStaleError("coded weights changed while a CUDA graph was being captured; "
+                                             "call the model again")
+            torch.cuda.synchronize(self.device)  # not the hot path: in-flight copies may read the shares
+        patches, self._patches = self._patches, {}
+        for k in sorted(patches):
+            self._reencode(k, patches[k])
+
+    def _reencode(self, k: int, patch: dict[int, torch.Tensor]) -> None:
+        image = self.image(k).cpu()
+        specs = self.layouts[k].tensors
+        for i, v in patch.items():
+            specs[i].view_of(image).copy_(v)
+        blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs])
+        if self.store.set(k, _joined(blobs), table):
+            self._resharded()
+        self._retable(k)
+
+    def _retable(self, k: int) -> None:
+        """Block ``k``'s new table into its device tensor, in place (graphs read it at replay)."""
+        if not self.coded_bufs:
+            return
+        table, dev = self.store.tables[k], self._dev_tables.get(k)
+        if dev is not None:
+            dev.copy_(table._host)  # same size: one record per tensor, fixed tile counts
+            table._device[self.device] = dev
+
+    def _resharded(self) -> None:
+        if not self.slots:
+            return
+        need = max(self.store.max_shard, self._coded_buf_bytes())
+        if self.store.max_shard > self.shard_slots[0].numel() or need > self.coded_bufs[0].numel():
+            self.shard_slots = [torch.empty(self.store.max_shard, dtype=torch.uint8, device=self.device)
+                                for _ in self.slots]
+            self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=self.device)
+                               for _ in self.slots]
+        if self._captured:
+            self._stale = ("a weight update made a coded block larger than the coded shards the captured CUDA "
+                           "graphs copy and gather for it; disable() the model and wrap it again (or use "
+                           "cuda_graphs='off')")
+
+    def local_piece(self, name: str, k: int, index: int):
+        """This rank's coded bytes of tensor ``index`` of block ``k`` as a :class:`CodedPiece`
+        (an empty tensor for an empty one); :func:`merge_coded_shards` joins every rank's."""
+        spec = self.layouts[k].tensors[index]
+        if not spec.nbytes:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        seg = next(s for s in self.store.tables[k].segments if s.dst_offset == spec.offset)
+        n = seg.header.nbytes
+        blob = TensorSpec(spec.name, spec.kind, torch.uint8, (n,), (1,), 0, n)
+        lo, hi = self.store.range(k)
+        a, b = max(lo, seg.src_offset), min(hi, seg.src_offset + n)
+        data = self.store.image(k)[a - lo : b - lo].clone() if a < b else torch.empty(0, dtype=torch.uint8)
+        return CodedPiece(name, blob, max(0, a - seg.src_offset), data,
+                          target=dataclasses.replace(spec, offset=0))
+
+    def stats(self) -> dict:
+        s = self.store
+        raw = sum(lay.nbytes for lay in self.layouts)
+        coded16 = [(g.header.nbytes, g.header.numel) for t in s.tables if t is not None for g in t._live
+                   if g.header.k != 8 or g.header.dtype != torch.int16]
+        c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+        return {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
+                "pin_failure": s.pin_failure, "h2d_bytes_per_step": sum(s.shard_bytes),
+                "slot_bytes": self.slot_bytes, "gather": self.gather, "shard_bytes": sum(s.shard_bytes),
+                "coded_bytes": sum(s.coded), "raw_bytes": raw, "coded_ratio": sum(s.coded) / raw if raw else 0.0,
+                "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+                "gathered_bytes_per_step": self.world * sum(s.shard_bytes)}
+
+    def remove(self) -> None:
+        super().remove()
+        self.coded_bufs = []
+
+    def __repr__(self) -> str:
+        return f"CodedShardSource({self.store!r}, gather={self.gather})"

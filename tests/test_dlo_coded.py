@@ -1,0 +1,486 @@
+"""DLO AllGather with coded shards (offload/sources/dlo_coded.py), on the CPU.
+
+A fake world-of-1 group (the real source, the gather a copy) and real gloo
+groups of 2 ranks; outputs compare bit for bit with the unwrapped model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from weightstream import OffloadConfig, OffloadedTransformer, ParallelConfig
+from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
+from weightstream.offload.distributed import merge_shards
+from weightstream.offload.sources.dlo_coded import CodedPiece, CodedShardSource, merge_coded_shards
+from weightstream.offload.streamed import StreamedBlocks
+from weightstream.offload.streams import RecordingStreams
+
+from stream_trace import accesses, check, counts
+
+DEV = torch.device("cpu")
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return None
+
+
+class FakeCodedGather(CodedShardSource):
+    """The coded shard source over a fake world of 1: the gathered bytes are this rank's one share."""
+
+    @staticmethod
+    def gather_mode(dlo, timeout_s, device):
+        return "tensor"
+
+    def all_gather(self, out, inp, *, async_op=False):
+        out.copy_(inp)
+        return _Done()
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _model(kind, seed_inputs=1, device="cpu"):
+    if kind == "toy":
+        return ToyDiT(), toy_inputs(seed=seed_inputs, device=device)
+    m = tiny_flux(dtype=torch.bfloat16, num_attention_heads=4)  # tensors that code
+    return m, flux_inputs(m, seed=seed_inputs, device=device)
+
+
+def _fake(model, cls=StreamedBlocks, **cfg_kw):
+    from test_happens_before import fake_dlo
+
+    cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False, **cfg_kw)
+    sb = fake_dlo(model, cfg, cls, source_cls=FakeCodedGather)
+    return OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
+
+
+@pytest.mark.parametrize("kind", ["toy", "flux"])
+def test_fake_world_of_one_is_bit_exact_and_moves_coded_bytes(kind):
+    model, x = _model(kind)
+    ref = copy.deepcopy(model)
+    om = _fake(model)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        assert all(torch.equal(_first(om(**x)), want) for _ in range(3))
+    s = om._streamed.source.stats()
+    assert s["source"] == "dlo-allgather-coded" and s["h2d_bytes_per_step"] == s["shard_bytes"]
+    if kind == "flux":  # bf16 weights code below their raw size
+        assert 8 < s["bits_per_weight"] < 14 and s["coded_bytes"] < 0.9 * s["raw_bytes"], s
+        assert s["coded_bytes"] <= s["shard_bytes"] < s["raw_bytes"], s
+    plain = om.disable()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def test_fake_update_weights_reshards_and_stays_exact():
+    """An update with random bit patterns codes larger than N * shard (a re-shard; gathered back
+    bit for bit), then ordinary new weights: the outputs follow every update."""
+    model, x = _model("flux")
+    ref = copy.deepcopy(model)
+    om = _fake(model)
+    src = om._streamed.source
+    with torch.no_grad():
+        om(**x)
+    before = list(src.store.shard_bytes)
+    g = torch.Generator().manual_seed(3)
+    name = "single_transformer_blocks.0.proj_mlp.weight"
+    shape = ref.state_dict()[name].shape
+    noise = torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    om.update_weights({name: noise})
+    assert src.store.shard_bytes != before, "the re-encode outgrew the shard: re-sharded"
+    assert torch.equal(_bits(om.gather_state_dict()[name]), _bits(noise))
+    new = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) for k, v in ref.state_dict().items()}
+    om.update_weights(new)
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        assert all(torch.equal(_first(om(**x)), want) for _ in range(2))
+    full = om.gather_state_dict()
+    assert all(torch.equal(full[k], new[k]) for k in new)
+    with pytest.raises(RuntimeError, match="gather_state_dict"):
+        om.state_dict()
+
+
+def test_local_state_dict_gives_coded_pieces_that_merge():
+    model, x = _model("flux")
+    ref = copy.deepcopy(model)
+    om = _fake(model)
+    local = om.local_state_dict()
+    pieces = [v for v in local.values() if isinstance(v, CodedPiece)]
+    assert pieces and all(p.data.dtype == torch.uint8 for p in pieces)
+    merged = merge_coded_shards([local])
+    assert sorted(merged) == sorted(ref.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in ref.state_dict().items())
+    raw = merge_shards([local])  # the plain merge leaves coded bytes: not the weights
+    name = pieces[0].name
+    assert raw[name].dtype == torch.uint8 and raw[name].shape != ref.state_dict()[name].shape
+
+
+def test_happens_before_over_the_fake_group():
+    from test_happens_before import _traced
+
+    rec = RecordingStreams()
+    model, x = _model("toy")
+    ref = copy.deepcopy(model)
+    om = _fake(model, cls=_traced(StreamedBlocks, rec, 2, "ring"))
+    with torch.no_grad():
+        want = ref(**x)
+        assert all(torch.equal(om(**x), want) for _ in range(3))
+    c = counts(rec.trace)
+    assert c["reads"] >= 3 * 7 and c["writes"] >= 3 * 7, c
+    bad = {r: v[:3] for r, v in check(rec.trace).items() if v}
+    assert not bad, bad
+    reads = accesses(rec.trace).reads
+    assert any(isinstance(s, tuple) and s[0] == "coded" for s in reads), "decodes note their coded reads"
+    assert any(isinstance(s, tuple) and s[0] == "shard" for s in reads), "gathers note their shard reads"
+
+
+def test_happens_before_event_log_has_a_gather_lane():
+    from test_happens_before import _traced
+
+    rec = RecordingStreams()
+    model, x = _model("toy")
+    om = _fake(model, cls=_traced(StreamedBlocks, rec, 2, "ring"), record_events=True)
+    with torch.no_grad():
+        for _ in range(2):
+            om(**x)
+    lanes = [e["lane"] for e in om.events()]
+    assert lanes.count("gather") == lanes.count("copy") > 0
+
+
+def test_config_and_wiring_accept_the_codec_with_dlo():
+    cfg = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
+                        layer_options={"dit": {"weight_transfer": "allgather"}})
+    assert cfg.weight_codec == "exp-k"
+    with pytest.raises(ValueError, match="weight_codec='exp-k'.*mode='layer' only"):
+        OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k")
+
+
+# --------------------------------------------------------------------------- gloo, 2 ranks
+def _coded_cfg(transfer="allgather", **kw):
+    return OffloadConfig.layerwise(weight_transfer=transfer, weight_codec="exp-k", progress=False, **kw)
+
+
+def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
+    """Bit-exact vs the unwrapped model over ``forwards``; disable() gives the weights back."""
+    model, x = _model(kind, seed_inputs=1 + rank, device=device)
+    ref = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, _coded_cfg(**cfg_kw), device=device, parallel=parallel)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        equal = [torch.equal(_first(om(**x)), want) for _ in range(forwards)]
+    stats = dict(om._streamed.source.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
+    local = om.local_state_dict()
+    plain = om.disable()
+    with torch.no_grad():
+        restored = torch.equal(_first(plain(**x)), want)
+    back = all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
+    return dict(equal=equal, restored=restored, back=back, stats=stats, local=local,
+                ref={k: v.cpu().clone() for k, v in ref.state_dict().items()})
+
+
+def _rank_weights(parallel, rank, device="cpu"):
+    model, x = _model("flux", seed_inputs=1 + rank, device=device)
+    ref = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, _coded_cfg(), device=device, parallel=parallel)
+    with torch.no_grad():
+        om(**x)
+    g = torch.Generator().manual_seed(7)  # the same new weights on every rank
+    new = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) for k, v in ref.state_dict().items()}
+    name = "single_transformer_blocks.0.proj_mlp.weight"  # random bits: codes larger, a re-shard
+    new[name] = torch.randint(0, 2**14, new[name].shape, generator=g, dtype=torch.int32).to(
+        torch.int16).view(torch.bfloat16)
+    before = list(om._streamed.source.store.shard_bytes)
+    written = om.update_weights(new)
+    resharded = om._streamed.source.store.shard_bytes != before
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        equal = [torch.equal(_first(om(**x)), want) for _ in range(2)]
+    full = om.gather_state_dict()
+    try:
+        om.state_dict()
+        sd_error = None
+    except RuntimeError as e:
+        sd_error = str(e)
+    om.disable()
+    return dict(written=len(written), expected=len(new), equal=equal, sd_error=sd_error, resharded=resharded,
+                gathered=sorted(full) == sorted(new) and all(torch.equal(_bits(full[k]), _bits(new[k])) for k in new))
+
+
+def _rank_failure_one(rank, world):
+    """One rank raises inside a block: every rank raises at the step's end, the next forward runs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=15))
+    parallel = ParallelConfig(dp=world, dp_group=group)
+    model, x = _model("toy", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(dlo_timeout_s=5.0), device="cpu", parallel=parallel)
+    state = {"forward": 0}
+
+    def boom(module, args):
+        if rank == 1 and state["forward"] == 1:
+            raise ValueError("injected failure inside single_blocks.0 on rank 1")
+
+    handle = model.single_blocks[0].register_forward_pre_hook(boom)
+    errors, equal = [], []
+    for i in range(3):
+        state["forward"] = i
+        try:
+            with torch.no_grad():
+                equal.append(torch.equal(om(**x), ref(**x)))
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    handle.remove()
+    return dict(errors=errors, equal=equal, usable=om._streamed.usable)
+
+
+def _rank_collective_failure(parallel, rank):
+    """A failed gather marks the backend unusable; local_state_dict() still gives every weight back."""
+    import torch.distributed as dist
+
+    model, x = _model("flux", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**x)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
+    calls = {"n": 0}
+
+    def failing(*args, **kw):  # third-party function replaced in this rank process only
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected collective failure")
+        return original(*args, **kw)
+
+    setattr(dist, name, failing)
+    try:
+        try:
+            with torch.no_grad():
+                om(**x)
+            first = None
+        except RuntimeError as e:
+            first = str(e)
+        try:
+            om.gather_state_dict()
+            gather = None
+        except RuntimeError as e:
+            gather = str(e)
+        try:
+            om.update_weights({k: v for k, v in ref.state_dict().items()})
+            update = None
+        except RuntimeError as e:
+            update = str(e)
+    finally:
+        setattr(dist, name, original)
+    return dict(first=first, gather=gather, update=update, usable=om._streamed.usable,
+                local=om.local_state_dict(), ref={k: v.clone() for k, v in ref.state_dict().items()})
+
+
+def _codec_differs(parallel, rank):
+    """Rank 1 without the codec: both ranks are told at setup (no gather of mismatched sizes)."""
+    model, _ = _model("toy")
+    cfg = _coded_cfg() if rank == 0 else OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    try:
+        OffloadedTransformer(model, cfg, device="cpu", parallel=parallel)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def scenario_two(rank, world):
+    from test_distributed import Checks
+
+    par = ParallelConfig.data_parallel()
+    c = Checks()
+    c.run("equal_toy", _rank_equal, "toy", par, rank)
+    c.run("equal_flux", _rank_equal, "flux", par, rank)
+    c.run("rank_local", _rank_equal, "flux", par, rank, transfer="rank-local")
+    c.run("codec_differs", _codec_differs, par, rank)
+    c.run("weights", _rank_weights, par, rank)
+    c.run("failure_one", _rank_failure_one, rank, world)
+    c.run("collective_failure", _rank_collective_failure, par, rank)
+    return c.report
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    from test_distributed import run_ranks
+
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two")
+
+
+@pytest.mark.parametrize("kind", ["toy", "flux"])
+def test_two_ranks_bit_exact_and_each_holds_half_the_coded_bytes(two, kind):
+    from test_distributed import get
+
+    reps = get(two, f"equal_{kind}")
+    for r in reps:
+        assert r["equal"] == [True, True] and r["restored"] and r["back"]
+    s0, s1 = reps[0]["stats"], reps[1]["stats"]
+    assert s0["coded_bytes"] == s1["coded_bytes"], "every rank encodes the same bytes"
+    assert s0["shard_bytes"] == s1["shard_bytes"] < s0["coded_bytes"], (s0, s1)
+    assert 2 * s0["shard_bytes"] >= s0["coded_bytes"] and s0["gathered_bytes_per_step"] == 2 * s0["shard_bytes"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items()) and sorted(merged) == sorted(reps[0]["ref"])
+    with pytest.raises(ValueError, match="merge_shards"):
+        merge_coded_shards([reps[0]["local"]])  # one rank's share is not enough
+
+
+def test_two_ranks_update_weights_and_gather_state_dict(two):
+    from test_distributed import get
+
+    for r in get(two, "weights"):
+        assert r["written"] == r["expected"] and r["equal"] == [True, True] and r["gathered"] and r["resharded"]
+        assert "gather_state_dict" in r["sd_error"]
+
+
+def test_two_ranks_rank_local_streams_full_coded_blocks(two):
+    from test_distributed import get
+
+    for r in get(two, "rank_local"):
+        assert r["equal"] == [True, True] and r["restored"] and r["back"]
+        assert r["stats"]["source"] == "coded-exp-k" and r["stats"]["transfer"] == "rank-local"
+        assert r["stats"]["h2d_bytes_per_step"] >= r["stats"]["coded_bytes"]
+        assert not any(isinstance(v, CodedPiece) for v in r["local"].values())
+
+
+def test_two_ranks_disagreeing_on_the_codec_are_told_at_setup(two):
+    from test_distributed import get
+
+    for msg in get(two, "codec_differs"):
+        assert msg is not None and "weight_codec" in msg and "disagree" in msg, msg
+
+
+def test_two_ranks_a_failure_on_one_rank_is_an_error_on_both_then_usable(two):
+    from test_distributed import get
+
+    reps = get(two, "failure_one")
+    assert "injected failure" in reps[1]["errors"][1]
+    assert reps[0]["errors"][1] is not None and "rank 1" in reps[0]["errors"][1], reps[0]
+    for r in reps:
+        assert r["errors"][0] is None and r["errors"][2] is None and r["usable"]
+        assert r["equal"] == [True, True]
+
+
+def test_two_ranks_collective_failure_loses_nothing(two):
+    from test_distributed import get
+
+    reps = get(two, "collective_failure")
+    for r in reps:
+        assert r["first"] is not None and not r["usable"]
+        assert "merge_coded_shards" in r["gather"] and "unusable" in r["update"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
+
+
+# --------------------------------------------------------------------------- perf/bench_dlo.py
+def _bench():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    return repo, importlib.import_module("perf.bench_dlo")
+
+
+def test_bench_coded_figures_use_the_uncoded_floor():
+    """At N=2, 24 GB streamed, 55 GB/s, resident 170 ms: uncoded floor 24e9/2/55e9 = 218.2 ms; a coded
+    shard of 8 GB per rank would floor at 170 ms (resident); the ratio is to the uncoded one."""
+    _, bench = _bench()
+    f0 = {"streamed_gb": 24.0, "h2d_gb_per_rank": 8.0, "coded_bytes": 16_000_000_000, "bits_per_weight": 10.9,
+          "coded_ratio": 0.68}
+    out = bench.coded_figures(f0, 170.0, 55.0, 2, 200.0)
+    assert out["floor_ms"] == pytest.approx(24e9 / 2 / 55e9 * 1e3, abs=0.01)
+    assert out["coded_floor_ms"] == pytest.approx(170.0, abs=0.01)
+    assert out["ratio_to_floor"] == pytest.approx(200.0 / out["floor_ms"], rel=1e-3) and out["ratio_to_floor"] < 1
+    assert out["coded_bytes"] == 16_000_000_000 and out["bits_per_weight"] == 10.9
+    assert "floor_ms" not in bench.coded_figures(f0, 170.0, 0.0, 2, 200.0)  # CPU: no link measured
+
+
+def test_bench_student_t_fill_and_mode_names():
+    _, bench = _bench()
+    from perf.results import validate_mode_name
+
+    validate_mode_name("dlo-allgather-coded")
+    assert "dlo-allgather-coded" in bench.parse_args(["--modes", "dlo-allgather-coded"]).modes
+    normal = bench.build_model(bench.FLUX_TINY, "cpu")
+    heavy = bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="student-t")
+    w_n = normal.transformer_blocks[0].attn.to_q.weight
+    w_t = heavy.transformer_blocks[0].attn.to_q.weight
+    kurt = lambda w: float(((w - w.mean()) ** 4).mean() / w.var() ** 2)  # noqa: E731
+    assert abs(w_n.std().item() - 0.02) < 0.003 and abs(w_t.std().item() - 0.02) < 0.006
+    assert kurt(w_n) < 3.5 < kurt(w_t), (kurt(w_n), kurt(w_t))  # Student-t df=4: heavy tails
+    with pytest.raises(ValueError, match="weight_fill='uniform'"):
+        bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="uniform")
+
+
+def test_bench_dlo_tiny_coded_mode(tmp_path):
+    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded`: both bit-exact over gloo,
+    the coded mode reports its coded size and the Student-t fill."""
+    import json
+    import subprocess
+    import sys
+
+    from perf.results import validate_result
+
+    repo, _ = _bench()
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "2", "--steps", "2",
+                           "--warmup", "1", "--modes", "dlo-allgather,dlo-allgather-coded", "--out", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    res = json.loads(path.read_text())
+    validate_result(res)
+    assert res["weight_fill"] == "student-t"
+    coded, plain = res["modes"]["dlo-allgather-coded"], res["modes"]["dlo-allgather"]
+    assert coded["bit_exact"] is True and plain["bit_exact"] is True
+    assert coded["coded_bytes"] > 0 and coded["shard_group_size"] == 2
+    assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
+    assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
+
+
+def _direct():
+    """The fake coded source with ShardSource.load itself (what CodedShardSource.load runs eagerly),
+    so that mutant() can edit its lines."""
+    from weightstream.offload.sources.dlo import ShardSource
+
+    return type("DirectCodedGather", (FakeCodedGather,), {"load": ShardSource.load})
+
+
+@pytest.mark.parametrize("line,rules", [
+    ("comm.wait_event(after)", {"write_after_previous_read", "no_concurrent_write"}),  # decode ignores slot-free
+    ("comm.wait_event(self.shard_loaded[slot])", {"read_after_load"}),  # gather before its shard's copy
+])
+def test_happens_before_catches_a_mutated_coded_load(line, rules):
+    """One-line mutations of the load the coded source runs keep the CPU outputs bit-exact
+    but break the ordering rules: the checks above can fail."""
+    from test_happens_before import RULES, _traced, mutant
+
+    rec = RecordingStreams()
+    model, x = _model("toy")
+    ref = copy.deepcopy(model)
+    cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
+    from test_happens_before import fake_dlo
+
+    sb = fake_dlo(model, cfg, _traced(StreamedBlocks, rec, 2, "ring"), source_cls=mutant(_direct(), "load", line))
+    om = OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
+    with torch.no_grad():
+        want = ref(**x)
+        assert all(torch.equal(om(**x), want) for _ in range(3))
+    v = check(rec.trace)
+    broken = {r for r in RULES if v[r]}
+    assert rules <= broken, broken
