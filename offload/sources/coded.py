@@ -52,13 +52,13 @@ import torch
 from ...kernels.codec import DEFAULT_TILE, CodecSegment, DecodeTable, HEADER_BYTES, decode, decode_torch, encode
 from ...kernels._buffers import canonical_device
 from ...kernels.codec import read_header
-from ..host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister
+from ..host_memory import HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, _cuda_register, _cuda_unregister
 from ..host_store import PAGE, copy_from_image
 from ..layout import BlockLayout, TensorSpec, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
 
-__all__ = ["CodedSource", "CodedCaptureStaleError", "coded_source", "check_codec_supported", "CODECS"]
+__all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS"]
 
 CODECS = ("exp-k",)
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
@@ -142,16 +142,20 @@ def encode_image(layout: BlockLayout, tensors) -> tuple[list[torch.Tensor], Deco
 def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]]):
     """``encode_image`` of every block, computed on worker threads a few blocks ahead and
     yielded in block order (torch's copies and shifts release the GIL)."""
-    n = len(layouts)
+    return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k]))
+
+
+def in_order(n: int, work):
+    """``work(k)`` for k in 0..n-1 on worker threads, a few ahead, yielded in order."""
     workers = max(1, min(8, os.cpu_count() or 1, n))
     ahead = 2 * workers
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
-        futs = {k: pool.submit(encode_image, layouts[k], objs[k]) for k in range(min(n, ahead))}
+        futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
         try:
             for k in range(n):
                 done = futs.pop(k).result()
                 if k + ahead < n:
-                    futs[k + ahead] = pool.submit(encode_image, layouts[k + ahead], objs[k + ahead])
+                    futs[k + ahead] = pool.submit(work, k + ahead)
                 yield done
         finally:
             for f in futs.values():
@@ -168,6 +172,16 @@ def _slack(layout: BlockLayout) -> int:
     return align_up(layout.nbytes // 256 + 4096, _ALIGN)
 
 
+@dataclasses.dataclass(frozen=True)
+class CodedRegion:
+    """A block's coded bytes already laid out elsewhere (a mapped coded sidecar, read-only):
+    ``data`` (its first ``coded`` bytes, then slack; every load copies all of it), ``table``."""
+
+    data: torch.Tensor
+    table: DecodeTable
+    coded: int
+
+
 class _BlockRegistration:
     """The cudaHostRegister ranges of one block region (chunks from its start; a copy
     may not span two, see copy_from_image)."""
@@ -176,11 +190,14 @@ class _BlockRegistration:
         self.ptrs: list[int] = []
         self.bytes = 0
 
-    def register(self, base: int, size: int) -> str | None:
+    def register(self, base: int, size: int, flags=(0,)) -> str | None:
         done = 0
         while done < size:
             n = min(REGISTER_CHUNK, size - done)
-            err = _cuda_register(base + done, n)
+            for f in flags:  # read-only mappings need cudaHostRegisterReadOnly; keep the first that works
+                err = _cuda_register(base + done, n, f)
+                if err is None:
+                    break
             if err is not None:
                 self.release()
                 return err
@@ -256,7 +273,8 @@ class CodedSource:
     waits_for_free = False
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
-                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True):
+                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
+                 encoded=None):
         self.layouts = list(layouts)
         self.device = canonical_device(device)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
@@ -280,8 +298,10 @@ class CodedSource:
         self._captured = False
         self._stale: str | None = None
         self._host_edits = 0  # re-encodes of edited host copies so far (host_version)
+        # block k's coded bytes lie in _backing[k] (a CodedRegion's read-only data) until it is re-encoded
+        self._backing: list[torch.Tensor | None] = [None] * len(self.layouts)
         t0 = time.perf_counter()
-        self._build(objs, drop or _drop, progress)
+        self._build(objs, drop or _drop, progress, encoded)
         self.encode_s = time.perf_counter() - t0
 
     # -- build -------------------------------------------------------------------
@@ -298,16 +318,23 @@ class CodedSource:
 
     def region(self, k: int) -> torch.Tensor:
         """Block ``k``'s host region (its coded bytes first)."""
+        if self._backing[k] is not None:
+            return self._backing[k]
         return self.arena[self.offsets[k] : self.offsets[k] + self.capacity[k]]
 
-    def _build(self, objs, drop, progress) -> None:
-        """Encode on worker threads (a few blocks ahead); store, drop, pin in block order."""
+    def _build(self, objs, drop, progress, encoded=None) -> None:
+        """Encode on worker threads (a few blocks ahead); store, drop, pin in block order.
+        ``encoded``: per block ``(blobs, table)`` (stored in the arena) or a :class:`CodedRegion`
+        (used where it lies) in block order, instead of encoding ``objs``."""
         n = len(self.layouts)
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
         dropped = 0
         try:
-            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
-                self._store(k, blobs, table, grow=True)
+            for k, item in enumerate(encoded_in_order(self.layouts, objs) if encoded is None else encoded):
+                if isinstance(item, CodedRegion):
+                    self._adopt(k, item)
+                else:
+                    self._store(k, *item, grow=True)
                 drop(objs[k])  # the region is now the one host copy
                 dropped = k + 1
                 self._pin(k)
@@ -327,15 +354,25 @@ class CodedSource:
                     t.data = spec.view_of(image).clone()
         self.close()
 
+    def _adopt(self, k: int, item: CodedRegion) -> None:
+        if not item.coded <= item.data.numel() <= self.capacity[k]:
+            raise ValueError(f"block {self.layouts[k].name!r}: a coded region of {item.data.numel()} bytes "
+                             f"({item.coded} coded) does not fit its capacity of {self.capacity[k]} bytes")
+        self._backing[k], self.tables[k], self.coded[k] = item.data, item.table, item.coded
+        self.copy_bytes[k] = item.data.numel()
+
     def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
-        """Write block ``k``'s coded tensors into its region; True when its copy size grew."""
+        """Write block ``k``'s coded tensors into its region; True when its copy size grew
+        (or its copy source moved: a block re-encoded out of a read-only CodedRegion)."""
+        moved = self._backing[k] is not None
+        self._backing[k] = None
         region, at = self.region(k), 0
         for b in blobs:
             region[at : at + b.numel()].copy_(b)
             at += b.numel()
         self.coded[k], self.tables[k] = at, table
         need = min(self.capacity[k], align_up(at + _slack(self.layouts[k]), _ALIGN))
-        if not grow and at <= self.copy_bytes[k]:
+        if not grow and at <= self.copy_bytes[k] and not moved:
             return False
         old, self.copy_bytes[k] = self.copy_bytes[k], need
         return old != 0
@@ -355,7 +392,8 @@ class CodedSource:
                                 f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
             return
-        err = self._regs[k].register(self.region(k).data_ptr(), size)
+        flags = (HOST_REGISTER_READ_ONLY, 0) if self._backing[k] is not None else (0,)
+        err = self._regs[k].register(self.region(k).data_ptr(), size, flags)
         if err is not None:
             self.pin_failure = f"{err} for block {self.layouts[k].name!r}; its coded bytes stay pageable"
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
