@@ -14,7 +14,7 @@ import torch
 import weightstream.offload.sources.coded as coded_mod
 from weightstream import OffloadConfig
 from weightstream.offload.mmap_source import (
-    CodedSidecarError, meta_from_pretrained, offload_from_safetensors, on_meta,
+    CheckpointChangedError, CodedSidecarError, meta_from_pretrained, offload_from_safetensors, on_meta,
 )
 from weightstream.offload.sources.mmap_coded import SIDECAR_DIR
 
@@ -280,6 +280,18 @@ def test_update_weights_and_edits_as_the_coded_source(sidecar, tmp_path):
     plain = wrapped.disable()
     for (k, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_a_sidecar_written_in_place_is_a_named_error_not_sigbus(tmp_path):
+    model, x, cls, folder, want = _flux(tmp_path)
+    _wrap(cls, folder, coded_sidecar="write")
+    wrapped = _wrap(cls, folder, coded_sidecar="read")
+    _steps(wrapped, x, want, n=1)
+    (path,) = _sidecars(folder)
+    _corrupt_truncate(path)  # in place: its pages go away under the mapping
+    with pytest.raises(CheckpointChangedError, match=r"\.wsc' changed while this process streams"):
+        with torch.no_grad():
+            wrapped(**x)
 
 
 def test_disable_from_a_sidecar_gives_private_weights(tmp_path):

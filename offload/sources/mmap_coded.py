@@ -44,13 +44,16 @@ import struct
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 
 from weightstream.kernels import codec
 
-from ..checkpoint import Checkpoint, TensorBinding, _give_data
+from ..checkpoint import (
+    Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _identity, changed_message,
+)
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
 from .coded import CodedRegion, CodedSource, encode_image, in_order
@@ -159,11 +162,13 @@ def _region(path: Path, u8: torch.Tensor, lay: BlockLayout, rec: dict) -> CodedR
     return CodedRegion(data, table, coded)
 
 
-def load_sidecar(path: Path, ident: dict, layouts: list[BlockLayout]) -> tuple[list[CodedRegion], int]:
-    """The mapped coded regions of a valid sidecar and its size; CodedSidecarError otherwise."""
+def load_sidecar(path: Path, ident: dict, layouts: list[BlockLayout]) -> tuple[list[CodedRegion], "_Watched"]:
+    """The mapped coded regions of a valid sidecar and its open file (identity checks);
+    CodedSidecarError otherwise."""
     try:
         with open(path, "rb") as f:
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            watch = _Watched(path, f.fileno())
     except (OSError, ValueError) as e:
         raise CodedSidecarError(f"coded sidecar {str(path)!r} cannot be read: {e}") from None
     head, _ = _read_header(path, m)
@@ -177,7 +182,26 @@ def load_sidecar(path: Path, ident: dict, layouts: list[BlockLayout]) -> tuple[l
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only by design: nothing writes through it
         u8 = torch.frombuffer(m, dtype=torch.uint8)
-    return [_region(path, u8, lay, r) for lay, r in zip(layouts, recs)], len(m)
+    return [_region(path, u8, lay, r) for lay, r in zip(layouts, recs)], watch
+
+
+class _Watched:
+    """The mapped sidecar's inode, size and mtime as mapped (``check``: one fstat; the
+    sidecar is only ever replaced atomically, so a change means someone wrote it in place)."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, os.dup(fd)
+        self.size = os.fstat(self.fd).st_size
+        self.identity = _identity(os.fstat(self.fd))
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def check(self) -> None:
+        now = _identity(os.fstat(self.fd))
+        if now != self.identity:
+            raise CheckpointChangedError(changed_message(self.path, self.identity, now))
+
+    def close(self) -> None:
+        self._closer()
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -225,6 +249,13 @@ class MmapCodedSource(CodedSource):
     """A CodedSource built from a checkpoint mapping (or its coded sidecar); see the module docstring."""
 
     name = "coded-exp-k-mmap"
+    sidecar = None  # the mapped sidecar (_Watched), when blocks were loaded from one
+
+    def check(self) -> None:
+        """Step start: the coded checks, and the mapped sidecar unchanged (CheckpointChangedError)."""
+        super().check()
+        if self.sidecar is not None:
+            self.sidecar.check()
 
     def uncapturable(self) -> str | None:
         why = super().uncapturable()
@@ -241,6 +272,8 @@ class MmapCodedSource(CodedSource):
     def close(self) -> None:
         super().close()
         self._backing = [None] * len(self._backing)
+        if self.sidecar is not None:
+            self.sidecar.close()
 
 
 def _encode_blocks(ckpt: Checkpoint, layouts, plans, counter: list):
@@ -263,10 +296,11 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     ident = identity(ckpt, layouts, tensors, bindings)
     path = sidecar_path(ckpt, ident)
     t0 = time.perf_counter()
-    regions, size = None, 0
+    regions, size, watch = None, 0, None
     if sidecar in ("auto", "read"):
         try:
-            regions, size = load_sidecar(path, ident, layouts)
+            regions, watch = load_sidecar(path, ident, layouts)
+            size = watch.size
         except CodedSidecarError as e:
             if sidecar == "read":
                 raise
@@ -295,7 +329,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
         src.close()
         raise
     if regions is not None:
-        src.encode_s = 0.0
+        src.encode_s, src.sidecar = 0.0, watch
     src.checkpoint_files = len(ckpt.files)
     src.sidecar_stats = {
         "coded_sidecar": sidecar, "sidecar_path": str(path) if sidecar != "off" else None,
