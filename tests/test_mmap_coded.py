@@ -164,6 +164,17 @@ def test_write_rewrites_atomically_and_leaves_no_temp_files(tmp_path, encodes):
     _steps(wrapped, x, want)
 
 
+def test_an_unwritable_sidecar_folder_warns_with_auto_and_raises_with_write(tmp_path):
+    model, x, cls, folder, want = _flux(tmp_path)
+    (folder / SIDECAR_DIR).write_text("not a folder")
+    with pytest.warns(UserWarning, match="not written"):
+        wrapped = _wrap(cls, folder, coded_sidecar="auto")
+    _steps(wrapped, x, want, n=1)
+    assert wrapped.stats()["sidecar_bytes"] == 0
+    with pytest.raises(CodedSidecarError, match="coded_sidecar='write' cannot write"):
+        _wrap(cls, folder, coded_sidecar="write")
+
+
 def test_read_without_a_sidecar_is_a_named_error(tmp_path):
     model, x, cls, folder, want = _flux(tmp_path)
     with pytest.raises(CodedSidecarError, match="cannot be read"):

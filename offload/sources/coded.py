@@ -145,10 +145,11 @@ def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]])
     return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k]))
 
 
-def in_order(n: int, work):
-    """``work(k)`` for k in 0..n-1 on worker threads, a few ahead, yielded in order."""
-    workers = max(1, min(8, os.cpu_count() or 1, n))
-    ahead = 2 * workers
+def in_order(n: int, work, ahead: int | None = None):
+    """``work(k)`` for k in 0..n-1 on worker threads, ``ahead`` at most in flight (default:
+    twice the workers), yielded in order."""
+    workers = max(1, min(8, os.cpu_count() or 1, n, ahead or n))
+    ahead = max(1, ahead or 2 * workers)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode") as pool:
         futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
         try:

@@ -2,10 +2,11 @@
 
 ``offload_from_safetensors(..., config with weight_codec='exp-k')`` streams a
 :class:`~.coded.CodedSource` whose blocks come from the checkpoint mapping:
-each streamed block's runtime image is packed on the host from the mapping
-(:func:`.mmap_plans.pack_block`: kernel transforms and ``mmap_weight_transform``
-applied), encoded and stored coded, a few blocks at a time on worker threads
-(never the whole model in RAM). Once built, the source no longer reads the
+each streamed block's runtime tensors are read from the mapping (views; kernel
+transforms and ``mmap_weight_transform`` applied into fresh tensors, as
+:func:`..checkpoint.host_tensor` does), encoded and stored coded, a few blocks at
+a time on worker threads (at most ``IN_FLIGHT_BYTES`` of raw blocks in flight;
+never the whole model in RAM). Once built, the source no longer reads the
 checkpoint (the coded bytes are its own copy), so the checkpoint is closed.
 
 The coded sidecar (``coded_sidecar``): ``'off'`` encodes at every start;
@@ -16,7 +17,8 @@ never changes for one checkpoint path (resolved file paths, runtime layout,
 codec, transforms); its header binds the whole identity: each file's size,
 inode and ``mtime_ns`` as mapped, every block's runtime layout, the codec
 version and tile, every tensor's transform (kernel transform spec, the code of
-an ``mmap_weight_transform``, the bytes of unbound buffers). A stale or foreign
+an ``mmap_weight_transform`` (its bytecode, constants and plain closure values:
+state it reads from elsewhere is not seen), the bytes of unbound buffers). A stale or foreign
 sidecar is never used: a named error for ``'read'``, a re-encode (and rewrite)
 for ``'auto'``. It is written to a temporary file and renamed (``os.replace``).
 
@@ -52,12 +54,12 @@ import torch
 from weightstream.kernels import codec
 
 from ..checkpoint import (
-    Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _identity, changed_message,
+    Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _identity, changed_message, host_tensor,
 )
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
 from .coded import CodedRegion, CodedSource, encode_image, in_order
-from .mmap_plans import build_plan, file_keys, file_ordered_layout, pack_block
+from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
 SIDECAR_DIR = ".weightstream-coded"
@@ -84,16 +86,27 @@ def check_sidecar_mode(mode, codec_name: str) -> str:
 
 def _transform_id(t: torch.Tensor, b: TensorBinding | None):
     if b is None:  # an unbound real buffer (non-persistent): its bytes are part of the image
-        return ["local", hashlib.sha256(t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ["local", hashlib.sha256(data).hexdigest()]
     if b.kernel is not None:
         return ["kernel", b.src.key, *b.kernel]
     if b.transform is not None:
         fn = b.transform
         code = getattr(fn, "__code__", None)
-        body = repr((code.co_code, code.co_consts)) if code is not None else repr(fn)
+        cells = [_cell(c) for c in getattr(fn, "__closure__", None) or ()]
+        body = repr((code.co_code, code.co_consts, cells)) if code is not None else repr(fn)
         return ["callable", f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}",
                 hashlib.sha256(body.encode()).hexdigest()]
     return ["ckpt", b.src.key]
+
+
+def _cell(c) -> str:
+    """A closure value as the identity sees it (numbers, strings, small containers; else its type)."""
+    try:
+        v = c.cell_contents
+    except ValueError:  # an empty cell
+        return "<empty>"
+    return repr(v) if isinstance(v, (int, float, str, bool, tuple, type(None))) else type(v).__qualname__
 
 
 def identity(ckpt: Checkpoint, layouts: list[BlockLayout], tensors, bindings) -> dict:
@@ -276,16 +289,44 @@ class MmapCodedSource(CodedSource):
             self.sidecar.close()
 
 
-def _encode_blocks(ckpt: Checkpoint, layouts, plans, counter: list):
-    """(blobs, table) of every block in order: packed from the mapping, encoded on workers."""
+def _write(path: Path, ident: dict, src: CodedSource, must: bool) -> int:
+    """write_sidecar; with ``must`` False (coded_sidecar='auto') a failure only warns."""
+    try:
+        return write_sidecar(path, ident, src)
+    except OSError as e:
+        if must:
+            raise CodedSidecarError(f"coded_sidecar='write' cannot write {str(path)!r}: {e}") from e
+        warnings.warn(f"weightstream: coded sidecar {str(path)!r} not written ({e}); the next start encodes "
+                      "again", stacklevel=5)
+        return 0
+
+
+IN_FLIGHT_BYTES = 4 << 30  # raw block bytes encoded at once (bounds the coded blobs waiting in order)
+
+
+def _runtime_tensors(ckpt: Checkpoint, plan, layout: BlockLayout, tensors, bindings) -> list[torch.Tensor]:
+    """Block ``plan.k``'s runtime host tensors: views of the mapping (no transform), fresh
+    tensors (kernel transforms, ``mmap_weight_transform``), the private bytes of unbound buffers."""
+    local = iter(plan.local)
+    out = []
+    for spec, t in zip(layout.tensors, tensors):
+        b = bindings.get(id(t))
+        out.append(host_tensor(ckpt, b) if b is not None else next(local)[0].view(spec.dtype).view(spec.shape))
+    return out
+
+
+def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter: list):
+    """(blobs, table) of every block in order, encoded on workers from the mapping (the files
+    checked before and after each block: never a truncated read, never a mixed block)."""
 
     def work(k: int):
-        buf = torch.zeros(layouts[k].nbytes, dtype=torch.uint8)
-        pack_block(ckpt, plans[k], buf)
+        ckpt.check_unchanged()
+        blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings))
+        ckpt.check_unchanged()
         counter[0] += 1
-        return encode_image(layouts[k], [s.view_of(buf) for s in layouts[k].tensors])
+        return blobs_table
 
-    return in_order(len(layouts), work)
+    return in_order(len(layouts), work, ahead=max(1, IN_FLIGHT_BYTES // max(lay.nbytes for lay in layouts)))
 
 
 def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off", timings: dict | None = None):
@@ -313,7 +354,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
                 if t.device.type == "meta":
                     _give_data(t, torch.empty(0, dtype=t.dtype, device=device))
     counter = [0]
-    encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, counter)
+    encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter)
     budget = cfg.pinned_memory_budget_gb
     src = MmapCodedSource(layouts, tensors, device=device, pin=cfg.pin_memory, progress=cfg.progress,
                           budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded)
@@ -323,7 +364,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
         write_s = 0.0
         if sidecar == "write" or (sidecar == "auto" and regions is None):
             t1 = time.perf_counter()
-            size = write_sidecar(path, ident, src)
+            size = _write(path, ident, src, must=sidecar == "write")
             write_s = time.perf_counter() - t1
     except BaseException:
         src.close()
