@@ -323,10 +323,11 @@ def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter:
         ckpt.check_unchanged()
         blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings))
         ckpt.check_unchanged()
-        counter[0] += 1
         return blobs_table
 
-    return in_order(len(layouts), work, ahead=max(1, IN_FLIGHT_BYTES // max(lay.nbytes for lay in layouts)))
+    for done in in_order(len(layouts), work, ahead=max(1, IN_FLIGHT_BYTES // max(lay.nbytes for lay in layouts))):
+        counter[0] += 1  # counted here, on the consuming thread
+        yield done
 
 
 def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off", timings: dict | None = None):
