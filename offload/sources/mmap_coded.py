@@ -117,14 +117,15 @@ def identity(ckpt: Checkpoint, layouts: list[BlockLayout], tensors, bindings) ->
                  for s, t in zip(lay.tensors, ts)]
         blocks.append({"name": lay.name, "nbytes": lay.nbytes, "tensors": specs})
     stable = {"format": _FORMAT, "codec": ["exp-k", codec.VERSION, codec.DEFAULT_TILE],
-              "paths": [str(Path(f.path).resolve()) for f in ckpt.files], "blocks": blocks}
+              "paths": [os.path.abspath(f.path) for f in ckpt.files], "blocks": blocks}
     files = [{"size": f.identity[2], "ino": f.identity[1], "mtime_ns": f.identity[3]} for f in ckpt.files]
     return json.loads(json.dumps({"stable": stable, "files": files}))  # as a header reads back
 
 
 def sidecar_path(ckpt: Checkpoint, ident: dict) -> Path:
     digest = hashlib.sha256(json.dumps(ident["stable"], sort_keys=True).encode()).hexdigest()[:32]
-    return Path(ckpt.files[0].path).resolve().parent / SIDECAR_DIR / f"{digest}.wsc"
+    # beside the path as given (a Hugging Face snapshot's symlinks are not followed into its blobs)
+    return Path(os.path.abspath(ckpt.files[0].path)).parent / SIDECAR_DIR / f"{digest}.wsc"
 
 
 # -- reading -------------------------------------------------------------------------------
