@@ -58,7 +58,7 @@ from ..checkpoint import (
 )
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
-from .coded import CodedRegion, CodedSource, encode_image, in_order
+from .coded import CodedRegion, CodedSource, _capacity, encode_image, in_order
 from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
@@ -161,7 +161,7 @@ def _stale_reason(head: dict, ident: dict) -> str | None:
 
 def _region(path: Path, u8: torch.Tensor, lay: BlockLayout, rec: dict) -> CodedRegion:
     off, n, coded = rec["offset"], rec["copy_bytes"], rec["coded"]
-    if off % PAGE or off + n > u8.numel() or not coded <= n:
+    if off % PAGE or off + n > u8.numel() or not coded <= n <= _capacity(lay):
         raise _corrupt(path, f"block {lay.name!r} lies at [{off}, {off + n}) of a {u8.numel()}-byte file (truncated?)")
     data = u8[off : off + n]
     try:
