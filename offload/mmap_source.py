@@ -15,6 +15,7 @@ from .host_memory import (  # noqa: F401  (re-exported)
     HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, direct_after_registration, plan_registration,
 )
 from .sources.mmap import CheckpointPages, MmapSource, mmap_streamed_blocks, offload_from_safetensors  # noqa: F401
+from .sources.mmap_coded import SIDECAR_MODES, CodedSidecarError, MmapCodedSource  # noqa: F401
 from .sources.mmap_plans import (  # noqa: F401
     COPY_PATHS, BlockPlan, Run, build_plan, file_ordered_layout, merge_runs, split_run,
 )
@@ -32,4 +33,7 @@ __all__ = [
     "CheckpointChangedError",
     "COPY_PATHS",
     "MmapSource",
+    "MmapCodedSource",
+    "CodedSidecarError",
+    "SIDECAR_MODES",
 ]

@@ -340,13 +340,7 @@ def test_coded_model_special_weights_round_trip():
     assert torch.equal(got.view(torch.int16), want["transformer_blocks.0.attn.to_q.weight"].view(torch.int16))
 
 
-def test_codec_refused_by_mmap(tmp_path):
-    from weightstream.offload.mmap_source import offload_from_safetensors
-
-    cfg = OffloadConfig.layerwise(weight_codec="exp-k")
-    model = tiny_flux()
-    with pytest.raises(ValueError, match=r"weight_codec='exp-k' is not allowed with the mmap source"):
-        offload_from_safetensors(model, str(tmp_path), cfg, device="cpu")
+# DLO and the mmap source code too now: tests/test_dlo_coded.py, tests/test_mmap_coded.py
 
 
 @pytest.mark.parametrize("name", ["flux", "wan"])

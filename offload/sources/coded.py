@@ -53,13 +53,13 @@ import torch
 from ...kernels.codec import DEFAULT_TILE, CodecSegment, DecodeTable, HEADER_BYTES, decode, decode_torch, encode
 from ...kernels._buffers import canonical_device
 from ...kernels.codec import read_header
-from ..host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister
+from ..host_memory import HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, _cuda_register, _cuda_unregister
 from ..host_store import PAGE, copy_from_image
 from ..layout import BlockLayout, TensorSpec, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
 
-__all__ = ["CodedSource", "CodedCaptureStaleError", "coded_source", "check_codec_supported", "CODECS"]
+__all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS"]
 
 CODECS = ("exp-k",)
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
@@ -193,12 +193,13 @@ def one_intra_op_thread():
         torch.set_num_threads(before)
 
 
-def in_order(n: int, work, *, workers: int | None = None):
+def in_order(n: int, work, *, workers: int | None = None, ahead: int | None = None):
     """``work(k)`` for k in 0..n-1 on ``workers`` threads (default :func:`encode_workers`),
-    a few ahead, yielded in order; torch runs one intra-op thread per worker meanwhile
+    at most ``ahead`` in flight (default: the workers + 2; results waiting for the consumer
+    bound host memory), yielded in order; torch runs one intra-op thread per worker meanwhile
     (:func:`one_intra_op_thread`, restored when the generator finishes or is closed)."""
-    workers = max(1, min(encode_workers() if workers is None else workers, n))
-    ahead = workers + 2  # results waiting for the consumer: bounded host memory
+    workers = max(1, min(encode_workers() if workers is None else workers, n, ahead or n))
+    ahead = workers + 2 if ahead is None else max(1, ahead)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-encode")
     with one_intra_op_thread(), pool:
         futs = {k: pool.submit(work, k) for k in range(min(n, ahead))}
@@ -223,6 +224,16 @@ def _slack(layout: BlockLayout) -> int:
     return align_up(layout.nbytes // 256 + 4096, _ALIGN)
 
 
+@dataclasses.dataclass(frozen=True)
+class CodedRegion:
+    """A block's coded bytes already laid out elsewhere (a mapped coded sidecar, read-only):
+    ``data`` (its first ``coded`` bytes, then slack; every load copies all of it), ``table``."""
+
+    data: torch.Tensor
+    table: DecodeTable
+    coded: int
+
+
 class _BlockRegistration:
     """The cudaHostRegister ranges of one block region (chunks from its start; a copy
     may not span two, see copy_from_image)."""
@@ -231,11 +242,14 @@ class _BlockRegistration:
         self.ptrs: list[int] = []
         self.bytes = 0
 
-    def register(self, base: int, size: int) -> str | None:
+    def register(self, base: int, size: int, flags=(0,)) -> str | None:
         done = 0
         while done < size:
             n = min(REGISTER_CHUNK, size - done)
-            err = _cuda_register(base + done, n)
+            for f in flags:  # read-only mappings need cudaHostRegisterReadOnly; keep the first that works
+                err = _cuda_register(base + done, n, f)
+                if err is None:
+                    break
             if err is not None:
                 self.release()
                 return err
@@ -311,7 +325,8 @@ class CodedSource:
     waits_for_free = False
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
-                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True):
+                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
+                 encoded=None):
         self.layouts = list(layouts)
         self.device = canonical_device(device)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
@@ -335,8 +350,10 @@ class CodedSource:
         self._captured = False
         self._stale: str | None = None
         self._host_edits = 0  # re-encodes of edited host copies so far (host_version)
+        # block k's coded bytes lie in _backing[k] (a CodedRegion's read-only data) until it is re-encoded
+        self._backing: list[torch.Tensor | None] = [None] * len(self.layouts)
         t0 = time.perf_counter()
-        self._build(objs, drop or _drop, progress)
+        self._build(objs, drop or _drop, progress, encoded)
         self.encode_s = time.perf_counter() - t0
 
     # -- build -------------------------------------------------------------------
@@ -353,22 +370,38 @@ class CodedSource:
 
     def region(self, k: int) -> torch.Tensor:
         """Block ``k``'s host region (its coded bytes first)."""
+        if self._backing[k] is not None:
+            return self._backing[k]
         return self.arena[self.offsets[k] : self.offsets[k] + self.capacity[k]]
 
-    def _build(self, objs, drop, progress) -> None:
-        """Encode on worker threads (a few blocks ahead); store, drop, pin in block order."""
+    def _build(self, objs, drop, progress, encoded=None) -> None:
+        """Encode on worker threads (a few blocks ahead); store, drop, pin in block order.
+        ``encoded``: per block ``(blobs, table)`` (stored in the arena) or a :class:`CodedRegion`
+        (used where it lies) in block order, instead of encoding ``objs``."""
         n = len(self.layouts)
         bar = Progress(f"coding {n} blocks into host memory", sum(lay.nbytes for lay in self.layouts), progress)
         dropped = 0
         try:
-            work = lambda k: encode_into(self.region(k), self.layouts[k], objs[k])  # noqa: E731
-            with contextlib.closing(in_order(n, work)) as coded:  # closing: torch's threads restored
-                for k, (at, table) in enumerate(coded):
-                    self._commit(k, at, table, grow=True)
-                    drop(objs[k])  # the region is now the one host copy
-                    dropped = k + 1
-                    self._pin(k)
-                    bar.update(self.layouts[k].nbytes)
+            def stored(k: int) -> None:
+                nonlocal dropped
+                drop(objs[k])  # the region is now the one host copy
+                dropped = k + 1
+                self._pin(k)
+                bar.update(self.layouts[k].nbytes)
+
+            if encoded is None:
+                work = lambda k: encode_into(self.region(k), self.layouts[k], objs[k])  # noqa: E731
+                with contextlib.closing(in_order(n, work)) as coded:  # closing: torch's threads restored
+                    for k, (at, table) in enumerate(coded):
+                        self._commit(k, at, table, grow=True)
+                        stored(k)
+            else:
+                for k, item in enumerate(encoded):
+                    if isinstance(item, CodedRegion):
+                        self._adopt(k, item)  # used where it lies (a mapped sidecar)
+                    else:
+                        self._store(k, *item, grow=True)
+                    stored(k)
         except BaseException:
             self._give_back(objs, dropped)
             raise
@@ -384,16 +417,26 @@ class CodedSource:
                     t.data = spec.view_of(image).clone()
         self.close()
 
-    def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
-        """Write block ``k``'s coded tensors into its region; True when its copy size grew."""
-        return self._commit(k, _write(self.region(k), blobs), table, grow=grow)
+    def _adopt(self, k: int, item: CodedRegion) -> None:
+        if not item.coded <= item.data.numel() <= self.capacity[k]:
+            raise ValueError(f"block {self.layouts[k].name!r}: a coded region of {item.data.numel()} bytes "
+                             f"({item.coded} coded) does not fit its capacity of {self.capacity[k]} bytes")
+        self._backing[k], self.tables[k], self.coded[k] = item.data, item.table, item.coded
+        self.copy_bytes[k] = item.data.numel()
 
-    def _commit(self, k: int, at: int, table: DecodeTable, *, grow: bool) -> bool:
+    def _store(self, k: int, blobs: list[torch.Tensor], table: DecodeTable, *, grow: bool) -> bool:
+        """Write block ``k``'s coded tensors into its region; True when its copy size grew
+        (or its copy source moved: a block re-encoded out of a read-only CodedRegion)."""
+        moved = self._backing[k] is not None
+        self._backing[k] = None
+        return self._commit(k, _write(self.region(k), blobs), table, grow=grow, moved=moved)
+
+    def _commit(self, k: int, at: int, table: DecodeTable, *, grow: bool, moved: bool = False) -> bool:
         """Block ``k``'s region holds ``at`` coded bytes decoded by ``table``; True when its copy
-        size grew."""
+        size grew (or its source moved)."""
         self.coded[k], self.tables[k] = at, table
         need = min(self.capacity[k], align_up(at + _slack(self.layouts[k]), _ALIGN))
-        if not grow and at <= self.copy_bytes[k]:
+        if not grow and at <= self.copy_bytes[k] and not moved:
             return False
         old, self.copy_bytes[k] = self.copy_bytes[k], need
         return old != 0
@@ -413,7 +456,8 @@ class CodedSource:
                                 f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
             return
-        err = self._regs[k].register(self.region(k).data_ptr(), size)
+        flags = (HOST_REGISTER_READ_ONLY, 0) if self._backing[k] is not None else (0,)
+        err = self._regs[k].register(self.region(k).data_ptr(), size, flags)
         if err is not None:
             self.pin_failure = f"{err} for block {self.layouts[k].name!r}; its coded bytes stay pageable"
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)

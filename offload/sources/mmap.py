@@ -86,7 +86,7 @@ from ..host_store import copy_from_image
 from ..misuse import WeightUpdateError
 from ..staging import Stager, StagingError, check_threads
 from ..streamed import StreamedBlocks, resolve_device
-from .coded import check_codec_supported
+from .mmap_coded import check_sidecar_mode, mmap_coded_source
 from .mmap_plans import (
     COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block,
     split_run,
@@ -408,11 +408,12 @@ def _load_resident(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed
 
 def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
                          ckpt: Checkpoint, copy_path: str = "auto", staging_threads: int | None = None, *,
-                         cls=StreamedBlocks) -> StreamedBlocks:
+                         cls=StreamedBlocks, coded_sidecar: str = "off") -> StreamedBlocks:
     """``cls`` (a StreamedBlocks) over ``module`` (on meta) whose source is an
     :class:`MmapSource` over ``ckpt``. Binds every tensor (meta, checkpoint dtype,
     runtime shape), lets StreamedBlocks pick the streamed blocks, then loads the
-    rest to ``device`` and builds the source. ``ckpt`` is closed on failure."""
+    rest to ``device`` and builds the source (with ``weight_codec``: a coded source,
+    :mod:`.mmap_coded`). ``ckpt`` is closed on failure."""
     t0 = time.perf_counter()
     made: list[MmapSource] = []
     try:
@@ -428,6 +429,9 @@ def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch
             t1 = time.perf_counter()
             _load_resident(module, ckpt, bindings, {id(t) for ts in req.tensors for _, _, t in ts}, req.device)
             timings = {"open_s": ckpt.open_s, "bind_s": bind_s, "resident_load_s": time.perf_counter() - t1}
+            if config.weight_codec != "none":
+                made.append(mmap_coded_source(req, ckpt, bindings, coded_sidecar, timings))
+                return made[-1]
             made.append(MmapSource(req, ckpt, bindings, copy_path=copy_path, staging_threads=staging_threads,
                                    timings=timings))
             return made[-1]
@@ -459,6 +463,7 @@ def offload_from_safetensors(
     plan: OffloadPlan | None = None,
     copy_path: str = "auto",
     staging_threads: int | None = None,
+    coded_sidecar: str = "off",
 ):
     """Stream ``model_on_meta``'s blocks straight from safetensors files.
 
@@ -474,6 +479,10 @@ def offload_from_safetensors(
     staging_threads: threads that pack staged blocks (int >= 1; None: the
     CPUs available less two, at most 16). 1 packs on the packer thread alone
     (torch's multi-threaded copy).
+    coded_sidecar: with ``weight_codec='exp-k'`` (blocks packed from the mapping, encoded,
+    streamed coded; :mod:`.mmap_coded`): "off" (encode at every start), "write" (encode,
+    write ``<checkpoint dir>/.weightstream-coded/<hash>.wsc``), "auto" (load a valid sidecar,
+    else encode and write one) or "read" (load one; CodedSidecarError if none is valid).
     """
     from ..transformer import OffloadedTransformer  # the wrapper imports the front ends, not the sources
 
@@ -485,7 +494,11 @@ def offload_from_safetensors(
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
-    check_codec_supported(cfg, "the mmap source (offload_from_safetensors)")
+    check_sidecar_mode(coded_sidecar, cfg.weight_codec)
+    if cfg.weight_codec != "none" and (copy_path != "auto" or staging_threads is not None):
+        key, val = ("copy_path", copy_path) if copy_path != "auto" else ("staging_threads", staging_threads)
+        raise ValueError(f"{key}={val!r} is not allowed with weight_codec={cfg.weight_codec!r}: coded blocks "
+                         f"copy from the coded host store; choose from: {key}={'auto' if key == 'copy_path' else None!r}")
     if "dit" not in cfg.components:
         raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; the mmap source streams a DiT")
     if cfg.weight_transfer == "allgather":
@@ -502,5 +515,6 @@ def offload_from_safetensors(
     dev = resolve_device(device)
     check_opt_in(model_on_meta)
     ckpt = Checkpoint(as_sources(source, model_on_meta))
-    streamed = mmap_streamed_blocks(model_on_meta, cfg, dev, plan, ckpt, copy_path, staging_threads)
+    streamed = mmap_streamed_blocks(model_on_meta, cfg, dev, plan, ckpt, copy_path, staging_threads,
+                                    coded_sidecar=coded_sidecar)
     return OffloadedTransformer(model_on_meta, cfg, device=dev, streamed=streamed)
