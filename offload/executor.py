@@ -29,159 +29,18 @@ forward.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .discovery import Block
+from .event_log import EventLog, _Record  # noqa: F401  (re-exported: sources log their own lanes)
+from .hooks import BlockHook, StepHook, guard_backward  # noqa: F401  (re-exported)
 from .layout import block_tensors
-from .misuse import ConcurrentUseError, InferenceOnlyError, StreamedWriteError
+from .misuse import ConcurrentUseError, StreamedWriteError
 from .schedule import Load, Schedule
 from .streams import resolve_streams
-from .tracing import not_traced
-
-
-class BlockHook:
-    """Named, removable pre/post forward hook of one streamed block."""
-
-    def __init__(self, executor: "LayerwiseExecutor", block: Block):
-        self.executor = executor
-        self.block = block
-        self.name = f"weightstream.stream[{block.name}]"
-        self._handles = [
-            block.module.register_forward_pre_hook(self.pre_forward),
-            block.module.register_forward_hook(self.post_forward),
-        ]
-
-    # not traced: under regional compile (nn.Module.compile compiles _call_impl,
-    # hooks included) the rebinding of parameters to slot views must run eagerly,
-    # as a graph break, not as a traced input mutation
-    @not_traced
-    def pre_forward(self, module, args):
-        self.executor.before_block(self.block.index)
-
-    @not_traced
-    def post_forward(self, module, args, output):
-        self.executor.after_block(self.block.index)
-        if torch.is_grad_enabled():  # one call per block; the guard itself only with grad on
-            guard_backward(output, self.block.name)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def __repr__(self) -> str:
-        state = "active" if self._handles else "removed"
-        return f"BlockHook({self.name}, {state})"
-
-
-class StepHook:
-    """Named, removable hooks on the DiT itself: its forward holds the model for
-    the calling thread (see :meth:`LayerwiseExecutor.acquire`), and starts a step
-    of a schedule with step-start loads (the step's first loads, behind the
-    resident blocks)."""
-
-    def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
-        self.executor = executor
-        self.name = f"weightstream.step[{type(root).__name__}]"
-        # a GraphForward (in-place mode with CUDA graphs): the outer call of the module
-        # only holds it; the graph runner's own call of the module starts the step
-        self.entry = None
-        self._handles = [
-            root.register_forward_pre_hook(self.pre_forward),
-            root.register_forward_hook(self.post_forward, always_call=True),
-        ]
-
-    def pre_forward(self, module, args):
-        ex = self.executor
-        ex.acquire()
-        if self.entry is not None and not self.entry.inner:
-            return
-        if ex.schedule.has_step_start:
-            ex.begin_step()
-        elif ex.position % ex.schedule.n and ex._bound is None:
-            ex.finish_step()  # the previous step's last blocks were skipped (SD3 skip_layers)
-
-    def post_forward(self, module, args, output):
-        self.executor.release()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def __repr__(self) -> str:
-        return f"StepHook({self.name}, {'active' if self._handles else 'removed'})"
-
-
-def guard_backward(output, block: str) -> None:
-    """Make a backward that reaches a streamed block's output raise InferenceOnlyError.
-
-    Checked at the first backward rather than at forward: a forward with grad
-    enabled computes correct outputs (only the backward needs the block's
-    weights again, which are gone once the block is unbound), and raising at
-    forward would break every caller that merely forgot ``torch.no_grad()``.
-    """
-    tensors = output if isinstance(output, (tuple, list)) else (
-        output.values() if isinstance(output, dict) else (output,))
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(_InferenceOnly(block))
-
-
-class _InferenceOnly:
-    def __init__(self, block: str):
-        self.block = block
-
-    def __call__(self, grad):
-        raise InferenceOnlyError(
-            f"backward reached the streamed block {self.block!r}: weightstream streams weights for "
-            "inference only (a block's weights leave the device after its forward, so its gradients "
-            "cannot be computed). Run the model under torch.no_grad() or torch.inference_mode(), or "
-            "call requires_grad_(False) on the inputs and parameters; to train, use the plain model "
-            "(OffloadedTransformer.disable())"
-        )
-
-
-@dataclass
-class _Record:
-    step: int
-    block: int
-    lane: str  # "copy" | "compute"
-    start: object = None  # torch.cuda.Event or float (perf_counter seconds)
-    end: object = None
-
-
-@dataclass
-class EventLog:
-    """Per-block copy/compute intervals, resolved (synchronised) only when read."""
-
-    cuda: bool
-    origin: object = None
-    records: list = field(default_factory=list)
-
-    def mark(self, stream=None):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)
-            return ev
-        return time.perf_counter()
-
-    def resolve(self) -> list[dict]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            ms = lambda ev: self.origin.elapsed_time(ev)  # noqa: E731
-        else:
-            ms = lambda t: (t - self.origin) * 1e3  # noqa: E731
-        return [
-            {"step": r.step, "block": r.block, "lane": r.lane, "start_ms": ms(r.start), "end_ms": ms(r.end)}
-            for r in self.records
-            if r.start is not None and r.end is not None
-        ]
 
 
 class LayerwiseExecutor:

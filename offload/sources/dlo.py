@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..dlo_control import ShardPiece, bounded_wait
-from ..executor import _Record
+from ..event_log import _Record
 from ..dlo_topology import shard_size
 from ..host_store import HostStore, copy_from_image
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec

@@ -1,0 +1,123 @@
+"""The executor's hooks: named, removable pre/post forward hooks on each streamed block
+and on the DiT, and the guard that makes a backward through a streamed block raise.
+
+They only call the executor (:class:`~.executor.LayerwiseExecutor`): its
+``before_block`` / ``after_block`` per block, ``acquire`` / ``begin_step`` /
+``release`` per step.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .discovery import Block
+from .misuse import InferenceOnlyError
+from .tracing import not_traced
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .executor import LayerwiseExecutor
+
+
+class BlockHook:
+    """Named, removable pre/post forward hook of one streamed block."""
+
+    def __init__(self, executor: "LayerwiseExecutor", block: Block):
+        self.executor = executor
+        self.block = block
+        self.name = f"weightstream.stream[{block.name}]"
+        self._handles = [
+            block.module.register_forward_pre_hook(self.pre_forward),
+            block.module.register_forward_hook(self.post_forward),
+        ]
+
+    # not traced: under regional compile (nn.Module.compile compiles _call_impl,
+    # hooks included) the rebinding of parameters to slot views must run eagerly,
+    # as a graph break, not as a traced input mutation
+    @not_traced
+    def pre_forward(self, module, args):
+        self.executor.before_block(self.block.index)
+
+    @not_traced
+    def post_forward(self, module, args, output):
+        self.executor.after_block(self.block.index)
+        if torch.is_grad_enabled():  # one call per block; the guard itself only with grad on
+            guard_backward(output, self.block.name)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        state = "active" if self._handles else "removed"
+        return f"BlockHook({self.name}, {state})"
+
+
+class StepHook:
+    """Named, removable hooks on the DiT itself: its forward holds the model for
+    the calling thread (see :meth:`LayerwiseExecutor.acquire`), and starts a step
+    of a schedule with step-start loads (the step's first loads, behind the
+    resident blocks)."""
+
+    def __init__(self, executor: "LayerwiseExecutor", root: nn.Module):
+        self.executor = executor
+        self.name = f"weightstream.step[{type(root).__name__}]"
+        # a GraphForward (in-place mode with CUDA graphs): the outer call of the module
+        # only holds it; the graph runner's own call of the module starts the step
+        self.entry = None
+        self._handles = [
+            root.register_forward_pre_hook(self.pre_forward),
+            root.register_forward_hook(self.post_forward, always_call=True),
+        ]
+
+    def pre_forward(self, module, args):
+        ex = self.executor
+        ex.acquire()
+        if self.entry is not None and not self.entry.inner:
+            return
+        if ex.schedule.has_step_start:
+            ex.begin_step()
+        elif ex.position % ex.schedule.n and ex._bound is None:
+            ex.finish_step()  # the previous step's last blocks were skipped (SD3 skip_layers)
+
+    def post_forward(self, module, args, output):
+        self.executor.release()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        return f"StepHook({self.name}, {'active' if self._handles else 'removed'})"
+
+
+def guard_backward(output, block: str) -> None:
+    """Make a backward that reaches a streamed block's output raise InferenceOnlyError.
+
+    Checked at the first backward rather than at forward: a forward with grad
+    enabled computes correct outputs (only the backward needs the block's
+    weights again, which are gone once the block is unbound), and raising at
+    forward would break every caller that merely forgot ``torch.no_grad()``.
+    """
+    tensors = output if isinstance(output, (tuple, list)) else (
+        output.values() if isinstance(output, dict) else (output,))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(_InferenceOnly(block))
+
+
+class _InferenceOnly:
+    def __init__(self, block: str):
+        self.block = block
+
+    def __call__(self, grad):
+        raise InferenceOnlyError(
+            f"backward reached the streamed block {self.block!r}: weightstream streams weights for "
+            "inference only (a block's weights leave the device after its forward, so its gradients "
+            "cannot be computed). Run the model under torch.no_grad() or torch.inference_mode(), or "
+            "call requires_grad_(False) on the inputs and parameters; to train, use the plain model "
+            "(OffloadedTransformer.disable())"
+        )
