@@ -10,6 +10,7 @@ and run in the test process.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import importlib
@@ -222,26 +223,36 @@ def check_waves(parallel, rank, world):
     }
 
 
-def check_failure_everywhere(parallel, rank):
-    """A collective that raises on every rank (injected) marks the backend unusable."""
+
+@contextlib.contextmanager
+def failing_gather(at: int):
+    """In this rank process only: the all-gather raises on its ``at``-th call (a third-party
+    function replaced, restored after); yields the call counter ``{"n": calls}``."""
     import torch.distributed as dist
 
-    model, inputs = _model("toy", rank)
-    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
-    with torch.no_grad():
-        om(**inputs)
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     original = getattr(dist, name)
     calls = {"n": 0}
 
-    def failing(*args, **kw):  # third-party function replaced in this rank process only
+    def failing(*args, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == at:
             raise RuntimeError("injected collective failure")
         return original(*args, **kw)
 
     setattr(dist, name, failing)
     try:
+        yield calls
+    finally:
+        setattr(dist, name, original)
+
+def check_failure_everywhere(parallel, rank):
+    """A collective that raises on every rank (injected) marks the backend unusable."""
+    model, inputs = _model("toy", rank)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
+    with torch.no_grad():
+        om(**inputs)
+    with failing_gather(3) as calls:
         try:
             with torch.no_grad():
                 om(**inputs)
@@ -259,8 +270,6 @@ def check_failure_everywhere(parallel, rank):
             disable = None
         except RuntimeError as e:
             disable = str(e)
-    finally:
-        setattr(dist, name, original)
     return dict(first=first, later=later, disable=disable, usable=om._streamed.usable,
                 stats_failure=om.stats()["failure"], calls_after=calls["n"],
                 local=om._streamed.local_state_dict())

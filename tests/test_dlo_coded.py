@@ -247,25 +247,14 @@ def _rank_failure_one(rank, world):
 
 def _rank_collective_failure(parallel, rank):
     """A failed gather marks the backend unusable; local_state_dict() still gives every weight back."""
-    import torch.distributed as dist
+    from test_distributed import failing_gather
 
     model, x = _model("flux", seed_inputs=1 + rank)
     ref = copy.deepcopy(model)
     om = OffloadedTransformer(model, _coded_cfg(), device="cpu", parallel=parallel)
     with torch.no_grad():
         om(**x)
-    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    original = getattr(dist, name)
-    calls = {"n": 0}
-
-    def failing(*args, **kw):  # third-party function replaced in this rank process only
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected collective failure")
-        return original(*args, **kw)
-
-    setattr(dist, name, failing)
-    try:
+    with failing_gather(2):
         try:
             with torch.no_grad():
                 om(**x)
@@ -282,8 +271,6 @@ def _rank_collective_failure(parallel, rank):
             update = None
         except RuntimeError as e:
             update = str(e)
-    finally:
-        setattr(dist, name, original)
     return dict(first=first, gather=gather, update=update, usable=om._streamed.usable,
                 local=om.local_state_dict(), ref={k: v.clone() for k, v in ref.state_dict().items()})
 
