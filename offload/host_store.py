@@ -41,11 +41,38 @@ def copy_from_image(dst: torch.Tensor, image: torch.Tensor, offset: int = 0) -> 
         pos += step
 
 
+def spread_pins(sizes: list[int], budget: int | None) -> frozenset[int]:
+    """Blocks to pin under ``budget`` bytes (``sizes``: page-aligned, in streaming order).
+
+    The pinned bytes are spread over the order (error diffusion: block i is pinned when
+    that keeps the pinned bytes through i within half a block of the budget's share of
+    the bytes through i, and within the budget), then leftover budget pins more in order.
+    Pinning the first blocks only would leave the second part of every step to bounce
+    staging alone (host memcpy, then H2D); spread, each staged block's memcpy runs while
+    a pinned block's DMA holds the link (flux-12b-1024 at half the model, 3a79e14: 561 ms
+    with the first half pinned vs 427 ms all pinned)."""
+    if budget is None or budget >= sum(sizes):
+        return frozenset(range(len(sizes)))
+    total, share = max(1, sum(sizes)), budget / max(1, sum(sizes))
+    pinned, done, chosen = 0, 0, set()
+    for i, n in enumerate(sizes):
+        done += n
+        if pinned + n <= budget and pinned + n / 2 <= share * done:
+            chosen.add(i)
+            pinned += n
+    for i, n in enumerate(sizes):
+        if i not in chosen and pinned + n <= budget:
+            chosen.add(i)
+            pinned += n
+    return frozenset(chosen)
+
+
 class HostStore:
     """Pinned (or pageable) host arena of block images.
 
     ``pin``: register block ranges with CUDA (needs CUDA); ``budget_bytes``:
-    at most this many bytes pinned, the rest pageable with one warning.
+    at most this many bytes pinned, spread over the block order
+    (:func:`spread_pins`), the rest pageable with one warning.
     """
 
     def __init__(self, layouts: list[BlockLayout], *, pin: bool, budget_bytes: int | None = None):
@@ -67,7 +94,9 @@ class HostStore:
             self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
         self.want_pin = bool(pin) and torch.cuda.is_available()
         self.budget = budget_bytes
+        self.pin_plan = spread_pins([align_up(lay.nbytes, PAGE) for lay in self.layouts], budget_bytes)
         self.pin_failure: str | None = None
+        self._register_failed = False  # a registration error: nothing more is pinned
         self._reg = _Registration()
         self._finalizer = weakref.finalize(self, self._reg.release)
         self._pinned_blocks: set[int] = set()
@@ -111,13 +140,18 @@ class HostStore:
 
     def pin(self, i: int) -> None:
         """Register block ``i``'s image (chunked) unless pinning is off, failed, or over budget."""
-        if not self.want_pin or self.pin_failure is not None or i in self._pinned_blocks:
+        if not self.want_pin or self._register_failed or i in self._pinned_blocks:
             return
         off, size = self.offsets[i], align_up(self.layouts[i].nbytes, PAGE)
-        if self.budget is not None and self._reg.bytes + size > self.budget:
+        if i not in self.pin_plan or (self.budget is not None and self._reg.bytes + size > self.budget):
+            if self.pin_failure is not None:
+                return  # warned once
+            left = [j for j in range(len(self.layouts)) if j not in self.pin_plan]
             self.pin_failure = (
-                f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; blocks from "
-                f"{self.layouts[i].name!r} on stay in pageable memory (slower H2D, same results)"
+                f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; {len(left)} of "
+                f"{len(self.layouts)} blocks ({sum(self.layouts[j].nbytes for j in left) / 1e9:.2f} GB, "
+                f"from {self.layouts[i].name!r}, spread between pinned ones) stay in pageable memory "
+                "(slower H2D, same results)"
             )
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
             return
@@ -127,6 +161,7 @@ class HostStore:
             n = min(REGISTER_CHUNK, size - done)
             err = _cuda_register(base + done, n)
             if err is not None:
+                self._register_failed = True
                 self.pin_failure = f"{err} for {n} bytes of block {self.layouts[i].name!r}; host memory stays pageable"
                 warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
                 return

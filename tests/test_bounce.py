@@ -394,3 +394,34 @@ def test_auto_placement_rebuilds_the_ring_over_staged_blocks(name, resident):
     back = wrapped.disable()
     with torch.no_grad():
         assert torch.equal(first(back(**x)), want)
+
+
+# -- which blocks a pinned budget pins (pure) --------------------------------------------------
+from weightstream.offload.host_store import spread_pins  # noqa: E402
+
+
+@pytest.mark.parametrize("sizes", [[4] * 10, [4] * 9, [8] * 19 + [3] * 38, [1, 9, 2, 8, 3, 7, 4, 6, 5], [5]])
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.3, 0.5, 0.7, 0.99, 1.0, 2.0])
+def test_spread_pins_stays_in_budget_and_spreads(sizes, share):
+    total = sum(sizes)
+    budget = int(total * share)
+    chosen = spread_pins(sizes, budget)
+    assert sum(sizes[i] for i in chosen) <= budget
+    if budget >= total:
+        assert chosen == frozenset(range(len(sizes)))
+    # no room left: every unchosen block is larger than the budget left over
+    left = budget - sum(sizes[i] for i in chosen)
+    assert all(sizes[i] > left for i in range(len(sizes)) if i not in chosen)
+    # spread: the pinned bytes through any block stay within two blocks of the budget's share
+    done = pinned = 0
+    for i, n in enumerate(sizes):
+        done += n
+        pinned += n if i in chosen else 0
+        want = min(budget, total) / total * done
+        assert want - 2 * max(sizes) - 1e-9 <= pinned <= want + 3 * max(sizes) + 1e-9, (i, sorted(chosen))
+
+
+def test_spread_pins_alternates_at_half_and_pins_all_without_budget():
+    assert spread_pins([4] * 8, 16) == frozenset({0, 2, 4, 6})
+    assert spread_pins([4] * 8, None) == frozenset(range(8))
+    assert spread_pins([4] * 8, 0) == frozenset()
