@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from perf.common import git_commit
-from perf.modes import parse_mode
+from perf.modes import CODED_FILL, parse_mode
 from perf.results import markdown_table, result_filename, summarise, validate_result
 from perf.scenarios import checkpoint_dir, existing_checkpoint, get_scenario, scenario_label, warm_page_cache
 
@@ -32,7 +32,8 @@ MODE_KEYS = (
     "h2d_gbps", "streamed_gb", "output_finite", "output_sha1", "record_events", "stats", "notes", "trace",
     "model_gb", "setup_peak_rss_gb", "setup_peak_rss_ratio", "target_setup_peak_rss_ratio",
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
-    "coded_bytes", "bits_per_weight",
+    "coded_bytes", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
+    "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb",
 )
 
 
@@ -87,6 +88,19 @@ def write_checkpoint_once(label: str, ckpt_dir: str | None, clock: Clock) -> str
     clock.log(f"{label}: preparing the safetensors checkpoint for -mmap modes")
     rc = subprocess.run(cmd, cwd=REPO, env=_child_env()).returncode
     return None if rc == 0 else f"writing the checkpoint failed (exit {rc})"
+
+
+def _yardstick(mode: str) -> str | None:
+    """The resident mode whose output ``mode`` must equal bit for bit (None: no such mode)."""
+    try:
+        spec = parse_mode(mode)
+    except ValueError:
+        return None
+    if spec.compile:
+        return "resident-compile"
+    if spec.weight_fill != "normal":
+        return "resident-tfill" if spec.weight_fill == CODED_FILL else None
+    return "resident"
 
 
 def run_worker(label: str, mode: str, *, steps: int, warmup: int, device: str | None,
@@ -159,11 +173,11 @@ def assemble(label: str, workers: dict[str, dict], failed: dict[str, str], *, co
     modes = summarise(raw, h2d)
     for m, f in modes.items():
         f.pop("streamed_bytes", None)
-        # compiled modes run other kernels: they compare with the compiled resident model
-        yardstick = "resident-compile" if "compile" in m.split("-") else "resident"
+        # compiled modes run other kernels: they compare with the compiled resident model; modes
+        # with other weights (the coded modes' Student-t fill) with the resident model of that fill
+        yardstick = _yardstick(m)
         ref = modes.get(yardstick, {}).get("output_sha1")
-        same_weights = "coded" not in m.split("-")  # coded modes draw other (Student-t) weights
-        if m != yardstick and ref and f.get("output_sha1") and same_weights:
+        if m != yardstick and ref and f.get("output_sha1"):
             # same seed, same weights: a different output means different kernels or a bug
             f["output_equals_resident"] = f["output_sha1"] == ref
     model_gb = first.get("model_gb") or (prior or {}).get("model_gb")

@@ -51,7 +51,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar)$")
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -66,6 +66,7 @@ class ModeSpec:
     half_pinned: bool = False                       # pinned_memory_budget_gb = half the streamed block images
     stage: bool | None = None                       # PinnedSource(stage=...) of the half-pinned modes
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
+    coded_sidecar: str = "off"                      # offload_from_safetensors(coded_sidecar=...) of -mmap-coded
 
     @property
     def builds_on_device(self) -> bool:
@@ -81,6 +82,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         return ModeSpec(name, "resident", compile=True)
     if name == "resident-graph":
         return ModeSpec(name, "resident-graph")
+    if name == "resident-tfill":  # the coded modes' weights (Student-t): their bit-exact yardstick
+        return ModeSpec(name, "resident", weight_fill=CODED_FILL)
     if name in HALF_PINNED_MODES:
         return ModeSpec(name, "weightstream", half_pinned=True, stage=HALF_PINNED_MODES[name])
     if name.startswith(("layerwise", "graphs")):
@@ -89,13 +92,15 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         source = "memory"
         compiled = False
         weight_fill = "normal"
+        sidecar = "off"
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), auto "
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
-                                 "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k')")
+                                 "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
+                                 "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -113,13 +118,19 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             elif v == "coded":
                 kw["weight_codec"] = "exp-k"
                 weight_fill = CODED_FILL
+            elif v == "sidecar":
+                sidecar = "read"
             else:
                 kw["cuda_graphs"] = "on"
         if source == "mmap" and "weight_codec" in kw:
-            raise ValueError(f"mode {name!r}: coded weights are not supported by the mmap source yet; "
-                             "drop -coded or -mmap")
+            # the checkpoint's weights (its own fill); -mmap-coded encodes and writes the sidecar,
+            # -mmap-coded-sidecar must load it
+            weight_fill = "normal"
+            sidecar = "read" if sidecar == "read" else "write"
+        elif sidecar != "off":
+            raise ValueError(f"mode {name!r}: the sidecar variant needs -mmap-coded (a coded checkpoint source)")
         return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
-                        weight_fill=weight_fill)
+                        weight_fill=weight_fill, coded_sidecar=sidecar)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -134,7 +145,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "from pageable memory each step and would not finish inside the time budget; "
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
-    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, "
+    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, resident-tfill, "
                      "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], "
                      f"graphs[-nextstep|-ingraph|-coded], {', '.join(PEER_MODES)}")
 
@@ -252,7 +263,8 @@ def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: tor
     except ImportError as e:
         raise RuntimeError(f"mode {spec.name!r}: the weightstream mmap source is not available ({e})") from e
     cfg = weightstream_config(spec, record_events)
-    m = offload_from_safetensors(model_on_meta, str(ckpt_dir), cfg, device=device)
+    extra = {"coded_sidecar": spec.coded_sidecar} if spec.coded_sidecar != "off" else {}
+    m = offload_from_safetensors(model_on_meta, str(ckpt_dir), cfg, device=device, **extra)
     stats = m.stats()
     pinned = stats.get("pinned_bytes", stats.get("registered_bytes"))
     return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
@@ -332,7 +344,9 @@ def _notes(spec: ModeSpec, cfg) -> dict:
 
 def coded_figures(stats: dict) -> dict:
     """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
-    return {k: stats[k] for k in ("coded_bytes", "bits_per_weight") if k in stats}
+    keys = ("coded_bytes", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
+            "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb")
+    return {k: stats[k] for k in keys if stats.get(k) is not None}
 
 
 def placed_streamed_bytes(stats: dict) -> int:

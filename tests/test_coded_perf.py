@@ -19,8 +19,11 @@ def test_coded_modes_parse():
     assert parse_mode("layerwise-r2-coded", flux).config_kw == {"resident_layers": 2, "weight_codec": "exp-k"}
     assert parse_mode("layerwise", flux).weight_fill == "normal"  # uncoded modes keep their fill
     assert parse_mode("graphs", flux).weight_fill == "normal"
-    with pytest.raises(ValueError, match="mmap source"):
-        parse_mode("layerwise-mmap-coded", flux)
+    m = parse_mode("layerwise-mmap-coded", flux)  # encodes the checkpoint, writes the sidecar
+    assert (m.source, m.coded_sidecar, m.weight_fill) == ("mmap", "write", "normal")
+    assert parse_mode("layerwise-mmap-coded-sidecar", flux).coded_sidecar == "read"
+    with pytest.raises(ValueError, match="sidecar variant needs -mmap-coded"):
+        parse_mode("layerwise-coded-sidecar", flux)
     with pytest.raises(ValueError, match="coded"):
         parse_mode("layerwise-zip", flux)
 
@@ -32,6 +35,8 @@ def test_coded_floor_counts_raw_bytes():
     assert _streamed_bytes(parse_mode("layerwise"), stats) == 700
     assert coded_figures(stats) == {"coded_bytes": 690, "bits_per_weight": 11.1}
     assert coded_figures({"streamed_bytes_per_step": 1}) == {}
+    assert coded_figures({"sidecar_loaded": True, "sidecar_s_per_gb": 0.02, "sidecar_load_s": None}) == \
+        {"sidecar_loaded": True, "sidecar_s_per_gb": 0.02}
     with pytest.raises(RuntimeError, match="weight_codec did not reach a coded source"):
         _streamed_bytes(spec, {"streamed_bytes_per_step": 700})
     out = summarise({"resident": {"step_ms": 100.0},
@@ -60,7 +65,7 @@ def test_harness_coded_tiny_cpu(tmp_path):
     """resident and layerwise-coded in fresh workers: the coded mode carries coded_bytes,
     bits_per_weight, a floor from the RAW bytes, and no output comparison with resident
     (other weights)."""
-    result, path, ok = run("flux-12b-1024", ["resident", "layerwise-coded"], steps=2, warmup=1,
+    result, path, ok = run("flux-12b-1024", ["resident", "resident-tfill", "layerwise-coded"], steps=2, warmup=1,
                            out_dir=tmp_path, tiny=True, device="cpu", touch_gb=0, mode_timeout=300)
     assert ok, result and result.get("failed")
     on_disk = json.loads(path.read_text())
@@ -70,6 +75,23 @@ def test_harness_coded_tiny_cpu(tmp_path):
     assert f["stats"]["source"].startswith("coded")
     assert f["stats"]["raw_bytes"] == f["stats"]["streamed_bytes_per_step"]
     assert f["streamed_gb"] == pytest.approx(f["stats"]["raw_bytes"] / 1e9, abs=1e-4)
-    assert "output_equals_resident" not in f and f["output_finite"]
+    # compared with the resident model of the same (Student-t) weights, not with `resident`
+    assert f["output_equals_resident"] is True and f["output_finite"]
+    assert on_disk["modes"]["resident-tfill"]["output_sha1"] != on_disk["modes"]["resident"]["output_sha1"]
     assert f["ratio_to_floor"] == pytest.approx(f["step_ms"] / f["floor_ms"], rel=1e-3)
     assert "ratio_to_resident" in f
+
+
+def test_harness_mmap_coded_writes_then_loads_the_sidecar_tiny_cpu(tmp_path):
+    """-mmap-coded encodes the checkpoint and writes the coded sidecar; -mmap-coded-sidecar loads
+    it (coded_sidecar='read' fails without it); both equal the resident model bit for bit."""
+    modes = ["resident", "layerwise-mmap-coded", "layerwise-mmap-coded-sidecar"]
+    result, path, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path / "out", tiny=True,
+                           device="cpu", touch_gb=0, mode_timeout=300, ckpt_dir=str(tmp_path / "ckpt"))
+    assert ok, result and result.get("failed")
+    m = json.loads(path.read_text())["modes"]
+    wrote, read = m["layerwise-mmap-coded"], m["layerwise-mmap-coded-sidecar"]
+    assert wrote["coded_sidecar"] == "write" and not wrote.get("sidecar_loaded") and wrote["sidecar_bytes"] > 0
+    assert read["coded_sidecar"] == "read" and read["sidecar_loaded"] is True and read["sidecar_s_per_gb"] > 0
+    assert wrote["output_equals_resident"] is True and read["output_equals_resident"] is True
+    assert read["coded_bytes"] == wrote["coded_bytes"]
