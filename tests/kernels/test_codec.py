@@ -575,3 +575,14 @@ def test_encode_into_out():
     for bad in (torch.zeros(10, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8), [0] * 10):
         with pytest.raises(TypeError, match="out must be"):
             encode(t, out=bad)
+
+
+@pytest.mark.parametrize("case", ["bf16-lookup", "bf16-window", "fp16"])
+def test_encoded_bytes_do_not_depend_on_the_code_chunk(case, monkeypatch):
+    """The encoder codes a tensor chunk by chunk (_CODE_CHUNK elements): any multiple of the tile
+    gives the same bytes (the golden tensors fit one default chunk: cut them in many here)."""
+    import weightstream.kernels.codec as codec_mod
+
+    whole = _golden_blob(case, 1_500_000)
+    monkeypatch.setattr(codec_mod, "_CODE_CHUNK", 3 * codec_mod.DEFAULT_TILE)
+    assert torch.equal(_golden_blob(case, 1_500_000), whole)
