@@ -17,5 +17,5 @@ timeout ${GPU_TIMEOUT:-90} python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider 
   tests/test_coded_source_gpu.py tests/test_mmap_coded_gpu.py tests/test_auto_placement.py > "$OUT/gpu.log" 2>&1
 echo "gpu rc=$? at $((SECONDS-T0)) s"; grep -E "^FAILED|passed|failed" "$OUT/gpu.log" | tail -8
 timeout ${MMAP_TIMEOUT:-200} python3 -m perf run --scenario flux-12b-1024 --touch-gb 0 --mode-timeout 100 --out "$OUT" \
-  --modes layerwise-mmap-coded,layerwise-mmap-coded-sidecar > "$OUT/mmap.log" 2>&1
+  --merge --modes layerwise-mmap-coded,layerwise-mmap-coded-sidecar > "$OUT/mmap.log" 2>&1
 echo "mmap rc=$? at $((SECONDS-T0)) s"; grep -E "^\| |sidecar" "$OUT/mmap.log" | cut -c1-250 | tail -6
