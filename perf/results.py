@@ -154,6 +154,8 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
     out = {m: dict(f) for m, f in modes.items()}
     if resident_ms is None and "resident" in out:
         resident_ms = out["resident"]["step_ms"]
+    elif resident_ms is None and "resident-tfill" in out:  # the same model and kernels, other weights
+        resident_ms = out["resident-tfill"]["step_ms"]
     peers = [f["step_ms"] for m, f in out.items() if is_peer(m)]
     best_peer = min(peers) if peers else None
     for mode, f in out.items():
