@@ -658,21 +658,40 @@ class CodedSource:
 
     def _decode_to(self, k: int, device: torch.device) -> torch.Tensor:
         out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=device)
-        n = self.copy_bytes[k]
-        src = self.region(k)[:n]
-        if device.type == "cuda":
-            buf = torch.empty(n, dtype=torch.uint8, device=device)
-            copy_from_image(buf, src)
-            src = buf
-        self._decode(src, out, k)
+        self.decode_into(k, out)
         return out
 
+    def decode_into(self, k: int, dst: torch.Tensor, staging: torch.Tensor | None = None) -> int:
+        """Block ``k``'s runtime image into ``dst`` (uint8, at least ``layouts[k].nbytes``) on the
+        current stream: on CUDA one H2D copy of its coded bytes into ``staging`` (at least
+        ``copy_bytes[k]`` bytes; allocated here on the current stream when None), then one decode
+        launch; elsewhere decoded straight from the host region. Gaps between tensors are not
+        written. Returns the bytes copied over the host link (0 off CUDA). Edits of host views
+        reach it after :meth:`check`; written blocks after :meth:`reload`."""
+        n = self.copy_bytes[k]
+        src = self.region(k)[:n]
+        if dst.device.type != "cuda":
+            self._decode(src, dst, k)
+            return 0
+        if staging is None:
+            staging = torch.empty(n, dtype=torch.uint8, device=dst.device)
+        buf = staging[:n]
+        copy_from_image(buf, src)
+        self._decode(buf, dst, k)
+        return n
+
     # -- figures and teardown ---------------------------------------------------------
+    def block_stats(self, k: int) -> dict:
+        """Figures of block ``k`` alone: coded / raw / host / pinned bytes and bits per coded weight."""
+        raw = self.layouts[k].nbytes
+        return {"coded_bytes": self.coded[k], "raw_bytes": raw,
+                "coded_ratio": self.coded[k] / raw if raw else 0.0,
+                "bits_per_weight": _bits_per_weight([self.tables[k]]),
+                "host_bytes": align_up(self.copy_bytes[k], PAGE), "copy_bytes": self.copy_bytes[k],
+                "pinned_bytes": self._regs[k].bytes}
+
     def stats(self) -> dict:
         raw = sum(lay.nbytes for lay in self.layouts)
-        coded16 = [(s.header.nbytes, s.header.numel) for t in self.tables if t is not None for s in t._live
-                   if s.header.k != 8 or s.header.dtype != torch.int16]
-        c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
         return {
             "source": self.name,
             "host_bytes": sum(align_up(c, PAGE) for c in self.copy_bytes),
@@ -684,7 +703,7 @@ class CodedSource:
             "coded_bytes": sum(self.coded),
             "raw_bytes": raw,
             "coded_ratio": sum(self.coded) / raw if raw else 0.0,
-            "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+            "bits_per_weight": _bits_per_weight(self.tables),
             "encode_s": self.encode_s,
             "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
         }
@@ -700,6 +719,14 @@ class CodedSource:
         s = self.stats()
         return (f"CodedSource({len(self.layouts)} blocks, {s['coded_bytes'] / 1e9:.3f} GB coded of "
                 f"{s['raw_bytes'] / 1e9:.3f} GB, pinned {s['pinned_bytes'] / 1e9:.3f} GB)")
+
+
+def _bits_per_weight(tables) -> float:
+    """Coded bits per 16-bit weight over the tensors ``tables`` code (raw k = 8 ones left out)."""
+    coded16 = [(s.header.nbytes, s.header.numel) for t in tables if t is not None for s in t._live
+               if s.header.k != 8 or s.header.dtype != torch.int16]
+    c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+    return 8.0 * c16 / n16 if n16 else 0.0
 
 
 def _drop(tensors, device="cpu") -> None:
