@@ -36,12 +36,13 @@ Mechanism (DESIGN.md section 3):
   instead (a :class:`~weightstream.offload.sources.coded.CodedSource` over
   the unit layouts: encoded on worker threads, originals dropped, pinned
   within ``pinned_memory_budget_gb``). An arrival copies the coded bytes H2D
-  on the copy stream into a staging buffer allocated for that arrival (from
-  the compute stream's pool, ``record_stream`` on the copy stream: no device
-  memory is held for staging between arrivals), decodes them with one Triton
-  launch into the unit's fresh buffer on the same stream and records
-  ``loaded`` after the decode. ``state_dict()`` values are decoded host
-  copies; an in-place edit of one is re-encoded before the next arrival.
+  on the copy stream into a staging buffer allocated for that arrival (no
+  device memory is held for staging between arrivals), in runs of about
+  ``CODED_RUN_BYTES`` cut between tensors; a decode stream decodes each run
+  (one Triton launch) into the unit's fresh buffer as soon as it is copied,
+  so copies overlap decodes, and records ``loaded`` after the last decode.
+  ``state_dict()`` values are decoded host copies; an in-place edit of one
+  is re-encoded before the next arrival.
 
 Entry points other than ``forward``: hooks sit on each swapped component and
 on its direct child modules, so ``vae.decode``-style methods that call a child
@@ -341,6 +342,11 @@ class ModuleOffload:
     ordinary tensor, host store released; returns the pipeline.
     """
 
+    # weight_codec: an arrival copies and decodes a unit's coded bytes in runs of about this
+    # many bytes, so copies overlap decodes (<= 0: one copy, then one decode). Settable per
+    # handle (``handle.coded_run_bytes``) between arrivals.
+    CODED_RUN_BYTES = 64 << 20
+
     def __init__(self, pipe: Any, config: OffloadConfig, device: torch.device, components: Components):
         t0 = time.perf_counter()
         self.pipe, self.config, self.device = pipe, config, device
@@ -369,10 +375,14 @@ class ModuleOffload:
             self._remove_hooks()
             self._undo_split()
             raise
+        self.coded_run_bytes = self.CODED_RUN_BYTES
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             for u in self.units.values():
                 u.loaded = torch.cuda.Event()
+            if self.coded is not None:
+                self.decode_stream = torch.cuda.Stream(device)
+                self._run_copied = torch.cuda.Event()
         for u in self.units.values():
             if not u.swapped:
                 self._arrive(u, cause="setup")
@@ -619,39 +629,57 @@ class ModuleOffload:
         u.buffer = buf
         u.arrivals += 1
         self._transitions += 1
-        moved = u.nbytes if self.coded is None else self.coded.copy_bytes[u.index]
+        moved = u.nbytes if self.coded is None else self.coded.coded[u.index]
         self._h2d_bytes += moved
         self._log("arrive", u, cause, moved, t0)
 
     def _load(self, u: _Unit) -> torch.Tensor:
-        """A fresh buffer with ``u``'s image: on CUDA filled on the copy stream (one H2D copy
-        of the image, or of its coded bytes into a staging buffer then one decode launch),
-        ``u.loaded`` recorded after it and waited on by the compute stream."""
+        """A fresh buffer with ``u``'s image; on CUDA filled on the side streams (one H2D copy
+        of the image; or, coded, see :meth:`_load_coded`), ``u.loaded`` recorded after it and
+        waited on by the compute stream."""
         if not self.cuda:
             buf = _aligned_cpu_buffer(u.nbytes)
             if self.coded is None:
                 buf.copy_(self.store.image(u.index))
-            else:
-                self.coded.decode_into(u.index, buf)
+            else:  # the same runs and tables as on CUDA, decoded straight from the host region
+                region = self.coded.region(u.index)
+                for _, _, table in self.coded.runs(u.index, self.coded_run_bytes):
+                    self.coded.decode_table(region, buf, table)
             return buf
         compute = torch.cuda.current_stream(self.device)
         buf = torch.empty(u.nbytes, dtype=torch.uint8, device=self.device)
-        # staging per arrival, from the compute stream's pool: no device memory held between
-        # arrivals; record_stream keeps it from reuse until the copy stream's decode read it
-        staging = None if self.coded is None else torch.empty(
-            self.coded.copy_bytes[u.index], dtype=torch.uint8, device=self.device)
-        # the new buffers may reuse memory that kernels of a unit that just left still read
+        # the new buffer may reuse memory that kernels of a unit that just left still read
         self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
-            if staging is None:
+        if self.coded is not None:
+            self._load_coded(u, buf, compute)
+        else:
+            with torch.cuda.stream(self.copy_stream):
                 _copy_from_image(buf, self.store.image(u.index), 0)
-            else:
-                self.coded.decode_into(u.index, buf, staging)
-            u.loaded.record(self.copy_stream)
-        if staging is not None:
-            staging.record_stream(self.copy_stream)
+                u.loaded.record(self.copy_stream)
         compute.wait_event(u.loaded)
         return buf
+
+    def _load_coded(self, u: _Unit, buf: torch.Tensor, compute) -> None:
+        """``u``'s coded bytes H2D into a staging buffer on the copy stream, in runs of about
+        ``coded_run_bytes`` cut between tensors, each run decoded into ``buf`` on the decode
+        stream once copied (run i+1's copy overlaps run i's decode); ``u.loaded`` after the last
+        decode. Staging is allocated per arrival from the compute stream's pool and
+        ``record_stream``-ed on both side streams: no device memory is held for it between
+        arrivals (a reused buffer would keep ~0.7x the largest unit on the device for good)."""
+        k, region = u.index, self.coded.region(u.index)
+        runs = self.coded.runs(k, self.coded_run_bytes)
+        staging = torch.empty(max(runs[-1][1], 1), dtype=torch.uint8, device=self.device)
+        self.decode_stream.wait_stream(compute)
+        for start, end, table in runs:
+            with torch.cuda.stream(self.copy_stream):
+                _copy_from_image(staging[start:end], region, start)
+                self._run_copied.record(self.copy_stream)
+            self.decode_stream.wait_event(self._run_copied)  # waits on this record, not later ones
+            with torch.cuda.stream(self.decode_stream):
+                self.coded.decode_table(staging, buf, table)
+        u.loaded.record(self.decode_stream)
+        staging.record_stream(self.copy_stream)
+        staging.record_stream(self.decode_stream)
 
     def _depart(self, u: _Unit, cause: str) -> None:
         t0 = time.perf_counter()

@@ -118,10 +118,19 @@ def test_config_allows_codec_in_module_mode():
 
 
 # ------------------------------------------------------------------ equality
-def test_toy_pipeline_bit_exact_over_calls(decoder):
+@pytest.mark.parametrize("run_bytes", [None, 0, 8192])
+def test_toy_pipeline_bit_exact_over_calls(decoder, run_bytes):
     pipe, inputs = ToyPipeline(), toy_pipeline_inputs()
     expected = copy.deepcopy(pipe)(**inputs)
     handle = offload_pipeline(pipe, cfg(), device="cpu")
+    if run_bytes is not None:  # None: the default (one run per unit at these sizes)
+        handle.coded_run_bytes = run_bytes
+    k = handle.units["transformer"].index
+    runs = handle.coded.runs(k, handle.coded_run_bytes)
+    assert (len(runs) > 3) == (run_bytes == 8192), [r[:2] for r in runs]
+    assert runs[0][0] == 0 and runs[-1][1] == handle.coded.coded[k]
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # back to back, every tensor once
+    assert sum(r[2].num_segments for r in runs) == handle.coded.tables[k].num_segments
     for _ in range(3):
         assert torch.equal(pipe(**inputs), expected)
     s = handle.stats()
@@ -135,6 +144,7 @@ def test_toy_pipeline_bit_exact_over_calls(decoder):
 def test_flux_pipeline_bit_exact_and_host_saving(torch_decode):
     pipe, ids, kw, _, expected = _flux_case()
     handle = offload_pipeline(pipe, cfg(), device="cpu")
+    handle.coded_run_bytes = 1 << 16  # several runs per unit
     with torch.no_grad():
         for _ in range(2):
             got = pipe.run(ids, kw)
@@ -186,6 +196,7 @@ def test_state_dict_and_disable_round_trip(torch_decode):
 def test_inplace_edit_reaches_next_forward(torch_decode):
     pipe, ids, kw, ref, _ = _flux_case()
     handle = offload_pipeline(pipe, cfg(), device="cpu")
+    handle.coded_run_bytes = 1 << 16  # runs are cut again from the re-encoded tables
     with torch.no_grad():
         pipe.run(ids, kw)  # transformer on the device, text_encoder on the host
         for model in (pipe, ref):  # the same edits on the offloaded and the plain pipeline
@@ -261,11 +272,13 @@ def test_failed_build_gives_weights_back(torch_decode):
 
 # ------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("pin", [True, False])
-def test_gpu_bit_exact_with_triton_decode(pin):
+@pytest.mark.parametrize("pin,run_bytes", [(True, None), (True, 1 << 14), (False, 0)])
+def test_gpu_bit_exact_with_triton_decode(pin, run_bytes):
     pipe, ids, kw, ref, expected = _flux_case("cuda")
     want = _states(ref.transformer, ref.text_encoder, ref.vae)
     handle = offload_pipeline(pipe, cfg(pin_memory=pin), device="cuda")
+    if run_bytes is not None:  # 1 << 14: many runs, copies overlapping decodes on two streams
+        handle.coded_run_bytes = run_bytes
     s = handle.stats()
     assert s["pinned_bytes"] == (s["host_bytes"] if pin else 0), s
     with torch.no_grad():

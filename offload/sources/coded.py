@@ -341,6 +341,7 @@ class CodedSource:
         self.copy_bytes = [0] * len(self.layouts)  # bytes every load of block k copies
         self._decoded: dict[int, _Decoded] = {}
         self._dirty: set[int] = set()
+        self._runs: dict[int, tuple] = {}  # runs(): block -> (its table, run_bytes, runs)
         self._streams = self._slots = None
         self._buffers: list[torch.Tensor] = []
         self._dev_tables: list[torch.Tensor | None] = []
@@ -520,10 +521,41 @@ class CodedSource:
         return ds if ds is not None else cs
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, k: int) -> None:
+        self.decode_table(src, dst, self.tables[k])
+
+    @staticmethod
+    def decode_table(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
+        """One decode launch of ``table`` (Triton on CUDA or under TRITON_INTERPRET=1, else
+        the plain-torch reference), on the current stream."""
         if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            decode(src, dst, self.tables[k])
+            decode(src, dst, table)
         else:
-            decode_torch(src, dst, self.tables[k])
+            decode_torch(src, dst, table)
+
+    def runs(self, k: int, run_bytes: int) -> list[tuple[int, int, DecodeTable]]:
+        """Block ``k``'s coded bytes cut between tensors into runs of about ``run_bytes`` (one
+        run when ``run_bytes <= 0``): ``(start, end, table)`` each, in order, ``table`` decoding
+        that run's tensors (source offsets from the start of the block's coded bytes, as
+        ``tables[k]``), so a copy of run i+1 can overlap the decode of run i. Cached until the
+        block is re-encoded."""
+        table = self.tables[k]
+        hit = self._runs.get(k)
+        if hit is not None and hit[0] is table and hit[1] == run_bytes:
+            return hit[2]
+        groups: list[list] = [[]]
+        start = 0
+        for seg in sorted(table.segments, key=lambda sg: sg.src_offset):
+            if groups[-1] and run_bytes > 0 and seg.src_end - start > run_bytes:
+                groups.append([])
+                start = seg.src_offset
+            groups[-1].append(seg)
+        out, at = [], 0
+        for group in groups:
+            end = max((sg.src_end for sg in group), default=at)
+            out.append((at, end, DecodeTable(group, num_warps=table.num_warps, gather_planes=table.gather_planes)))
+            at = end
+        self._runs[k] = (table, run_bytes, out)
+        return out
 
     def check(self) -> None:
         """Step start / before a replay: refuse stale captures; re-encode decoded host copies
@@ -658,27 +690,14 @@ class CodedSource:
 
     def _decode_to(self, k: int, device: torch.device) -> torch.Tensor:
         out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=device)
-        self.decode_into(k, out)
-        return out
-
-    def decode_into(self, k: int, dst: torch.Tensor, staging: torch.Tensor | None = None) -> int:
-        """Block ``k``'s runtime image into ``dst`` (uint8, at least ``layouts[k].nbytes``) on the
-        current stream: on CUDA one H2D copy of its coded bytes into ``staging`` (at least
-        ``copy_bytes[k]`` bytes; allocated here on the current stream when None), then one decode
-        launch; elsewhere decoded straight from the host region. Gaps between tensors are not
-        written. Returns the bytes copied over the host link (0 off CUDA). Edits of host views
-        reach it after :meth:`check`; written blocks after :meth:`reload`."""
         n = self.copy_bytes[k]
         src = self.region(k)[:n]
-        if dst.device.type != "cuda":
-            self._decode(src, dst, k)
-            return 0
-        if staging is None:
-            staging = torch.empty(n, dtype=torch.uint8, device=dst.device)
-        buf = staging[:n]
-        copy_from_image(buf, src)
-        self._decode(buf, dst, k)
-        return n
+        if device.type == "cuda":
+            buf = torch.empty(n, dtype=torch.uint8, device=device)
+            copy_from_image(buf, src)
+            src = buf
+        self._decode(src, out, k)
+        return out
 
     # -- figures and teardown ---------------------------------------------------------
     def block_stats(self, k: int) -> dict:
@@ -712,6 +731,7 @@ class CodedSource:
         """Unregister the regions; drop decoded copies and device buffers."""
         self._finalizer()
         self._decoded.clear()
+        self._runs.clear()
         self._buffers = []
         self._dev_tables = []
 
