@@ -28,11 +28,11 @@ RESIDENT_MODES = ("resident", "resident-graph", "resident-compile")
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|resident-compile|module|naive-block|dlo-allgather(-coded)?|dlo-rank-local"
+    r"^(resident|resident-graph|resident-compile|module(-coded)?|naive-block|dlo-allgather(-coded)?|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, resident-compile, module, naive-block, dlo-allgather[-coded], dlo-rank-local, "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, module[-coded], naive-block, dlo-allgather[-coded], dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], copy[-variant...], triton[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")
 
@@ -57,7 +57,7 @@ def is_peer(mode: str) -> bool:
 
 def is_weightstream(mode: str) -> bool:
     """Modes that run our own controller (compared against the best peer)."""
-    return mode == "module" or mode.startswith(("layerwise", "graphs", "dlo-"))
+    return mode in ("module", "module-coded") or mode.startswith(("layerwise", "graphs", "dlo-"))
 
 
 def is_offloaded(mode: str) -> bool:

@@ -300,3 +300,46 @@ def test_gpu_bit_exact_with_triton_decode(pin, run_bytes):
         assert all(t.device.type == "cuda" and t.numel() > 0 for t in m.parameters())
     _same_states(_states(pipe.transformer, pipe.text_encoder, pipe.vae),
                  _states(ref.transformer, ref.text_encoder, ref.vae))
+
+
+# ---------------------------------------------------------------------- bench
+def test_bench_module_coded_cpu_path(capsys):
+    """perf/bench_module.py's module-coded pieces on the CPU: --help, --modes, the Student-t
+    stacks offloaded coded, and the figures against the uncoded floor (the timed loop is GPU only)."""
+    import types
+
+    from perf import bench_module as bm
+    from perf.results import validate_result
+
+    with pytest.raises(SystemExit) as exit_info:
+        bm.main(["--help"])
+    assert exit_info.value.code == 0 and "module-coded" in capsys.readouterr().out
+    assert bm.parse_modes("module-coded,module,diffusers-model", no_peer=True) == ("module", "module-coded")
+    with pytest.raises(ValueError, match="--modes='modul' is not allowed"):
+        bm.parse_modes("modul")
+    cpu = torch.device("cpu")
+    enc = bm.build_stack(0.0004, 128, cpu, seed=1, weight_fill="student-t")
+    dit = bm.build_stack(0.001, 128, cpu, seed=2, weight_fill="student-t")
+    w = dit.layers[0].weight.float()
+    assert w.std().item() == pytest.approx(bm.WEIGHT_STD, rel=0.2)
+    assert (w.abs() > 6 * bm.WEIGHT_STD).float().mean().item() > 1e-4  # heavy tails, unlike N(0, 0.02)
+    sizes = {"text_encoder": bm.nbytes(enc), "transformer": bm.nbytes(dit)}
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    want = copy.deepcopy(dit)(x)
+    pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
+    handle = offload_pipeline(pipe, cfg(["dit", "text_encoder"]), device="cpu")
+    assert torch.equal(dit(x), want)
+    raw = {"arrival_ms": {"text_encoder": 1.0, "transformer": 2.0}, "departure_ms": {"transformer": 0.01},
+           "setup_s": 0.5, "run_mb": 64.0, **bm.coded_stats(handle.stats())}
+    f = bm.figures(raw, sizes, h2d=1.0)
+    assert f["floor_ms"] == pytest.approx(sizes["transformer"] / 1e9 * 1e3, rel=1e-3)  # raw bytes / H2D
+    assert f["ratio_to_floor"] == pytest.approx(2.0 / f["floor_ms"], rel=1e-3)
+    assert f["coded_floor_ms"] < 0.8 * f["floor_ms"] and 10.0 < f["bits_per_weight"]["transformer"] < 12.5
+    result = {"scenario": bm.SCENARIO, "gpu": "cpu", "gpus": 0, "commit": "x", "torch": "2", "h2d_gbps": 1.0,
+              "date": "2026-12-01T00:00:00Z", "component_gb": {k: v / 1e9 for k, v in sizes.items()},
+              "modes": {"module-coded": f}}
+    validate_result(result)
+    assert "coded: text_encoder" in bm.table(result)
+    verdict = bm.verdicts(result["modes"])
+    assert len(verdict) == 1 and verdict[0].startswith("module-coded arrivals <= 0.75x the uncoded floor: NO")
+    handle.disable()
