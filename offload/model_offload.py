@@ -847,6 +847,8 @@ class ModuleOffload:
         self._remove_hooks()
         if self.cuda:
             self.copy_stream.synchronize()
+            if self.coded is not None:
+                self.decode_stream.synchronize()
         with torch.no_grad():
             for u in self.units.values():
                 if u.on_device:
@@ -865,6 +867,18 @@ class ModuleOffload:
             self.store.close()
         self._disabled = True
         return self.pipe
+
+    @property
+    def coded_run_bytes(self) -> int:
+        """weight_codec: bytes per copy/decode run of an arrival (<= 0: one copy, then one decode)."""
+        return self._coded_run_bytes
+
+    @coded_run_bytes.setter
+    def coded_run_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"coded_run_bytes={value!r} is not allowed; expected an int number of bytes "
+                            "(<= 0: one copy, then one decode)")
+        self._coded_run_bytes = value
 
     def _remove_hooks(self) -> None:
         for h in self.hooks:
