@@ -32,6 +32,7 @@ CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 # "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py)
 WEIGHT_CODECS = ("none", "exp-k")
+CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
 # resident_layers="auto" without device_memory_budget_gb: the weight budget is the
@@ -248,10 +249,13 @@ class OffloadConfig:
         images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
-        slot on the copy stream (offload/sources/coded.py). Layer mode only.
-        With DLO AllGather every rank keeps 1/N of each coded image and the
-        gather moves coded bytes (offload/sources/dlo_coded.py); rank-local DLO
-        streams full coded blocks per rank.
+        slot on the copy stream (offload/sources/coded.py). With DLO AllGather
+        every rank keeps 1/N of each coded image and the gather moves coded
+        bytes (offload/sources/dlo_coded.py); rank-local DLO streams full coded
+        blocks per rank. In mode='module' each offloaded component's image is
+        stored coded; an arrival copies the coded bytes H2D and decodes them
+        into the component's device buffer (VAEs once, at setup). Not with the
+        mmap source (offload_from_safetensors) of layer mode.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -330,11 +334,13 @@ class OffloadConfig:
                               "'rank-local'), not 'allgather'; or set resident_layers to 0")
 
     def _check_codec(self) -> None:
-        """weight_codec codes streamed block images: layer mode only (DLO included:
-        AllGather gathers coded shards, rank-local streams full coded blocks)."""
-        if self.mode != "layer":
+        """weight_codec codes host images: streamed blocks in layer mode (DLO included:
+        AllGather gathers coded shards, rank-local streams full coded blocks) and whole
+        components in module mode (sources that cannot code refuse it themselves)."""
+        if self.mode not in CODEC_MODES:
             raise _reject("weight_codec", self.weight_codec,
-                          f"coded weights stream in mode='layer' only (got mode={self.mode!r}); choose from: none")
+                          f"coded weights need mode in {list(CODEC_MODES)} (got mode={self.mode!r}); "
+                          "choose from: none")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

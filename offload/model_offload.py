@@ -32,6 +32,17 @@ Mechanism (DESIGN.md section 3):
   and unselected components are moved to the device and left there.
 - On ``device="cpu"`` the same mechanism runs: "on the device" is a private
   CPU buffer copied from the host image, "off" is the placeholder.
+- ``weight_codec="exp-k"``: each unit's image is kept losslessly coded
+  instead (a :class:`~weightstream.offload.sources.coded.CodedSource` over
+  the unit layouts: encoded on worker threads, originals dropped, pinned
+  within ``pinned_memory_budget_gb``). An arrival copies the coded bytes H2D
+  on the copy stream into a staging buffer allocated for that arrival (no
+  device memory is held for staging between arrivals), in runs of about
+  ``CODED_RUN_BYTES`` cut between tensors; a decode stream decodes each run
+  (one Triton launch) into the unit's fresh buffer as soon as it is copied,
+  so copies overlap decodes, and records ``loaded`` after the last decode.
+  ``state_dict()`` values are decoded host copies; an in-place edit of one
+  is re-encoded before the next arrival.
 
 Entry points other than ``forward``: hooks sit on each swapped component and
 on its direct child modules, so ``vae.decode``-style methods that call a child
@@ -76,6 +87,7 @@ from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
+from .sources.coded import CodedSource
 from .streamed import HostStateDictHook, resolve_device
 
 __all__ = [
@@ -95,6 +107,8 @@ MAX_EVENTS = 10_000
 CPU_ALIGN = 4096
 PARALLEL_PACK_BYTES = 64 << 20  # below this, packing on one thread is faster than a pool
 _MARK = "_weightstream_module_offload"
+# per unit and in total in stats() under weight_codec != "none"
+CODED_STATS = ("coded_bytes", "raw_bytes", "bits_per_weight", "host_bytes")
 
 
 @runtime_checkable
@@ -328,6 +342,11 @@ class ModuleOffload:
     ordinary tensor, host store released; returns the pipeline.
     """
 
+    # weight_codec: an arrival copies and decodes a unit's coded bytes in runs of about this
+    # many bytes, so copies overlap decodes (<= 0: one copy, then one decode). Settable per
+    # handle (``handle.coded_run_bytes``) between arrivals.
+    CODED_RUN_BYTES = 64 << 20
+
     def __init__(self, pipe: Any, config: OffloadConfig, device: torch.device, components: Components):
         t0 = time.perf_counter()
         self.pipe, self.config, self.device = pipe, config, device
@@ -344,8 +363,10 @@ class ModuleOffload:
         self._resident_only: dict[str, Component] = {}
         self.hooks: list[ModuleHook] = []
         self.state_dict_hooks: list[HostStateDictHook] = []
-        self.host_views: dict[int, torch.Tensor] = {}
+        self.host_views: Mapping[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
+        self.store: HostStore | None = None  # the packed images (weight_codec="none")
+        self.coded: CodedSource | None = None  # or the coded images (weight_codec="exp-k")
         try:
             self._build_units()
             self._setup_store()
@@ -354,10 +375,14 @@ class ModuleOffload:
             self._remove_hooks()
             self._undo_split()
             raise
+        self.coded_run_bytes = self.CODED_RUN_BYTES
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             for u in self.units.values():
                 u.loaded = torch.cuda.Event()
+            if self.coded is not None:
+                self.decode_stream = torch.cuda.Stream(device)
+                self._run_copied = torch.cuda.Event()
         for u in self.units.values():
             if not u.swapped:
                 self._arrive(u, cause="setup")
@@ -460,13 +485,13 @@ class ModuleOffload:
         self.resident_bytes = sum(t.numel() * t.element_size() for t in rest)
         self._check_device_budget()
         pin_budget = self.config.pinned_memory_budget_gb
+        budget = None if pin_budget is None else int(pin_budget * 1e9)
         layouts = self._ordered_layouts()
-        self.store = HostStore(
-            layouts,
-            pin=self.config.pin_memory and self.cuda,
-            budget_bytes=None if pin_budget is None else int(pin_budget * 1e9),
-        )
-        self._pack_all()
+        if self.config.weight_codec != "none" and layouts:
+            self._code_all(layouts, budget)
+        else:
+            self.store = HostStore(layouts, pin=self.config.pin_memory and self.cuda, budget_bytes=budget)
+            self._pack_all()
         with torch.no_grad():
             for t in rest:
                 if t.device != self.device:
@@ -517,9 +542,30 @@ class ModuleOffload:
             self.store.close()
             raise
 
+    def _code_all(self, layouts, budget: int | None) -> None:
+        """Every unit's image coded into a :class:`CodedSource` (encoded on worker threads,
+        originals dropped, pinned within the budget, unit by unit); on failure the source
+        gives every dropped tensor its weights back (decoded, on the host) before raising."""
+        empties: dict[torch.dtype, torch.Tensor] = {}
+        for u in self.units.values():
+            u.placeholders = [empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=self.device))
+                              for t in u.tensors]
+
+        def drop(tensors) -> None:  # the coded region is now the one host copy
+            for t in tensors:
+                t.data = empties[t.dtype]
+
+        self.coded = CodedSource(
+            layouts, [u.tensors for u in self.units.values()], device=self.device,
+            pin=self.config.pin_memory and self.cuda, budget_bytes=budget, progress=self.config.progress,
+            drop=drop, decode_stream=False,
+        )
+        # an arrival also holds the unit's coded bytes on the device until its decode ran
+        self.peak_device_bytes += max(self.coded.copy_bytes)
+
     def _give_back(self, u: _Unit) -> None:
         """Every tensor of ``u`` gets its own device allocation, filled from the host image."""
-        image = self.store.image(u.index)
+        image = self.store.image(u.index) if self.coded is None else self.coded.image(u.index)
         for t, spec in zip(u.tensors, u.layout.tensors):
             raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=self.device)
             _copy_from_image(raw, image, spec.offset)
@@ -545,9 +591,13 @@ class ModuleOffload:
             )
 
     def _install_hooks(self) -> None:
-        # id(tensor) -> its view of the host image (zero-copy), for state_dict()
-        self.host_views = {id(t): spec.view_of(self.store.image(u.index))
-                           for u in self.units.values() for t, spec in zip(u.tensors, u.layout.tensors)}
+        # id(tensor) -> its view of the host image (zero-copy; coded: of its decoded host copy,
+        # decoded on first use, edits re-encoded before the next arrival), for state_dict()
+        if self.coded is not None:
+            self.host_views = self.coded.host_views()
+        else:
+            self.host_views = {id(t): spec.view_of(self.store.image(u.index))
+                               for u in self.units.values() for t, spec in zip(u.tensors, u.layout.tensors)}
         views = self.host_views
         for u in self.units.values():
             # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
@@ -570,27 +620,66 @@ class ModuleOffload:
     # ---------------------------------------------------------------- movers
     def _arrive(self, u: _Unit, cause: str) -> None:
         t0 = time.perf_counter()
-        image = self.store.image(u.index)
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            buf = torch.empty(u.nbytes, dtype=torch.uint8, device=self.device)
-            # the new buffer may reuse memory that kernels of a unit that just left still read
-            self.copy_stream.wait_stream(compute)
-            with torch.cuda.stream(self.copy_stream):
-                _copy_from_image(buf, image, 0)
-                u.loaded.record(self.copy_stream)
-            compute.wait_event(u.loaded)
-        else:
-            buf = _aligned_cpu_buffer(u.nbytes)
-            buf.copy_(image)
+        if self.coded is not None:
+            self.coded.check()  # state_dict() copies edited in place are re-encoded first
+        buf = self._load(u)
         # rebinding runs on the host while the copy is in flight
         for t, v in zip(u.tensors, _typed_views(buf, u.layout)):
             t.data = v
         u.buffer = buf
         u.arrivals += 1
         self._transitions += 1
-        self._h2d_bytes += u.nbytes
-        self._log("arrive", u, cause, u.nbytes, t0)
+        moved = u.nbytes if self.coded is None else self.coded.coded[u.index]
+        self._h2d_bytes += moved
+        self._log("arrive", u, cause, moved, t0)
+
+    def _load(self, u: _Unit) -> torch.Tensor:
+        """A fresh buffer with ``u``'s image; on CUDA filled on the side streams (one H2D copy
+        of the image; or, coded, see :meth:`_load_coded`), ``u.loaded`` recorded after it and
+        waited on by the compute stream."""
+        if not self.cuda:
+            buf = _aligned_cpu_buffer(u.nbytes)
+            if self.coded is None:
+                buf.copy_(self.store.image(u.index))
+            else:  # the same runs and tables as on CUDA, decoded straight from the host region
+                region = self.coded.region(u.index)
+                for _, _, table in self.coded.runs(u.index, self.coded_run_bytes):
+                    self.coded.decode_table(region, buf, table)
+            return buf
+        compute = torch.cuda.current_stream(self.device)
+        buf = torch.empty(u.nbytes, dtype=torch.uint8, device=self.device)
+        # the new buffer may reuse memory that kernels of a unit that just left still read
+        self.copy_stream.wait_stream(compute)
+        if self.coded is not None:
+            self._load_coded(u, buf, compute)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                _copy_from_image(buf, self.store.image(u.index), 0)
+                u.loaded.record(self.copy_stream)
+        compute.wait_event(u.loaded)
+        return buf
+
+    def _load_coded(self, u: _Unit, buf: torch.Tensor, compute) -> None:
+        """``u``'s coded bytes H2D into a staging buffer on the copy stream, in runs of about
+        ``coded_run_bytes`` cut between tensors, each run decoded into ``buf`` on the decode
+        stream once copied (run i+1's copy overlaps run i's decode); ``u.loaded`` after the last
+        decode. Staging is allocated per arrival from the compute stream's pool and
+        ``record_stream``-ed on both side streams: no device memory is held for it between
+        arrivals (a reused buffer would keep ~0.7x the largest unit on the device for good)."""
+        k, region = u.index, self.coded.region(u.index)
+        runs = self.coded.runs(k, self.coded_run_bytes)
+        staging = torch.empty(max(runs[-1][1], 1), dtype=torch.uint8, device=self.device)
+        self.decode_stream.wait_stream(compute)
+        for start, end, table in runs:
+            with torch.cuda.stream(self.copy_stream):
+                _copy_from_image(staging[start:end], region, start)
+                self._run_copied.record(self.copy_stream)
+            self.decode_stream.wait_event(self._run_copied)  # waits on this record, not later ones
+            with torch.cuda.stream(self.decode_stream):
+                self.coded.decode_table(staging, buf, table)
+        u.loaded.record(self.decode_stream)
+        staging.record_stream(self.copy_stream)
+        staging.record_stream(self.decode_stream)
 
     def _depart(self, u: _Unit, cause: str) -> None:
         t0 = time.perf_counter()
@@ -700,37 +789,53 @@ class ModuleOffload:
         self._check_live()
         comps = {}
         for name, u in self.units.items():
+            coded = None if self.coded is None else self.coded.block_stats(u.index)
             comps[name] = {
                 "kind": u.kind,
                 "bytes": u.nbytes,
                 "tensors": len(u.tensors),
-                "pinned": self.store.is_pinned(u.index),
+                "pinned": self.store.is_pinned(u.index) if coded is None else coded["pinned_bytes"] > 0,
                 "where": "device" if u.on_device else "host",
                 "swapped": u.swapped,
                 "arrivals": u.arrivals,
                 "departures": u.departures,
             }
+            if coded is not None:
+                comps[name].update({k: coded[k] for k in CODED_STATS})
         for name, c in self._resident_only.items():
             comps[name] = {
                 "kind": c.kind, "bytes": sum(t.numel() * t.element_size() for t in _tensors_of(c.module)),
                 "tensors": len(_tensors_of(c.module)), "pinned": False, "where": "device", "swapped": False,
                 "arrivals": 0, "departures": 0,
             }
-        return {
+        out = {
             "mode": "module",
             "device": str(self.device),
             "source": self.components.source,
+            "weight_codec": self.config.weight_codec,
             "components": comps,
             "on_device": list(self.on_device()),
             "transitions": self._transitions,
             "h2d_bytes": self._h2d_bytes,
-            "host_bytes": self.store.nbytes,
-            "pinned_bytes": self.store.pinned_bytes,
-            "pin_failure": self.store.pin_failure,
+            "host_bytes": self._host_bytes(),
+            "pinned_bytes": self._pinned_bytes(),
+            "pin_failure": (self.store if self.coded is None else self.coded).pin_failure,
             "resident_bytes": self.resident_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             "setup_s": self.setup_s,
         }
+        if self.coded is not None:
+            coded = self.coded.stats()
+            out.update({k: coded[k] for k in CODED_STATS if k != "host_bytes"})
+            out["encode_s"] = coded["encode_s"]
+        return out
+
+    def _host_bytes(self) -> int:
+        """Host memory of the images: packed bytes, or coded bytes (page-rounded per unit)."""
+        return self.store.nbytes if self.coded is None else self.coded.stats()["host_bytes"]
+
+    def _pinned_bytes(self) -> int:
+        return self.store.pinned_bytes if self.coded is None else self.coded.stats()["pinned_bytes"]
 
     def disable(self) -> Any:
         """Remove hooks and give every weight an ordinary device copy; returns the pipeline.
@@ -742,6 +847,8 @@ class ModuleOffload:
         self._remove_hooks()
         if self.cuda:
             self.copy_stream.synchronize()
+            if self.coded is not None:
+                self.decode_stream.synchronize()
         with torch.no_grad():
             for u in self.units.values():
                 if u.on_device:
@@ -753,9 +860,25 @@ class ModuleOffload:
         for m in self._marked:
             if getattr(m, _MARK, None) is self:
                 object.__delattr__(m, _MARK)
-        self.store.close()
+        if self.coded is not None:
+            self.coded.close()
+            self.coded = None  # let the coded arena go
+        else:
+            self.store.close()
         self._disabled = True
         return self.pipe
+
+    @property
+    def coded_run_bytes(self) -> int:
+        """weight_codec: bytes per copy/decode run of an arrival (<= 0: one copy, then one decode)."""
+        return self._coded_run_bytes
+
+    @coded_run_bytes.setter
+    def coded_run_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"coded_run_bytes={value!r} is not allowed; expected an int number of bytes "
+                            "(<= 0: one copy, then one decode)")
+        self._coded_run_bytes = value
 
     def _remove_hooks(self) -> None:
         for h in self.hooks:
@@ -785,7 +908,8 @@ class ModuleOffload:
         lines = [
             f"ModuleOffload({self.components.pipeline}, device={self.device}, "
             f"components={list(self.config.components)}, source={self.components.source!r}, "
-            f"host={self.store.nbytes / 1e9:.3f} GB, pinned={self.store.pinned_bytes / 1e9:.3f} GB,",
+            f"host={self._host_bytes() / 1e9:.3f} GB, pinned={self._pinned_bytes() / 1e9:.3f} GB,"
+            + ("" if self.coded is None else f" coded {self.config.weight_codec},"),
             f"  on_device={list(self.on_device())}, transitions={self._transitions}, "
             f"h2d={self._h2d_bytes / 1e9:.3f} GB,",
             "  hooks=[",

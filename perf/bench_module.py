@@ -1,7 +1,8 @@
 """Module-offload swap benchmark: encoder -> DiT -> encoder transitions at real sizes.
 
     python perf/bench_module.py [--encoder-gb 9.5] [--dit-gb 23.8] [--width 4096] [--rounds 3]
-                                [--no-peer] [--out perf/results]
+                                [--modes diffusers-model,module,module-coded] [--no-peer]
+                                [--fill student-t] [--run-mb 64] [--out perf/results]
 
 Components are stacks of bf16 ``nn.Linear`` layers (with bias, so the tensor
 count is close to the real models'): a T5-XXL-sized encoder (4.7 B params,
@@ -18,14 +19,28 @@ Measured in the same run:
 - ``module``: weightstream module offload (``offload_pipeline``): per
   arrival, CUDA events around the hooked forward call; departures from the
   controller's event log (host time of the rebind; no copy back);
+- ``module-coded``: the same with ``weight_codec="exp-k"``: each component
+  kept losslessly coded in pinned host memory, an arrival copies the coded
+  bytes and decodes them on the device, in runs of ``--run-mb`` (copies
+  overlap decodes; 0 = one copy, then one decode). Reports per component
+  ``coded_bytes`` and ``bits_per_weight``; ``ratio_to_floor`` is against the
+  UNCODED floor (raw bytes / H2D), ``coded_floor_ms`` is coded bytes / H2D;
+  ``setup_s`` includes the encode (``encode_s``).
 - ``diffusers-model``: what ``DiffusionPipeline.enable_model_cpu_offload``
   installs (accelerate ``cpu_offload_with_hook`` chain, pageable host
   weights, ``.to()`` both ways), same modules, arrivals timed the same way,
   departures (``hook.offload()``) with a host timer around a synchronised call.
 
-Target: every module-mode arrival within 1.1x of its floor, departures < 1 ms.
+Weights: ``--fill student-t`` (the default when module-coded runs; what the
+codec sees in trained checkpoints: Student-t df=4 scaled per tensor, the
+helper of perf/scenarios.py) or ``normal`` (N(0, 0.02)). Every mode runs on
+the same weights, so outputs are compared across modes.
+
+Targets: every module-mode arrival within 1.1x of its floor, departures < 1 ms;
+module-coded arrivals <= 0.75x the uncoded floor (issue 14).
 Writes ``perf/results/module-swap-<gpu>-<commit>.json`` and prints a table.
-GPU only; ``--help`` works anywhere.
+GPU only; ``--help`` works anywhere. Setup times of modes after the first
+are not fresh-process figures (DESIGN.md section 8).
 """
 from __future__ import annotations
 
@@ -48,6 +63,9 @@ from torch import nn  # noqa: E402
 from perf.common import git_commit, gpu_slug, measure_h2d_gbps  # noqa: E402
 
 SCENARIO = "module-swap"
+MODES = ("diffusers-model", "module", "module-coded")
+FILLS = ("normal", "student-t")
+WEIGHT_STD = 0.02
 GB = 1e9
 REPO = Path(__file__).resolve().parent.parent
 T0 = time.perf_counter()
@@ -69,8 +87,11 @@ class LinearStack(nn.Module):
         return self.layers[-1](self.layers[0](x))
 
 
-def build_stack(target_gb: float, width: int, device: torch.device, seed: int) -> LinearStack:
-    """A stack of about ``target_gb`` with host weights generated on the GPU."""
+def build_stack(target_gb: float, width: int, device: torch.device, seed: int,
+                weight_fill: str = "normal") -> LinearStack:
+    """A stack of about ``target_gb`` with host weights generated on ``device`` (see FILLS)."""
+    from perf.scenarios import _chunk
+
     per_layer = (width * width + width) * 2
     n = max(2, round(target_gb * GB / per_layer))
     stack = LinearStack(n, width)
@@ -78,7 +99,7 @@ def build_stack(target_gb: float, width: int, device: torch.device, seed: int) -
     for layer in stack.layers:
         for name in ("weight", "bias"):
             meta = getattr(layer, name)
-            dev = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0, 0.02, generator=gen)
+            dev = _chunk(meta.numel(), meta.dtype, device, WEIGHT_STD, gen, weight_fill).view(meta.shape)
             host = torch.empty(meta.shape, dtype=meta.dtype)
             host.copy_(dev)
             setattr(layer, name, nn.Parameter(host, requires_grad=False))
@@ -112,16 +133,25 @@ def med(xs: list[float]) -> float:
 
 
 # ---------------------------------------------------------------- modes
-def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int) -> dict:
+def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int,
+               coded: bool = False, run_mb: float | None = None) -> dict:
     from weightstream.offload.config import OffloadConfig
     from weightstream.offload.model_offload import offload_pipeline
 
+    mode = "module-coded" if coded else "module"
     pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
+    cfg = OffloadConfig.module(["dit", "text_encoder"], progress=True, weight_codec="exp-k" if coded else "none")
     t = time.perf_counter()
-    handle = offload_pipeline(pipe, OffloadConfig.module(["dit", "text_encoder"], progress=True), device=device)
+    handle = offload_pipeline(pipe, cfg, device=device)
     setup_s = time.perf_counter() - t
+    if coded and run_mb is not None:
+        handle.coded_run_bytes = int(run_mb * (1 << 20))
+    run_bytes = getattr(handle, "coded_run_bytes", 0)
     stats = handle.stats()
-    log(f"module: setup {setup_s:.1f} s (pack + pin), pinned {stats['pinned_bytes'] / GB:.1f} GB"
+    log(f"{mode}: setup {setup_s:.1f} s ({'encode' if coded else 'pack'} + pin), "
+        f"host {stats['host_bytes'] / GB:.2f} GB, pinned {stats['pinned_bytes'] / GB:.2f} GB"
+        + (f", coded {stats['coded_bytes'] / stats['raw_bytes']:.3f} of the raw bytes, "
+           f"{stats['bits_per_weight']:.2f} bits/weight" if coded else "")
         + (f", pin failure: {stats['pin_failure']}" if stats["pin_failure"] else ""))
     arrivals = {"text_encoder": [], "transformer": []}
     device_gb = {"text_encoder": [], "transformer": []}
@@ -135,7 +165,7 @@ def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.de
                 device_gb[name].append(torch.cuda.memory_allocated(device) / GB)
             if name == "transformer":
                 out = y
-        log(f"module: round {r}{' (warm-up)' if r == 0 else ''}: encoder {ms['text_encoder']:.1f} ms, "
+        log(f"{mode}: round {r}{' (warm-up)' if r == 0 else ''}: encoder {ms['text_encoder']:.1f} ms, "
             f"DiT {ms['transformer']:.1f} ms (device now {torch.cuda.memory_allocated(device) / GB:.1f} GB)")
     ms, _ = timed_call(enc, x)  # the DiT leaves once more (for the departure figure)
     departures = {"text_encoder": [], "transformer": []}
@@ -144,12 +174,31 @@ def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.de
             departures[e.unit].append(e.host_ms)
     handle.disable()
     del handle
-    return {"arrival_ms": {k: med(v) for k, v in arrivals.items()},
-            "arrival_ms_all": {k: [round(a, 2) for a in v] for k, v in arrivals.items()},
-            "departure_ms": {k: med(v) for k, v in departures.items() if v},
-            "device_gb_after_arrival": {k: round(med(v), 2) for k, v in device_gb.items()},
-            "setup_s": round(setup_s, 2), "pinned_host_gb": round(stats["pinned_bytes"] / GB, 2),
-            "output": out}
+    out = out.detach().cpu()
+    for m in (enc, dit):  # disable() gave the weights back on the device: host tensors for the next mode
+        m.to("cpu")
+    gc.collect()
+    torch.cuda.empty_cache()
+    raw = {"arrival_ms": {k: med(v) for k, v in arrivals.items()},
+           "arrival_ms_all": {k: [round(a, 2) for a in v] for k, v in arrivals.items()},
+           "departure_ms": {k: med(v) for k, v in departures.items() if v},
+           "device_gb_after_arrival": {k: round(med(v), 2) for k, v in device_gb.items()},
+           "setup_s": round(setup_s, 2), "pinned_host_gb": round(stats["pinned_bytes"] / GB, 2),
+           "host_gb": round(stats["host_bytes"] / GB, 3), "output": out}
+    if coded:
+        raw.update(coded_stats(stats))
+        raw["run_mb"] = round(max(0, run_bytes) / (1 << 20), 3)
+    return raw
+
+
+def coded_stats(stats: dict) -> dict:
+    """The codec's figures of a module-offload ``stats()``: per component and in total."""
+    comps = stats["components"]
+    return {"coded_bytes": {k: c["coded_bytes"] for k, c in comps.items()},
+            "bits_per_weight": {k: round(c["bits_per_weight"], 3) for k, c in comps.items()},
+            "coded_ratio": {k: round(c["coded_bytes"] / c["raw_bytes"], 4) for k, c in comps.items()},
+            "coded_bytes_total": stats["coded_bytes"], "bits_per_weight_total": round(stats["bits_per_weight"], 3),
+            "encode_s": round(stats["encode_s"], 2)}
 
 
 def run_diffusers_model(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int) -> dict:
@@ -192,9 +241,13 @@ def figures(raw: dict, sizes: dict, h2d: float) -> dict:
            "arrival_ratio_to_floor": ratios["transformer"],
            "arrival_ms": raw["arrival_ms"], "floors_ms": floors, "arrival_ratios_to_floor": ratios,
            "departure_ms": raw["departure_ms"], "streamed_gb": round(sizes["transformer"] / GB, 3)}
-    for k in ("arrival_ms_all", "device_gb_after_arrival", "setup_s", "pinned_host_gb"):
+    for k in ("arrival_ms_all", "device_gb_after_arrival", "setup_s", "pinned_host_gb", "host_gb", "coded_bytes",
+              "bits_per_weight", "coded_ratio", "coded_bytes_total", "bits_per_weight_total", "encode_s", "run_mb"):
         if k in raw:
             out[k] = raw[k]
+    if "coded_bytes" in raw:  # what the coded bytes alone would take over the same link
+        out["coded_floors_ms"] = {k: round(b / (h2d * GB) * 1e3, 3) for k, b in raw["coded_bytes"].items()}
+        out["coded_floor_ms"] = out["coded_floors_ms"]["transformer"]
     return out
 
 
@@ -207,7 +260,39 @@ def table(result: dict) -> str:
             rows.append(f"{mode:<16}{comp:<14}{sizes[comp]:>7.2f}{f['floors_ms'][comp]:>10.1f}"
                         f"{f['arrival_ms'][comp]:>12.1f}{f['arrival_ratios_to_floor'][comp]:>9.3f}"
                         f"{f['departure_ms'].get(comp, float('nan')):>11.2f}")
+        if "coded_bytes" in f:
+            rows.append(f"{'':<16}coded: " + ", ".join(
+                f"{comp} {f['coded_bytes'][comp] / GB:.2f} GB ({f['coded_ratio'][comp]:.3f}x, "
+                f"{f['bits_per_weight'][comp]:.2f} bits/weight, coded floor {f['coded_floors_ms'][comp]:.1f} ms)"
+                for comp in ("text_encoder", "transformer"))
+                + f"; runs of {f['run_mb']:g} MiB; setup {f['setup_s']:.1f} s (encode {f['encode_s']:.1f} s)")
     return "\n".join(rows)
+
+
+def parse_modes(text: str, no_peer: bool = False) -> tuple[str, ...]:
+    """The modes of ``--modes`` (``--no-peer`` drops diffusers-model); ValueError naming a bad one."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise ValueError(f"--modes={text!r} is not allowed: {bad or 'empty'}; choose from: {', '.join(MODES)}")
+    return tuple(m for m in MODES if m in names and not (no_peer and m == "diffusers-model"))
+
+
+def verdicts(modes: dict) -> list[str]:
+    """One line per target: module arrivals <= 1.1x floor and departures < 1 ms; module-coded
+    arrivals <= 0.75x the uncoded floor."""
+    out = []
+    if "module" in modes:
+        m = modes["module"]
+        ok = all(r <= 1.1 for r in m["arrival_ratios_to_floor"].values()) and \
+            all(d < 1.0 for d in m["departure_ms"].values())
+        out.append(f"module arrivals within 1.1x of the floor and departures < 1 ms: {'YES' if ok else 'NO'}")
+    if "module-coded" in modes:
+        r = modes["module-coded"]["arrival_ratios_to_floor"]
+        ok = all(v <= 0.75 for v in r.values())
+        out.append(f"module-coded arrivals <= 0.75x the uncoded floor: {'YES' if ok else 'NO'} "
+                   f"({', '.join(f'{k} {v:.3f}' for k, v in r.items())})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,9 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per mode after one warm-up round")
     p.add_argument("--peer-rounds", type=int, default=2, help="timed rounds of diffusers-model (slow)")
     p.add_argument("--no-peer", action="store_true", help="skip diffusers-model (accelerate)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of %(default)s")
+    p.add_argument("--fill", choices=FILLS, default=None,
+                   help="weight values (default: student-t when module-coded runs, else normal)")
+    p.add_argument("--run-mb", type=float, default=None,
+                   help="module-coded: copy/decode run size in MiB (default: the library's; 0 = one copy, one decode)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=str(REPO / "perf" / "results"))
     args = p.parse_args(argv)
+    modes_run = parse_modes(args.modes, args.no_peer)
+    weight_fill = args.fill or ("student-t" if "module-coded" in modes_run else "normal")
 
     if not torch.cuda.is_available():
         print("bench_module: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -237,15 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     h2d = measure_h2d_gbps(device, reps=9)[0]
     log(f"pinned H2D: {h2d:.1f} GB/s (1 GiB copies, median)")
     x = torch.randn(1, args.width, device=device, dtype=torch.bfloat16)
-    enc = build_stack(args.encoder_gb, args.width, device, seed=1)
-    log(f"built encoder: {len(enc.layers)} layers, {nbytes(enc) / GB:.2f} GB")
-    dit = build_stack(args.dit_gb, args.width, device, seed=2)
-    log(f"built DiT: {len(dit.layers)} layers, {nbytes(dit) / GB:.2f} GB")
+    enc = build_stack(args.encoder_gb, args.width, device, seed=1, weight_fill=weight_fill)
+    log(f"built encoder: {len(enc.layers)} layers, {nbytes(enc) / GB:.2f} GB ({weight_fill})")
+    dit = build_stack(args.dit_gb, args.width, device, seed=2, weight_fill=weight_fill)
+    log(f"built DiT: {len(dit.layers)} layers, {nbytes(dit) / GB:.2f} GB ({weight_fill})")
     torch.cuda.empty_cache()
     sizes = {"text_encoder": nbytes(enc), "transformer": nbytes(dit)}
 
     modes, raws, failed = {}, {}, {}
-    if not args.no_peer:
+    if "diffusers-model" in modes_run:
         try:
             log("diffusers-model (accelerate cpu_offload_with_hook chain) ...")
             raws["diffusers-model"] = run_diffusers_model(enc, dit, x, device, args.peer_rounds)
@@ -256,13 +348,16 @@ def main(argv: list[str] | None = None) -> int:
             m.to("cpu")
         gc.collect()
         torch.cuda.empty_cache()
-    log("module (weightstream offload_pipeline) ...")
-    raws["module"] = run_module(enc, dit, x, device, args.rounds)
-    for name in ("module", "diffusers-model"):
+    for name in ("module", "module-coded"):
+        if name in modes_run:
+            log(f"{name} (weightstream offload_pipeline) ...")
+            raws[name] = run_module(enc, dit, x, device, args.rounds, coded=name == "module-coded",
+                                    run_mb=args.run_mb)
+    for name in MODES:
         if name in raws:
             modes[name] = figures(raws[name], sizes, h2d)
     outs = [r.get("output") for r in raws.values() if r.get("output") is not None]
-    same = len(outs) == 2 and torch.equal(outs[0].cpu(), outs[1].cpu())
+    same = len(outs) >= 2 and all(torch.equal(outs[0].cpu(), o.cpu()) for o in outs[1:])
 
     result = {
         "scenario": SCENARIO, "gpu": gpu, "gpus": 1, "commit": commit, "dirty": dirty,
@@ -270,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "h2d_gbps": round(h2d, 2), "model_gb": round(sum(sizes.values()) / GB, 2),
         "component_gb": {k: round(v / GB, 3) for k, v in sizes.items()},
-        "width": args.width, "outputs_equal_across_modes": same if len(outs) == 2 else None,
+        "width": args.width, "weight_fill": weight_fill,
+        "outputs_equal_across_modes": same if len(outs) >= 2 else None,
         "modes": modes,
     }
     if failed:
@@ -286,11 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / f"{SCENARIO}-{gpu_slug(gpu)}-{commit[:12]}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    m = modes["module"]
-    ok = all(r <= 1.1 for r in m["arrival_ratios_to_floor"].values()) and \
-        all(d < 1.0 for d in m["departure_ms"].values())
-    print(f"module arrivals within 1.1x of the floor and departures < 1 ms: {'YES' if ok else 'NO'}; "
-          f"outputs equal across modes: {result['outputs_equal_across_modes']}")
+    print("\n".join(verdicts(modes)) + f"; outputs equal across modes: {result['outputs_equal_across_modes']}")
     print(f"result: {path}")
     log("done")
     return 0

@@ -57,7 +57,7 @@ def is_peer(mode: str) -> bool:
 
 def is_weightstream(mode: str) -> bool:
     """Modes that run our own controller (compared against the best peer)."""
-    return mode == "module" or mode.startswith(("layerwise", "graphs", "dlo-"))
+    return mode in ("module", "module-coded") or mode.startswith(("layerwise", "graphs", "dlo-"))
 
 
 def is_offloaded(mode: str) -> bool:

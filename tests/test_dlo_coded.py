@@ -158,8 +158,8 @@ def test_config_and_wiring_accept_the_codec_with_dlo():
     cfg = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
                         layer_options={"dit": {"weight_transfer": "allgather"}})
     assert cfg.weight_codec == "exp-k"
-    with pytest.raises(ValueError, match="weight_codec='exp-k'.*mode='layer' only"):
-        OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k")
+    # module mode codes whole components now (tests/test_module_coded.py)
+    assert OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k").weight_codec == "exp-k"
 
 
 # --------------------------------------------------------------------------- gloo, 2 ranks

@@ -346,6 +346,7 @@ class CodedSource:
         self.copy_bytes = [0] * len(self.layouts)  # bytes every load of block k copies
         self._decoded: dict[int, _Decoded] = {}
         self._dirty: set[int] = set()
+        self._runs: dict[int, tuple] = {}  # runs(): block -> (its table, run_bytes, runs)
         self._streams = self._slots = None
         self._buffers: list[torch.Tensor] = []
         self._dev_tables: list[torch.Tensor | None] = []
@@ -532,10 +533,41 @@ class CodedSource:
         return ds if ds is not None else cs
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, k: int) -> None:
+        self.decode_table(src, dst, self.tables[k])
+
+    @staticmethod
+    def decode_table(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
+        """One decode launch of ``table`` (Triton on CUDA or under TRITON_INTERPRET=1, else
+        the plain-torch reference), on the current stream."""
         if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            decode(src, dst, self.tables[k])
+            decode(src, dst, table)
         else:
-            decode_torch(src, dst, self.tables[k])
+            decode_torch(src, dst, table)
+
+    def runs(self, k: int, run_bytes: int) -> list[tuple[int, int, DecodeTable]]:
+        """Block ``k``'s coded bytes cut between tensors into runs of about ``run_bytes`` (one
+        run when ``run_bytes <= 0``): ``(start, end, table)`` each, in order, ``table`` decoding
+        that run's tensors (source offsets from the start of the block's coded bytes, as
+        ``tables[k]``), so a copy of run i+1 can overlap the decode of run i. Cached until the
+        block is re-encoded."""
+        table = self.tables[k]
+        hit = self._runs.get(k)
+        if hit is not None and hit[0] is table and hit[1] == run_bytes:
+            return hit[2]
+        groups: list[list] = [[]]
+        start = 0
+        for seg in sorted(table.segments, key=lambda sg: sg.src_offset):
+            if groups[-1] and run_bytes > 0 and seg.src_end - start > run_bytes:
+                groups.append([])
+                start = seg.src_offset
+            groups[-1].append(seg)
+        out, at = [], 0
+        for group in groups:
+            end = max((sg.src_end for sg in group), default=at)
+            out.append((at, end, DecodeTable(group, num_warps=table.num_warps, gather_planes=table.gather_planes)))
+            at = end
+        self._runs[k] = (table, run_bytes, out)
+        return out
 
     def check(self) -> None:
         """Step start / before a replay: refuse stale captures; re-encode decoded host copies
@@ -680,11 +712,17 @@ class CodedSource:
         return out
 
     # -- figures and teardown ---------------------------------------------------------
+    def block_stats(self, k: int) -> dict:
+        """Figures of block ``k`` alone: coded / raw / host / pinned bytes and bits per coded weight."""
+        raw = self.layouts[k].nbytes
+        return {"coded_bytes": self.coded[k], "raw_bytes": raw,
+                "coded_ratio": self.coded[k] / raw if raw else 0.0,
+                "bits_per_weight": _bits_per_weight([self.tables[k]]),
+                "host_bytes": align_up(self.copy_bytes[k], PAGE), "copy_bytes": self.copy_bytes[k],
+                "pinned_bytes": self._regs[k].bytes}
+
     def stats(self) -> dict:
         raw = sum(lay.nbytes for lay in self.layouts)
-        coded16 = [(s.header.nbytes, s.header.numel) for t in self.tables if t is not None for s in t._live
-                   if s.header.k != 8 or s.header.dtype != torch.int16]
-        c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
         return {
             "source": self.name,
             "host_bytes": sum(align_up(c, PAGE) for c in self.copy_bytes),
@@ -696,7 +734,7 @@ class CodedSource:
             "coded_bytes": sum(self.coded),
             "raw_bytes": raw,
             "coded_ratio": sum(self.coded) / raw if raw else 0.0,
-            "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+            "bits_per_weight": _bits_per_weight(self.tables),
             "encode_s": self.encode_s,
             "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
         }
@@ -705,6 +743,7 @@ class CodedSource:
         """Unregister the regions; drop decoded copies and device buffers."""
         self._finalizer()
         self._decoded.clear()
+        self._runs.clear()
         self._buffers = []
         self._dev_tables = []
 
@@ -712,6 +751,14 @@ class CodedSource:
         s = self.stats()
         return (f"CodedSource({len(self.layouts)} blocks, {s['coded_bytes'] / 1e9:.3f} GB coded of "
                 f"{s['raw_bytes'] / 1e9:.3f} GB, pinned {s['pinned_bytes'] / 1e9:.3f} GB)")
+
+
+def _bits_per_weight(tables) -> float:
+    """Coded bits per 16-bit weight over the tensors ``tables`` code (raw k = 8 ones left out)."""
+    coded16 = [(s.header.nbytes, s.header.numel) for t in tables if t is not None for s in t._live
+               if s.header.k != 8 or s.header.dtype != torch.int16]
+    c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+    return 8.0 * c16 / n16 if n16 else 0.0
 
 
 def _drop(tensors, device="cpu") -> None:
