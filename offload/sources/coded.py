@@ -370,6 +370,11 @@ class CodedSource:
             self.offsets.append(off)
             off += cap
         self._map = mmap.mmap(-1, max(off, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # as the pinned HostStore: fewer pages to fault, register, DMA
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # pragma: no cover - kernel without THP
+                pass
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
             self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
