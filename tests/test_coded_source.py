@@ -451,3 +451,33 @@ def _check_threads_restored(in_order, before):
     with pytest.raises(ValueError, match="the layout says"):
         CodedSource(layouts, objs, device="cpu", pin=False)
     assert torch.get_num_threads() == before, "intra-op threads not restored after a failed build"
+
+
+def test_tensor_parallel_encode_gives_the_same_bytes():
+    """Few large blocks (module offload's components) encode their tensors on worker threads:
+    the region and the decode table equal the one-thread-per-block encoder's."""
+    from weightstream.offload.sources.coded import _capacity, encode_into, encode_tensors_into
+
+    tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
+    for lay, ts in zip(layouts, tensors):
+        objs = [t for _, _, t in ts]
+        a = torch.zeros(_capacity(lay), dtype=torch.uint8)
+        b = torch.zeros(_capacity(lay), dtype=torch.uint8)
+        na, ta = encode_into(a, lay, objs)
+        nb, tb = encode_tensors_into(b, lay, objs, workers=2)
+        assert na == nb > 0 and torch.equal(a, b)
+        assert ta.segments == tb.segments
+
+
+def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
+    """Fewer blocks than encode workers (one here, on any machine with 2+ cores) take the
+    tensor-parallel encoder inside CodedSource: the stored image decodes bit for bit."""
+    from weightstream.offload.sources.coded import encode_workers
+
+    tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
+    raw = _raw_images(tensors[:1], layouts[:1])
+    if encode_workers() < 2:
+        pytest.fail("this test needs 2+ usable cores (CI has 2)")
+    src = CodedSource(layouts[:1], [[t for _, _, t in tensors[0]]], device="cpu", pin=False)
+    assert _spans_equal(src.image(0), raw[0], layouts[0]) == []
+    src.close()

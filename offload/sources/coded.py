@@ -155,6 +155,23 @@ def encode_into(region: torch.Tensor, layout: BlockLayout, tensors) -> tuple[int
     return sum(b.numel() for b in blobs), table
 
 
+def encode_tensors_into(region: torch.Tensor, layout: BlockLayout, tensors, *,
+                        workers: int | None = None) -> tuple[int, DecodeTable]:
+    """:func:`encode_into` with the block's tensors encoded on worker threads (a few tensors
+    ahead, each into its own buffer, copied into ``region`` in order): the same bytes, for
+    blocks too few to keep the workers busy one block each (module offload: 2 components of
+    a pipeline encoded one tensor at a time reached 0.3 GB/s on the H200 host, 9aef8fd)."""
+    items = [(spec, t) for spec, t in zip(layout.tensors, tensors) if spec.nbytes]
+    segs, at = [], 0
+    work = lambda i: _encode_tensor(items[i][1], items[i][0])  # noqa: E731
+    with contextlib.closing(in_order(len(items), work, workers=workers)) as coded:
+        for (spec, _), blob in zip(items, coded):
+            region[at : at + blob.numel()].copy_(blob)  # (raises if the region is too small)
+            segs.append(CodecSegment(at, spec.offset, read_header(blob)))
+            at += blob.numel()
+    return at, DecodeTable(segs)
+
+
 def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:
     at = 0
     for b in blobs:
@@ -400,7 +417,11 @@ class CodedSource:
                 self._pin(k)
                 bar.update(self.layouts[k].nbytes)
 
-            if encoded is None:
+            if encoded is None and n < encode_workers():
+                for k in range(n):  # few large blocks (module offload's components): tensors in parallel
+                    self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k]), grow=True)
+                    stored(k)
+            elif encoded is None:
                 work = lambda k: encode_into(self.region(k), self.layouts[k], objs[k])  # noqa: E731
                 with contextlib.closing(in_order(n, work)) as coded:  # closing: torch's threads restored
                     for k, (at, table) in enumerate(coded):
