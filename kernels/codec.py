@@ -142,10 +142,11 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
 _DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _PLANES = (8, 4, 2, 1)
 _CHUNK = 1 << 18  # elements per histogram chunk (the sample of every 4th one picks k: part of the format)
-_CODE_CHUNK = 1 << 23  # elements coded per step: any multiple of the tile gives the same bytes. Each
-# torch/numpy call holds the GIL while it parses its arguments (~40 per chunk): at 1 Mi elements one
-# encoder held it ~10% of its time and 16 workers on the H200 host reached 1.5-1.9 GB/s in all
-# (3a79e14, flux coded setup 17.4 s); 8 Mi elements cut those calls 8x (scratch: ~48 MB per worker)
+_CODE_CHUNK = 1 << 21  # elements coded per step: any multiple of the tile gives the same bytes. Each
+# torch/numpy call holds the GIL while it parses its arguments (~40 per chunk): fewer, larger chunks
+# hold it less, but every worker's scratch and temporaries grow with the chunk (~6 bytes/element).
+# H200 host, flux coded setup: 1 Mi elements 17.4 s (3a79e14), 8 Mi 16.0 s (c99ccf1: not the GIL
+# then); 2 Mi keeps a worker's scratch ~12 MB (tests/test_pack_rss.py counts it)
 _HEADER = struct.Struct("<4sBBBBQIIQQQQQQQ")  # 80 bytes, see the module docstring
 if _HEADER.size != HEADER_BYTES:  # pragma: no cover - a layout bug in this file
     raise ImportError(f"codec header struct is {_HEADER.size} bytes, expected {HEADER_BYTES}")

@@ -59,6 +59,20 @@ print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"),
                   "slot_bytes": stats["slot_bytes"] if device == "cpu" else 0}))
 """
 
+# the coded source's build alone (weight_codec='exp-k'), from the same model
+CHILD_CODED = CHILD.split("wrapped = ")[0] + r"""
+from weightstream.offload.discovery import discover_blocks
+from weightstream.offload.layout import block_tensors, build_layout
+from weightstream.offload.sources.coded import CodedSource, encode_workers
+blocks = discover_blocks(model, None)
+tensors = [[t for _, _, t in block_tensors(b.module)] for b in blocks]
+layouts = [build_layout(b.index, b.name, block_tensors(b.module)) for b in blocks]
+src = CodedSource(layouts, tensors, device=device, pin=False)
+print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"), "after": status("VmRSS"),
+                  "model_bytes": model_bytes, "coded_bytes": sum(src.coded), "slot_bytes": 0,
+                  "in_flight": min(len(layouts), encode_workers()) * max(l.nbytes for l in layouts)}))
+"""
+
 # Wan-shaped (40 uniform blocks, 8.4 MB each) and Flux-shaped (double and
 # single blocks, 42 / 18 MB), bf16, ~340 / ~400 MB: tensors of 0.5-8 MB,
 # which malloc keeps in its heap (the case a trim matters for)
@@ -72,10 +86,10 @@ CASES = {
 LARGE = ("wan-14b-480p", dict(num_attention_heads=12, ffn_dim=6144))
 
 
-def _measure(scenario: str, overrides: dict, device: str = "cpu") -> dict:
+def _measure(scenario: str, overrides: dict, device: str = "cpu", child: str = CHILD) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", CHILD, scenario, json.dumps(overrides), device], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", child, scenario, json.dumps(overrides), device], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -88,6 +102,20 @@ def test_setup_peak_rss_within_target(case):
     _check_peak(case, r)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_coded_setup_peak_rss_within_target(case):
+    """weight_codec='exp-k' (the coded source's build, measured alone: on the CPU a load decodes
+    with the reference decoder, whose temporaries are not setup memory): each block's originals
+    go as soon as its coded bytes are written (on the encode worker), so blocks coded ahead of
+    the in-order pinning hold coded bytes only. Before: 1.77 x / 2.0 x here (Flux- / Wan-shaped),
+    and flux-12b-1024 peaked at 1.42 x the model on the H200 (c99ccf1)."""
+    r = _measure(*CASES[case], child=CHILD_CODED)
+    assert 0.6 < r["coded_bytes"] / r["model_bytes"] < 0.95, r
+    # a block being encoded holds its originals and its coded bytes: at most one per worker
+    # (2 Flux-shaped double blocks here: 0.21 x the model; 16 of them on the H200 host: 0.3 x)
+    _check_peak(case, r, allowance=r["in_flight"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(CASES) + ["large"])
 def test_setup_peak_rss_within_target_cuda(case):
@@ -98,13 +126,14 @@ def test_setup_peak_rss_within_target_cuda(case):
     _check_peak(case, r)
 
 
-def _check_peak(case: str, r: dict) -> None:
+def _check_peak(case: str, r: dict, allowance: int = 0) -> None:
     model = r["model_bytes"]
     assert r["built"] - r["baseline"] > 0.9 * model     # the model really sat in this process
-    ratio = (r["peak"] - r["baseline"] - r["slot_bytes"]) / model
+    ratio = (r["peak"] - r["baseline"] - r["slot_bytes"] - allowance) / model
     assert ratio <= TARGET, (
         f"{case}: setup peak RSS {(r['peak'] - r['baseline']) / 1e6:.0f} MB over the baseline, less "
-        f"{r['slot_bytes'] / 1e6:.0f} MB of slots, is {ratio:.3f} x the model ({model / 1e6:.0f} MB); "
+        f"{r['slot_bytes'] / 1e6:.0f} MB of slots and {allowance / 1e6:.0f} MB allowed in flight, is {ratio:.3f} x "
+        f"the model ({model / 1e6:.0f} MB); "
         f"target {TARGET}")
     # the originals went back to the OS: what stays is the store (+ slots), not two models
     assert (r["after"] - r["baseline"] - r["slot_bytes"]) / model <= TARGET
