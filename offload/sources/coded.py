@@ -342,9 +342,9 @@ class CodedSource:
     name = "coded-exp-k"
     collective = False
     # the coded H2D runs ahead of the slot's release (its own buffer); only the decode into the
-    # slot waits for ``after`` (the slot-free event): with the copy gated on the slot, each
-    # block's copy, decode and compute formed one serial loop per ring turn (3a79e14:
-    # 319.6 ms vs 301 ms of coded bytes over the link on flux-12b-1024)
+    # slot waits for ``after`` (the slot-free event). Measured on flux-12b-1024 it changed nothing
+    # (319.6 ms at 3a79e14, 320.4 after, c99ccf1): the copy lane was already busy the whole step
+    # (trace at 9aef8fd), its coded copies moving 53 GB/s; kept as the looser correct order
     waits_for_free = True
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
