@@ -147,6 +147,7 @@ _CODE_CHUNK = 1 << 21  # elements coded per step: any multiple of the tile gives
 # hold it less, but every worker's scratch and temporaries grow with the chunk (~6 bytes/element).
 # H200 host, flux coded setup: 1 Mi elements 17.4 s (3a79e14), 8 Mi 16.0 s (c99ccf1: not the GIL
 # then); 2 Mi keeps a worker's scratch ~12 MB (tests/test_pack_rss.py counts it)
+_DEVICE_CODE_CHUNK = 1 << 26  # elements per step when coding on a GPU (launch-bound, not memory-bound)
 _HEADER = struct.Struct("<4sBBBBQIIQQQQQQQ")  # 80 bytes, see the module docstring
 if _HEADER.size != HEADER_BYTES:  # pragma: no cover - a layout bug in this file
     raise ImportError(f"codec header struct is {_HEADER.size} bytes, expected {HEADER_BYTES}")
@@ -298,11 +299,11 @@ class _Scratch:
     cost page faults (the allocator hands large blocks back to the OS) of the order of the
     arithmetic itself."""
 
-    def __init__(self, n: int):
-        self.a = torch.empty(n, dtype=torch.int16)
-        self.b = torch.empty(n, dtype=torch.int16)
-        self.sym = torch.empty(n, dtype=torch.uint8)
-        self.codes = torch.empty(n, dtype=torch.uint8)
+    def __init__(self, n: int, device=None):
+        self.a = torch.empty(n, dtype=torch.int16, device=device)
+        self.b = torch.empty(n, dtype=torch.int16, device=device)
+        self.sym = torch.empty(n, dtype=torch.uint8, device=device)
+        self.codes = torch.empty(n, dtype=torch.uint8, device=device)
 
 
 def _given_table(counts: list[int], k: int, table: tuple[int, ...]):
@@ -355,7 +356,7 @@ def _best_window(counts: list[int], width: int) -> int:
 def _pack_planes(codes: torch.Tensor, k: int, tile: int) -> torch.Tensor:
     """(tiles, tile) uint8 codes -> (tiles, tile * k / 8) bytes in the plane layout."""
     tiles = codes.shape[0]
-    out = torch.empty(tiles, tile * k // 8, dtype=torch.uint8)
+    out = torch.empty(tiles, tile * k // 8, dtype=torch.uint8, device=codes.device)
     at = 0
     for w in _PLANES:
         if not k & w:
@@ -402,11 +403,12 @@ class _Coder:
     bases: list  # per chunk: escapes before each of its tiles (int64, whole tensor)
     scratch: _Scratch
     num_exc: int = 0
+    torch_index: bool = False  # escapes found with torch (any device) instead of numpy (CPU)
 
     def lut(self) -> torch.Tensor:
         lut = torch.full((256,), (1 << self.k) - 1, dtype=torch.uint8)
         lut[list(self.table)] = torch.arange(len(self.table), dtype=torch.uint8)
-        return lut
+        return lut.to(self.scratch.sym.device)
 
     def add(self, v: torch.Tensor, lut: torch.Tensor | None) -> None:
         """Code one chunk of int16 elements (a whole number of tiles, except the last chunk)."""
@@ -420,7 +422,8 @@ class _Coder:
         tiles = -(-sym.numel() // tile)
         if sym.numel() < tiles * tile:  # pad the last tile with symbols of code 0
             pad = self.table[0] if self.table else 0
-            sym = torch.cat([sym, torch.full((tiles * tile - sym.numel(),), pad, dtype=torch.uint8)])
+            sym = torch.cat([sym, torch.full((tiles * tile - sym.numel(),), pad, dtype=torch.uint8,
+                                             device=sym.device)])
         if k == 8:
             codes = sym
         elif self.window is not None:  # the table is a contiguous (mod 256) window of symbols
@@ -429,7 +432,13 @@ class _Coder:
             codes = lut[sym.long()]
         codes = codes.view(tiles, tile)
         self.codes.append(_pack_planes(codes, k, tile))
-        if k < 8:
+        if k < 8 and self.torch_index:  # the same indices with torch ops, where the chunk lives
+            idx = torch.nonzero(codes.reshape(-1) == (1 << k) - 1).flatten()
+            starts = torch.arange(tiles, dtype=torch.int64, device=idx.device) * tile
+            self.bases.append(torch.searchsorted(idx, starts) + self.num_exc)
+            self.num_exc += idx.numel()
+            self.exc.append(sym[idx])
+        elif k < 8:
             # numpy's compare and flatnonzero: ~5x faster than torch's uint8 == scalar, ~10x than nonzero
             idx = np.flatnonzero(codes.reshape(-1).numpy() == (1 << k) - 1)
             self.bases.append(torch.from_numpy(np.searchsorted(idx, np.arange(tiles) * tile) + self.num_exc))
@@ -439,16 +448,16 @@ class _Coder:
 
 def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch: _Scratch) -> torch.Tensor:
     """Symbol counts over every `sample`-th chunk of `step` elements."""
-    hist = torch.zeros(256, dtype=torch.int64)
+    hist = torch.zeros(256, dtype=torch.int64, device=elems.device)
     for a in range(0, elems.numel(), step * sample):
         sym, _ = _split_chunk(elems[a : a + step], bf16, scratch)
         hist += torch.bincount(sym, minlength=256)
-    return hist
+    return hist.cpu()
 
 
 def encode(
     tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, _torch_index: bool | None = None,
 ) -> torch.Tensor:
     """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer
     (or, with `out`, at the start of `out` when it fits: the result is then a view of it).
@@ -459,8 +468,10 @@ def encode(
     tile: elements per tile (a power of two in [MIN_TILE, MAX_TILE]); every
     tensor decoded in one launch needs the same. table: the symbol table to
     use (needs k in [0, 7]; 2^k - 1 distinct symbols, one for k = 0), default
-    the most frequent symbols. Non-contiguous or non-CPU tensors are copied to
-    a contiguous CPU tensor first. Read the header of the result with
+    the most frequent symbols. A CUDA tensor is coded on its device (the
+    same integer ops: the same bytes; the result is a CUDA buffer unless
+    `out` is given); other non-CPU or non-contiguous tensors are copied to a
+    contiguous CPU tensor first. Read the header of the result with
     `read_header`. out: a 1-D contiguous uint8 CPU tensor not overlapping
     `tensor`; a coded tensor longer than it goes to a new buffer instead (the
     caller tells by `result.data_ptr() == out.data_ptr()`); its bytes are the
@@ -478,15 +489,18 @@ def encode(
                             or out.device.type != "cpu" or not out.is_contiguous()):
         raise TypeError(f"out must be a 1-D contiguous uint8 CPU tensor or None, got "
                         f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
-    elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.int16)
+    dev = tensor.device if tensor.device.type == "cuda" else torch.device("cpu")
+    elems = tensor.detach().to(dev).contiguous().reshape(-1).view(torch.int16)
     bf16, step = tensor.dtype == torch.bfloat16, _round_up(_CHUNK, tile)
-    code_step = _round_up(max(_CODE_CHUNK, tile), tile)
-    scratch = _Scratch(min(max(code_step, step), _round_up(elems.numel(), tile)))  # >= any chunk, padded or not
+    # on a GPU, fewer launches per byte: chunks as large as the whole tensor up to 64 Mi elements
+    code_step = _round_up(max(_CODE_CHUNK if dev.type == "cpu" else _DEVICE_CODE_CHUNK, tile), tile)
+    scratch = _Scratch(min(max(code_step, step), _round_up(elems.numel(), tile)), dev)  # >= any chunk
     sample = 4 if elems.numel() > 4 * step and table is None else 1
     kk, table, window = _choose(_histogram(elems, bf16, step, sample, scratch), k, table)
     if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
         kk, table, window = _choose(_histogram(elems, bf16, step, 1, scratch), k, None)
-    coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch)
+    coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch,
+                   torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index))
     lut = coder.lut() if 0 < kk < 8 and window is None else None
     for a in range(0, elems.numel(), code_step):
         coder.add(elems[a : a + code_step], lut)
@@ -495,15 +509,18 @@ def encode(
 
 def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None = None) -> torch.Tensor:
     """Lay a coded tensor out in one buffer (see the module docstring): the start of `into`
-    when it fits, else a new one."""
+    when it fits, else a new one (on the device the pieces were coded on; coded on a GPU
+    into a CPU `into`, the buffer is laid out there and copied into it)."""
     num_exc = sum(e.numel() for e in c.exc)
     head = _layout(dtype, c.k, c.table, n, c.tile, num_exc)
-    if into is not None and into.numel() >= head.nbytes:
+    dev = c.scratch.sym.device
+    fits = into is not None and into.numel() >= head.nbytes
+    if fits and into.device == dev:
         out = into[: head.nbytes]
     else:
-        out = torch.empty(head.nbytes, dtype=torch.uint8)
+        out = torch.empty(head.nbytes, dtype=torch.uint8, device=dev)
     hdr = head.pack()
-    out[: len(hdr)] = torch.frombuffer(bytearray(hdr), dtype=torch.uint8)
+    out[: len(hdr)] = torch.frombuffer(bytearray(hdr), dtype=torch.uint8).to(dev)
     out[len(hdr) : head.raw_off].zero_()
     if c.raw:
         torch.cat(c.raw, out=out[head.raw_off : head.raw_off + n])
@@ -511,11 +528,13 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None =
     codes = out[head.code_off : head.base_off]
     if c.codes:
         torch.cat([x.reshape(-1) for x in c.codes], out=codes)
-    bases = torch.cat(c.bases) if c.bases else torch.zeros(head.num_tiles, dtype=torch.int64)
+    bases = torch.cat(c.bases) if c.bases else torch.zeros(head.num_tiles, dtype=torch.int64, device=dev)
     out[head.base_off : head.exc_off] = bases.view(torch.uint8)
     if num_exc:
         torch.cat(c.exc, out=out[head.exc_off : head.exc_off + num_exc])
     out[head.exc_off + num_exc :].zero_()
+    if fits and into.device != dev:
+        return into[: head.nbytes].copy_(out)  # D2H of the coded bytes
     return out
 
 

@@ -481,3 +481,13 @@ def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
     src = CodedSource(layouts[:1], [[t for _, _, t in tensors[0]]], device="cpu", pin=False)
     assert _spans_equal(src.image(0), raw[0], layouts[0]) == []
     src.close()
+
+
+def test_encode_on_is_validated():
+    tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
+    objs = [[t for _, _, t in ts] for ts in tensors]
+    with pytest.raises(ValueError, match="encode_on='gpu' is not allowed; choose from: cpu, device"):
+        CodedSource(layouts, objs, device="cpu", pin=False, encode_on="gpu")
+    with pytest.raises(ValueError, match="encode_on='device' needs a CUDA device"):
+        CodedSource(layouts, objs, device="cpu", pin=False, encode_on="device")
+    assert all(t.numel() for t in objs[0])  # refused before anything was dropped

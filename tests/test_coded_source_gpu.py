@@ -119,9 +119,31 @@ def case_graphs_decode_reads_current_weights():
         assert torch.equal(first(plain(**x)), expected)
 
 
+def case_encode_on_device_same_bytes():
+    """CodedSource(encode_on="device"): blocks coded on the GPU store the CPU encoder's bytes,
+    and the streamed model stays bit-exact."""
+    import torch
+
+    from test_coded_source import _blocks
+    from weightstream.models import tiny_flux
+    from weightstream.offload.sources.coded import CodedSource
+
+    model = _student_t(tiny_flux(dtype=torch.bfloat16), torch)
+    tensors, layouts = _blocks(model)
+    objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
+    cpu = CodedSource(layouts, objs(), device="cuda", pin=False)
+    gpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="device")
+    for k in range(len(layouts)):
+        n = cpu.coded[k]
+        assert n == gpu.coded[k] and torch.equal(cpu.region(k)[:n], gpu.region(k)[:n]), layouts[k].name
+        assert cpu.tables[k].segments == gpu.tables[k].segments
+    cpu.close()
+    gpu.close()
+
+
 @pytest.mark.parametrize("name", [
     "case_eager_flux", "case_eager_wan_resident", "case_eager_big_flux_codes_below_raw", "case_graphs_flux",
-    "case_graphs_wan_resident", "case_graphs_decode_reads_current_weights",
+    "case_graphs_wan_resident", "case_graphs_decode_reads_current_weights", "case_encode_on_device_same_bytes",
 ])
 def test_coded_gpu(name):
     run_isolated(name)

@@ -64,6 +64,7 @@ from ..progress import Progress
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS"]
 
 CODECS = ("exp-k",)
+ENCODE_ON = ("cpu", "device")  # where CodedSource codes its blocks
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
 _NEVER = object()  # capture tag of an event never recorded
@@ -99,11 +100,13 @@ def coded_source(req) -> "CodedSource":
 
 
 def _span_bytes(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """The bytes of ``t``'s strided span as the block image holds them (uint8, CPU)."""
+    """The bytes of ``t``'s strided span as the block image holds them (uint8; on ``t``'s
+    device when that is CUDA: the encoder codes there, else on the CPU)."""
     t = t.detach()
-    if t.device.type == "cpu" and t.is_contiguous() and tuple(t.stride()) == spec.stride:
+    dev = t.device if t.device.type == "cuda" else torch.device("cpu")
+    if t.device == dev and t.is_contiguous() and tuple(t.stride()) == spec.stride:
         return t.reshape(-1).view(torch.uint8)
-    out = torch.zeros(spec.nbytes, dtype=torch.uint8)
+    out = torch.zeros(spec.nbytes, dtype=torch.uint8, device=dev)
     dataclasses.replace(spec, offset=0).view_of(out).copy_(t)
     return out
 
@@ -349,7 +352,15 @@ class CodedSource:
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
-                 encoded=None):
+                 encoded=None, encode_on: str = "cpu"):
+        """``encode_on``: "cpu" (worker threads) or "device" (a CUDA ``device``: each block is
+        copied there and coded with the same integer ops, the coded bytes copied back: the
+        same bytes; not measured on the H200 yet, so not the default)."""
+        if encode_on not in ENCODE_ON:
+            raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
+        if encode_on == "device" and canonical_device(device).type != "cuda":
+            raise ValueError(f"encode_on='device' needs a CUDA device, got device={device!r}; choose encode_on='cpu'")
+        self.encode_on = encode_on
         self.layouts = list(layouts)
         self.device = canonical_device(device)
         self.slot_bytes = max(lay.nbytes for lay in self.layouts)
@@ -429,7 +440,13 @@ class CodedSource:
             dropping(k)
 
         try:
-            if encoded is None and n < encode_workers():
+            if encoded is None and self.encode_on == "device":
+                for k in range(n):  # one block at a time on the GPU (H2D, code, D2H into the region)
+                    dev = [t.detach().to(self.device) for t in objs[k]]
+                    self._commit(k, *encode_into(self.region(k), self.layouts[k], dev), grow=True)
+                    del dev
+                    stored(k)
+            elif encoded is None and n < encode_workers():
                 for k in range(n):  # few large blocks (module offload's components): tensors in parallel
                     self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k]), grow=True)
                     stored(k)

@@ -586,3 +586,34 @@ def test_encoded_bytes_do_not_depend_on_the_code_chunk(case, monkeypatch):
     whole = _golden_blob(case, 1_500_000)
     monkeypatch.setattr(codec_mod, "_CODE_CHUNK", 3 * codec_mod.DEFAULT_TILE)
     assert torch.equal(_golden_blob(case, 1_500_000), whole)
+    x = {"bf16-lookup": lambda: _weightlike_bits(1_500_000),
+         "bf16-window": lambda: _weightlike_bits(1_500_000, window=7),
+         "fp16": lambda: _weightlike_bits(1_500_000, dtype=torch.float16)}[case]()
+    assert torch.equal(encode(x, _torch_index=True), whole)  # the torch escape path, chunk after chunk
+
+
+@pytest.mark.parametrize("case", ["bf16-lookup", "bf16-window", "fp16"])
+def test_torch_index_path_gives_the_golden_bytes(case):
+    """The escape indices found with torch ops (the path a CUDA tensor takes: nonzero,
+    searchsorted, indexing where the chunk lives) equal numpy's: the same golden bytes."""
+    import hashlib
+
+    x = {"bf16-lookup": lambda: _weightlike_bits(1_500_000),
+         "bf16-window": lambda: _weightlike_bits(1_500_000, window=7),
+         "fp16": lambda: _weightlike_bits(1_500_000, dtype=torch.float16)}[case]()
+    blob = encode(x, _torch_index=True)
+    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[(case, 1_500_000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numel", [1, 4095, 4097, 3_000_001])
+def test_encode_on_the_gpu_gives_the_cpu_bytes(numel):
+    """A CUDA tensor is coded on its device: the same bytes as the CPU encoder, into a CPU
+    `out` (D2H) or as a CUDA buffer."""
+    x = _weightlike_bits(numel)
+    want = encode(x)
+    on_gpu = encode(x.cuda())
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), want)
+    out = torch.zeros(want.numel() + 64, dtype=torch.uint8)
+    got = encode(x.cuda(), out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
