@@ -51,7 +51,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar|encgpu)$")
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -67,6 +67,7 @@ class ModeSpec:
     stage: bool | None = None                       # PinnedSource(stage=...) of the half-pinned modes
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
     coded_sidecar: str = "off"                      # offload_from_safetensors(coded_sidecar=...) of -mmap-coded
+    encode_on: str = "cpu"                          # CodedSource(encode_on=...) of -coded modes (-encgpu: "device")
 
     @property
     def builds_on_device(self) -> bool:
@@ -93,6 +94,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         compiled = False
         weight_fill = "normal"
         sidecar = "off"
+        encode_on = "cpu"
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
@@ -100,7 +102,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
-                                 "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote)")
+                                 "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
+                                 "encgpu (with coded: encode the blocks on the GPU)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -120,6 +123,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 weight_fill = CODED_FILL
             elif v == "sidecar":
                 sidecar = "read"
+            elif v == "encgpu":
+                encode_on = "device"
             else:
                 kw["cuda_graphs"] = "on"
         if source == "mmap" and "weight_codec" in kw:
@@ -129,8 +134,10 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             sidecar = "read" if sidecar == "read" else "write"
         elif sidecar != "off":
             raise ValueError(f"mode {name!r}: the sidecar variant needs -mmap-coded (a coded checkpoint source)")
+        if encode_on != "cpu" and ("weight_codec" not in kw or source != "memory"):
+            raise ValueError(f"mode {name!r}: the encgpu variant needs -coded from host memory (not -mmap)")
         return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
-                        weight_fill=weight_fill, coded_sidecar=sidecar)
+                        weight_fill=weight_fill, coded_sidecar=sidecar, encode_on=encode_on)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -283,6 +290,17 @@ def half_pinned_budget_gb(model: nn.Module) -> float:
     return total / 2 / 1e9
 
 
+def _encode_on_device(spec: ModeSpec, model: nn.Module, device: torch.device, record_events: bool):
+    """A -coded-encgpu mode's wrapper: the coded source codes its blocks on the GPU."""
+    from weightstream import OffloadedTransformer
+    from weightstream.offload.sources.coded import coded_source
+    from weightstream.offload.transformer import StreamedBlocks
+
+    cfg = weightstream_config(spec, record_events)
+    st = StreamedBlocks(model, cfg, device, None, source=lambda req: coded_source(req, encode_on=spec.encode_on))
+    return OffloadedTransformer(model, cfg, device=device, streamed=st), cfg
+
+
 def _half_pinned(spec: ModeSpec, model: nn.Module, device: torch.device, record_events: bool):
     """A half-pinned mode's wrapper: the budget, and the source staged (or not)."""
     import dataclasses
@@ -304,6 +322,8 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
 
     if spec.half_pinned:
         m, cfg = _half_pinned(spec, model, device, record_events)
+    elif spec.encode_on != "cpu":
+        m, cfg = _encode_on_device(spec, model, device, record_events)
     else:
         cfg = weightstream_config(spec, record_events)
         m = OffloadedTransformer(model, cfg, device=device)

@@ -24,6 +24,9 @@ def test_coded_modes_parse():
     assert parse_mode("layerwise-mmap-coded-sidecar", flux).coded_sidecar == "read"
     with pytest.raises(ValueError, match="sidecar variant needs -mmap-coded"):
         parse_mode("layerwise-coded-sidecar", flux)
+    assert parse_mode("layerwise-coded-encgpu", flux).encode_on == "device"
+    with pytest.raises(ValueError, match="encgpu variant needs -coded"):
+        parse_mode("layerwise-encgpu", flux)
     with pytest.raises(ValueError, match="coded"):
         parse_mode("layerwise-zip", flux)
 

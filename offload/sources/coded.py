@@ -83,8 +83,9 @@ def check_codec_supported(config, where: str) -> None:
             "there yet (only the pinned host source of layer mode decodes them); choose from: none")
 
 
-def coded_source(req) -> "CodedSource":
-    """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``."""
+def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
+    """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``
+    (``encode_on``: see :class:`CodedSource`)."""
     cfg = req.config
     if cfg.weight_codec not in CODECS:
         raise ValueError(f"weight_codec={cfg.weight_codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
@@ -92,7 +93,7 @@ def coded_source(req) -> "CodedSource":
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: _drop(ts, req.device),
+        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on,
     )
 
 
