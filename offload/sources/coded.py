@@ -423,8 +423,8 @@ class CodedSource:
         trim = malloc_trim()
 
         def dropping(k: int) -> None:
+            dropped.add(k)  # first: a drop that raises half way still gets its block given back
             drop(objs[k])  # the region is now the one host copy
-            dropped.add(k)
             trim()  # tensors below malloc's mmap threshold go back to the OS only when trimmed
 
         def stored(k: int) -> None:
