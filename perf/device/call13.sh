@@ -2,7 +2,7 @@
 # run (why 0.80 x against eager 0.75 x). WEIGHTSTREAM_COMMIT must be given. About 450 s.
 source perf/device/prefix.sh || exit $?
 T0=$SECONDS
-timeout ${CODEC_TIMEOUT:-120} python3 perf/bench_codec.py --sizes double tensor --fills student-t --tiles 4096 8192 16384 \
+timeout ${CODEC_TIMEOUT:-150} python3 perf/bench_codec.py --sizes double --fills student-t --tiles 4096 8192 16384 \
   --num-warps 8 16 4 --planes gather --search binary vector --table load regs --no-build --no-graph --out "$OUT" \
   > "$OUT/codec.log" 2>&1; echo "codec rc=$? at $((SECONDS-T0)) s"; grep -E "decode .* ms" "$OUT/codec.log" \
   | sed -E 's/ \(.*GB\/s DRAM\)//; s/; copy.*//' | sort -t= -k2 -rn | head -40
