@@ -51,7 +51,6 @@ def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: t
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    TABLE_IN_REGS: tl.constexpr,
 ):
     e0 = t * TILE
     offs = tl.arange(0, TILE)
@@ -78,18 +77,7 @@ def _decode_tile(
     base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
     rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
     exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-    if TABLE_IN_REGS:  # k <= 3: the table's <= 7 symbols as two int32 words, looked up by shifts
-        small = kv <= 3
-        b4 = tl.arange(0, 4)
-        small4 = (b4 * 0 + k) <= 3
-        lo = tl.sum(tl.load(src_ptr + table_abs + b4, mask=small4, other=0).to(tl.int32) << (8 * b4), axis=0)
-        hi = tl.sum(tl.load(src_ptr + table_abs + 4 + b4, mask=small4 & (b4 < 3), other=0).to(tl.int32)
-                    << (8 * b4), axis=0)
-        reg = tl.where(code < 4, lo >> (8 * (code & 3)), hi >> (8 * (code & 3))) & 0xFF
-        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask & (~small), other=0).to(tl.int32)
-        tab = tl.where(small, reg, tab)
-    else:
-        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
+    tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
     sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
 
     bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
@@ -112,24 +100,17 @@ def _decode_kernel(
     SEARCH_STEPS: tl.constexpr,
     DST_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
-    SEG_VEC: tl.constexpr,
-    TABLE_IN_REGS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
-    if SEG_VEC > 0:  # one load of every start (SEG_VEC >= num_segments + 1), count those <= pid
-        i = tl.arange(0, SEG_VEC)
-        starts = tl.load(table_ptr + i, mask=i <= num_segments, other=0x7FFFFFFFFFFFFFFF)
-        seg = tl.sum((starts <= pid).to(tl.int64), axis=0) - 1
-    else:  # binary search: SEARCH_STEPS dependent loads
-        lo = pid * 0
-        hi = lo + num_segments
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = tl.load(table_ptr + mid) <= pid
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
-        seg = lo
+    lo = pid * 0
+    hi = lo + num_segments
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(table_ptr + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seg = lo
     t = pid - tl.load(table_ptr + seg)
 
     rec = table_ptr + (num_segments + 1) + seg * _NUM_FIELDS
@@ -144,7 +125,7 @@ def _decode_kernel(
     split = tl.load(rec + 8)
     if (t + 1) * TILE <= numel:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, False, GATHER, TABLE_IN_REGS)
+                     split, t, TILE, DST_ALIGN, False, GATHER)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, True, GATHER, TABLE_IN_REGS)
+                     split, t, TILE, DST_ALIGN, True, GATHER)

@@ -136,10 +136,6 @@ VERSION = 1
 HEADER_BYTES = 80
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 8
-SEGMENT_SEARCHES = ("binary", "vector")  # how a decode program finds its tensor (DecodeTable)
-DEFAULT_SEGMENT_SEARCH = "binary"
-DEFAULT_TABLE_IN_REGISTERS = False  # k <= 3 tables looked up by shifts of two int32 words
-_MAX_SEG_VEC = 1024  # tile starts one program loads at once (segment_search="vector")
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
@@ -155,11 +151,6 @@ _DEVICE_CODE_CHUNK = 1 << 26  # elements per step when coding on a GPU (launch-b
 _HEADER = struct.Struct("<4sBBBBQIIQQQQQQQ")  # 80 bytes, see the module docstring
 if _HEADER.size != HEADER_BYTES:  # pragma: no cover - a layout bug in this file
     raise ImportError(f"codec header struct is {_HEADER.size} bytes, expected {HEADER_BYTES}")
-
-
-def triton_next_pow2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1), as triton.next_power_of_2 (not imported here)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _round_up(x: int, m: int) -> int:
@@ -603,8 +594,7 @@ class DecodeTable(PackedTable):
     """
 
     def __init__(
-        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        segment_search: str = DEFAULT_SEGMENT_SEARCH, table_in_registers: bool = DEFAULT_TABLE_IN_REGISTERS,
+        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -617,12 +607,6 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
-        if segment_search not in SEGMENT_SEARCHES:
-            raise ValueError(f"segment_search must be one of {SEGMENT_SEARCHES}, got {segment_search!r}")
-        self.segment_search = segment_search
-        if not isinstance(table_in_registers, bool):
-            raise TypeError(f"table_in_registers must be a bool, got {table_in_registers!r}")
-        self.table_in_registers = table_in_registers
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -642,16 +626,7 @@ class DecodeTable(PackedTable):
         self.dst_align = math.gcd(16, *(s.dst_offset for s in live)) // 2 if live else 8  # in elements
         self._host, self.num_tiles = _pack_records(live, self.tile)
         self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))
-        # "vector": every program loads all tile starts at once (one round trip instead of
-        # search_steps dependent ones) while they fit one vector; binary search beyond
-        fits = len(live) + 1 <= _MAX_SEG_VEC
-        self.seg_vec = triton_next_pow2(len(live) + 1) if segment_search == "vector" and fits else 0
         self._device: dict[torch.device, torch.Tensor] = {}
-
-    def options(self) -> dict:
-        """The launch options (they never change the decoded bytes), to rebuild a table alike."""
-        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes,
-                "segment_search": self.segment_search, "table_in_registers": self.table_in_registers}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -723,8 +698,6 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
-        SEG_VEC=table.seg_vec,
-        TABLE_IN_REGS=table.table_in_registers,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes

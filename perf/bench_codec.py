@@ -181,10 +181,10 @@ def _median_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
+def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) -> dict:
     from weightstream.kernels.codec import DecodeTable, decode
 
-    table = DecodeTable(table.segments, **options)
+    table = DecodeTable(table.segments, num_warps=num_warps, gather_planes=gather)
     src = buf.cuda()
     dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
     decode(src, dst, table)
@@ -195,7 +195,7 @@ def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
     n = table.decoded_nbytes
     ms = _median_ms(lambda: decode(src, dst, table))
     figs = {"step_ms": ms, "ms": ms, "gbps": n / ms / 1e6, "dram_gbps": (n + table.coded_nbytes) / ms / 1e6,
-            **table.options(), "tiles": table.num_tiles, "tensors": table.num_segments}
+            "num_warps": num_warps, "gather_planes": gather, "tiles": table.num_tiles, "tensors": table.num_segments}
     if graph:
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -209,21 +209,6 @@ def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
         figs["graph_gbps"] = n / figs["graph_ms"] / 1e6
         del g
     return figs
-
-
-def _variants(name: str, args):
-    """(mode name, DecodeTable launch options) for every combination of the swept options; a
-    mode name carries a suffix for each option that is not its list's first choice."""
-    for table in args.table:
-        for search in args.search:
-            for planes in args.planes:
-                for warps in args.num_warps:
-                    mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
-                    mode += "" if planes == args.planes[0] else f"-{planes}"
-                    mode += "" if search == args.search[0] else f"-{search}"
-                    mode += "" if table == args.table[0] else f"-tab{table}"
-                    yield mode, {"num_warps": warps, "gather_planes": planes == "gather",
-                                 "segment_search": search, "table_in_registers": table == "regs"}
 
 
 def copy_ms(nbytes: int) -> float:
@@ -257,8 +242,11 @@ def run(args) -> dict:
                     copy = copy_ms(figs["raw_bytes"])
                     modes[f"copy-{size}"] = {"step_ms": copy, "ms": copy, "gbps": figs["raw_bytes"] / copy / 1e6,
                                              "bytes": figs["raw_bytes"]}
-                for vi, (mode, options) in enumerate(_variants(name, args)):
-                    g = gpu_figures(tensors, buf, table, options, graph=args.graph and vi == 0)
+                variants = [(w, v) for v in args.planes for w in args.num_warps]
+                for vi, (warps, planes) in enumerate(variants):
+                    mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+                    mode += "" if planes == args.planes[0] else f"-{planes}"
+                    g = gpu_figures(tensors, buf, table, warps, planes == "gather", graph=args.graph and vi == 0)
                     modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs}
                     gr = f", graph {g['graph_gbps']:.1f} GB/s" if "graph_gbps" in g else ""
                     print(f"  [{mode}] decode {g['ms']:.3f} ms = {g['gbps']:.1f} GB/s decoded "
@@ -286,8 +274,7 @@ def run_build(args) -> dict:
 
 def main(argv=None) -> int:
     from weightstream.fills import FILLS
-    from weightstream.kernels.codec import (DEFAULT_NUM_WARPS, DEFAULT_SEGMENT_SEARCH, DEFAULT_TABLE_IN_REGISTERS,
-                                            DEFAULT_TILE, SEGMENT_SEARCHES)
+    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_TILE
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],
@@ -299,11 +286,6 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
                    help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
-    p.add_argument("--search", nargs="+", choices=list(SEGMENT_SEARCHES), default=[DEFAULT_SEGMENT_SEARCH],
-                   help="how a decode program finds its tensor (first = the mode without suffix)")
-    p.add_argument("--table", nargs="+", choices=["load", "regs"],
-                   default=["regs" if DEFAULT_TABLE_IN_REGISTERS else "load"],
-                   help="k <= 3 symbol tables loaded per element or held in registers")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",

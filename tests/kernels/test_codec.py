@@ -253,18 +253,6 @@ def test_mixed_block_one_launch():
     out = _kernel_vs_reference(torch.cat(blobs), table)
     gathered = _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, gather_planes=False, num_warps=2))
     assert torch.equal(gathered, out)
-    for search, regs in [("vector", False), ("binary", True), ("vector", True)]:
-        other = DecodeTable(segs, segment_search=search, table_in_registers=regs)
-        assert other.options()["segment_search"] == search and other.options()["table_in_registers"] == regs
-        assert (other.seg_vec == 16) == (search == "vector")  # 10 tensors + 1 start -> 16 lanes
-        assert torch.equal(_kernel_vs_reference(torch.cat(blobs), other), out), (search, regs)
-
-
-def test_launch_options_validated():
-    with pytest.raises(ValueError, match="segment_search must be one of"):
-        DecodeTable([], segment_search="linear")
-    with pytest.raises(TypeError, match="table_in_registers must be a bool"):
-        DecodeTable([], table_in_registers=1)
 
 
 def test_encode_block_layout():
