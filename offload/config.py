@@ -32,8 +32,6 @@ CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 # "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py)
 WEIGHT_CODECS = ("none", "exp-k")
-# "high": OffloadedTransformer runs eager forwards on a high-priority stream (transformer.py)
-COMPUTE_PRIORITIES = ("default", "high")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
@@ -258,15 +256,6 @@ class OffloadConfig:
         stored coded; an arrival copies the coded bytes H2D and decodes them
         into the component's device buffer (VAEs once, at setup). Not with the
         mmap source (offload_from_safetensors) of layer mode.
-    compute_priority: "default" | "high". "high": an OffloadedTransformer
-        runs each eager forward on a high-priority CUDA stream of its device
-        (it waits for the caller's current stream on entry and the caller's
-        stream waits for it on return; outputs are recorded on the caller's
-        stream), so the GPU's block scheduler dispatches the model's kernels
-        ahead of the side streams' decode (weight_codec) and gather kernels,
-        which then fill the gaps instead of delaying compute. Same results;
-        eager layer mode on CUDA only (not with cuda_graphs="on", not for
-        apply_layerwise_offload, which has no forward of its own).
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -292,7 +281,6 @@ class OffloadConfig:
     dlo_timeout_s: float = 60.0
     dlo_verify_weights: bool = True
     weight_codec: str = "none"
-    compute_priority: str = "default"
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
@@ -308,7 +296,6 @@ class OffloadConfig:
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         _check_choice("graph_boundary_loads", self.graph_boundary_loads, GRAPH_BOUNDARY_LOADS)
         _check_choice("weight_codec", self.weight_codec, WEIGHT_CODECS)
-        _check_choice("compute_priority", self.compute_priority, COMPUTE_PRIORITIES)
         _check_int("num_slots", self.num_slots, 2)
         for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
             object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
@@ -331,10 +318,6 @@ class OffloadConfig:
                               "starts with its step (behind the resident blocks); choose: in-graph")
         if self.weight_codec != "none":
             self._check_codec()
-        if self.compute_priority == "high" and (self.cuda_graphs == "on" or self.mode == "module"):
-            raise _reject("compute_priority", "high",
-                          "a high-priority compute stream applies to eager layer-mode forwards only "
-                          f"(got cuda_graphs={self.cuda_graphs!r}, mode={self.mode!r}); choose from: default")
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
             if opts.resident_layers == RESIDENT_AUTO and self.cuda_graphs == "on":

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan
@@ -97,40 +96,6 @@ class GraphForward:
         return f"GraphForward({self.name}, graphs={len(self.runner.graphs)})"
 
 
-def _check_priority(config, device: torch.device, intercept: bool) -> None:
-    if config.compute_priority == "default":
-        return
-    if intercept:
-        raise ValueError("compute_priority='high' needs OffloadedTransformer (its forward switches streams); "
-                         "apply_layerwise_offload leaves the forward to the module: choose from: default")
-    if device.type != "cuda":
-        raise ValueError(f"compute_priority='high' needs a CUDA device, got device={device}; choose from: default")
-
-
-def _priority_stream(config, device: torch.device):
-    """The high-priority compute stream of ``compute_priority='high'`` (None otherwise)."""
-    if config.compute_priority != "high":
-        return None
-    return torch.cuda.Stream(device=device, priority=-1)  # lower is higher; side streams run at 0
-
-
-def _on_stream(stream, module, args, kwargs):
-    """``module(*args, **kwargs)`` on ``stream``: it waits for the caller's stream first, the
-    caller's stream waits for it after, and every output tensor is recorded on the caller's
-    stream (their memory came from ``stream``'s pool)."""
-    caller = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(caller)
-    try:
-        with torch.cuda.stream(stream):
-            out = module(*args, **kwargs)
-    finally:
-        caller.wait_stream(stream)  # a forward that raised part-way is ordered too
-    for t in pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-            t.record_stream(caller)
-    return out
-
-
 class LayerwiseOffloadHandle:
     """Layerwise streaming installed on a module in place (its class is kept).
 
@@ -154,7 +119,6 @@ class LayerwiseOffloadHandle:
         self.config = layer_config(config, who)
         self.module = module
         self.device = resolve_device(device)
-        _check_priority(self.config, self.device, intercept)
         self.streamed = build_streamed_blocks(module, self.config, self.device, plan, parallel, streamed)
         self.graphs = self.forward_override = None
         if self.config.cuda_graphs == "on":
@@ -280,7 +244,6 @@ class OffloadedTransformer(nn.Module):
         self._device = handle.device
         self._streamed = handle.streamed
         self._graphs = handle.graphs
-        self._compute_stream = _priority_stream(handle.config, handle.device)
         # on the wrapped module itself: save_pretrained and parents reach it without the wrapper
         self.state_dict_hook = handle.state_dict_hook
         self._disabled = False
@@ -304,8 +267,6 @@ class OffloadedTransformer(nn.Module):
         try:
             if self._graphs is not None:
                 return self._graphs(args, kwargs)
-            if self._compute_stream is not None:
-                return _on_stream(self._compute_stream, self.module, args, kwargs)
             return self.module(*args, **kwargs)
         except Exception as e:
             named = explain_failure(e, self._streamed)
@@ -415,7 +376,7 @@ class OffloadedTransformer(nn.Module):
 
     def stats(self) -> dict:
         self._check_live()
-        return {**self._streamed.stats(), "compute_priority": self.offload_config.compute_priority}
+        return self._streamed.stats()
 
     def events(self) -> list[dict]:
         """Per-block copy/compute intervals (needs ``record_events=True``); synchronises."""

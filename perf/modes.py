@@ -17,9 +17,7 @@
   `streamed_bytes` stays the RAW bytes: ratio_to_floor is against the
   uncoded floor (raw streamed bytes / best H2D of the run), so a coded mode
   below 1.0 beats what any uncoded stream can do. `coded_bytes` and
-  `bits_per_weight` come from the source's stats. `-hiprio` adds
-  `compute_priority="high"` (the forward on a high-priority stream, so decode
-  and gather kernels fill the gaps of compute instead of delaying it).
+  `bits_per_weight` come from the source's stats.
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -53,7 +51,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar|encgpu|hiprio)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar|encgpu)$")
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -105,8 +103,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
-                                 "encgpu (with coded: encode the blocks on the GPU), "
-                                 "hiprio (compute_priority='high')")
+                                 "encgpu (with coded: encode the blocks on the GPU)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -128,8 +125,6 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 sidecar = "read"
             elif v == "encgpu":
                 encode_on = "device"
-            elif v == "hiprio":
-                kw["compute_priority"] = "high"
             else:
                 kw["cuda_graphs"] = "on"
         if source == "mmap" and "weight_codec" in kw:
