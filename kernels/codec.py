@@ -136,6 +136,8 @@ VERSION = 1
 HEADER_BYTES = 80
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 8
+# the tile's escape base and a k <= 3 table as int64 / int32 scalar loads (no vector load + reduction)
+DEFAULT_SCALAR_LOADS = False
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
@@ -594,7 +596,8 @@ class DecodeTable(PackedTable):
     """
 
     def __init__(
-        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True
+        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
+        scalar_loads: bool = DEFAULT_SCALAR_LOADS,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -607,6 +610,9 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
+        if not isinstance(scalar_loads, bool):
+            raise TypeError(f"scalar_loads must be a bool, got {scalar_loads!r}")
+        self.scalar_loads = scalar_loads
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -627,6 +633,10 @@ class DecodeTable(PackedTable):
         self._host, self.num_tiles = _pack_records(live, self.tile)
         self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))
         self._device: dict[torch.device, torch.Tensor] = {}
+
+    def options(self) -> dict:
+        """The launch options (they never change the decoded bytes), to build a table alike."""
+        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "scalar_loads": self.scalar_loads}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -698,6 +708,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
+        SCALAR_LOADS=table.scalar_loads,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes

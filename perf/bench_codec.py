@@ -181,10 +181,10 @@ def _median_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) -> dict:
+def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
     from weightstream.kernels.codec import DecodeTable, decode
 
-    table = DecodeTable(table.segments, num_warps=num_warps, gather_planes=gather)
+    table = DecodeTable(table.segments, **options)
     src = buf.cuda()
     dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
     decode(src, dst, table)
@@ -195,7 +195,7 @@ def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) 
     n = table.decoded_nbytes
     ms = _median_ms(lambda: decode(src, dst, table))
     figs = {"step_ms": ms, "ms": ms, "gbps": n / ms / 1e6, "dram_gbps": (n + table.coded_nbytes) / ms / 1e6,
-            "num_warps": num_warps, "gather_planes": gather, "tiles": table.num_tiles, "tensors": table.num_segments}
+            **table.options(), "tiles": table.num_tiles, "tensors": table.num_segments}
     if graph:
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -209,6 +209,18 @@ def gpu_figures(tensors, buf, table, num_warps: int, gather: bool, graph: bool) 
         figs["graph_gbps"] = n / figs["graph_ms"] / 1e6
         del g
     return figs
+
+
+def _variants(name: str, args):
+    """(mode name, DecodeTable launch options) for every combination of the swept options; a
+    mode name carries a suffix for each option that is not its list's first choice."""
+    for loads in args.loads:
+        for planes in args.planes:
+            for warps in args.num_warps:
+                mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+                mode += "" if planes == args.planes[0] else f"-{planes}"
+                mode += "" if loads == args.loads[0] else f"-{loads}"
+                yield mode, {"num_warps": warps, "gather_planes": planes == "gather", "scalar_loads": loads == "scalar"}
 
 
 def copy_ms(nbytes: int) -> float:
@@ -242,11 +254,8 @@ def run(args) -> dict:
                     copy = copy_ms(figs["raw_bytes"])
                     modes[f"copy-{size}"] = {"step_ms": copy, "ms": copy, "gbps": figs["raw_bytes"] / copy / 1e6,
                                              "bytes": figs["raw_bytes"]}
-                variants = [(w, v) for v in args.planes for w in args.num_warps]
-                for vi, (warps, planes) in enumerate(variants):
-                    mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
-                    mode += "" if planes == args.planes[0] else f"-{planes}"
-                    g = gpu_figures(tensors, buf, table, warps, planes == "gather", graph=args.graph and vi == 0)
+                for vi, (mode, options) in enumerate(_variants(name, args)):
+                    g = gpu_figures(tensors, buf, table, options, graph=args.graph and vi == 0)
                     modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs}
                     gr = f", graph {g['graph_gbps']:.1f} GB/s" if "graph_gbps" in g else ""
                     print(f"  [{mode}] decode {g['ms']:.3f} ms = {g['gbps']:.1f} GB/s decoded "
@@ -274,7 +283,7 @@ def run_build(args) -> dict:
 
 def main(argv=None) -> int:
     from weightstream.fills import FILLS
-    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_TILE
+    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_SCALAR_LOADS, DEFAULT_TILE
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],
@@ -286,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
                    help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
+    p.add_argument("--loads", nargs="+", choices=["vector", "scalar"],
+                   default=["scalar" if DEFAULT_SCALAR_LOADS else "vector"],
+                   help="a tile's escape base and small table: vector loads + reduction, or scalar loads")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",

@@ -619,7 +619,7 @@ class CodedSource:
         out, at = [], 0
         for group in groups:
             end = max((sg.src_end for sg in group), default=at)
-            out.append((at, end, DecodeTable(group, num_warps=table.num_warps, gather_planes=table.gather_planes)))
+            out.append((at, end, DecodeTable(group, **table.options())))
             at = end
         self._runs[k] = (table, run_bytes, out)
         return out

@@ -253,6 +253,11 @@ def test_mixed_block_one_launch():
     out = _kernel_vs_reference(torch.cat(blobs), table)
     gathered = _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, gather_planes=False, num_warps=2))
     assert torch.equal(gathered, out)
+    scalar = DecodeTable(segs, scalar_loads=not DecodeTable(segs).scalar_loads)  # the other load path
+    assert scalar.options()["scalar_loads"] != DecodeTable(segs).options()["scalar_loads"]
+    assert torch.equal(_kernel_vs_reference(torch.cat(blobs), scalar), out)
+    with pytest.raises(TypeError, match="scalar_loads must be a bool"):
+        DecodeTable(segs, scalar_loads=1)
 
 
 def test_encode_block_layout():
