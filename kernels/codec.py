@@ -95,8 +95,8 @@ Version 2 (two levels; `HEADER2_BYTES` = 96 bytes, then the table). The
     24      8   num_exceptions: level-2 escapes (bytes of the exc stream)
     56      8   exc_off: the level-2 exception bytes
     72      8   num_escapes: level-1 escapes (= level-2 codes)
-    80      8   code2_off \ byte offsets of the level-2 code and base streams
-    88      8   base2_off /
+    80      8   code2_off: byte offset of the level-2 code stream
+    88      8   base2_off: byte offset of the level-2 base stream
     96      table_len bytes; zero padding to 16
 
 Streams: raw, code and base as in version 1 (code holds the k-bit level-1
