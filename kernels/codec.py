@@ -717,16 +717,21 @@ def _check_levels_args(levels, k2, table) -> None:
 
 
 def _pack_bits(vals: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
-    """uint8 values of `width` bits packed densely, value r at bits [r * width, (r + 1) * width)
-    (bit b of the stream = bit b % 8 of byte b // 8), zero-padded to `nbytes` bytes."""
-    bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=vals.device)
-    if vals.numel():
-        shifts = torch.arange(width, dtype=torch.uint8, device=vals.device)
-        bits[: vals.numel() * width] = ((vals.reshape(-1, 1) >> shifts) & 1).reshape(-1)
-    bits = bits.view(nbytes, 8)
-    out = bits[:, 0].clone()
-    for b in range(1, 8):
-        out.bitwise_or_(bits[:, b] << b)
+    """uint8 values of `width` (<= 7) bits packed densely, value r at bits [r * width, (r + 1) * width)
+    (bit b of the stream = bit b % 8 of byte b // 8), zero-padded to `nbytes` bytes. Eight values
+    fill `width` bytes exactly: each group of eight is joined in an int64 and its low `width`
+    bytes are kept (little-endian, as every target of this package is)."""
+    groups = -(-vals.numel() // 8)
+    v = torch.zeros(groups * 8, dtype=torch.uint8, device=vals.device)
+    v[: vals.numel()] = vals
+    v = v.view(groups, 8)
+    acc = torch.empty(groups, dtype=torch.int64, device=vals.device).copy_(v[:, 0])  # stride 1 (a view below)
+    for j in range(1, 8):
+        acc.bitwise_or_(v[:, j].to(torch.int64).bitwise_left_shift_(j * width))
+    packed = acc.view(torch.uint8).view(groups, 8)[:, :width].reshape(-1)  # zeros past the last value
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=vals.device)
+    n = min(nbytes, packed.numel())
+    out[:n] = packed[:n]
     return out
 
 

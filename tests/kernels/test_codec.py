@@ -915,3 +915,20 @@ def test_gpu_v2_encode_on_the_gpu_gives_the_cpu_bytes(numel):
     want = encode(x, levels=2)
     assert numel == 1 or read_header(want).version == 2
     assert torch.equal(encode(x.cuda(), levels=2).cpu(), want)
+
+
+def test_bench_codec_reports_both_codecs():
+    """perf/bench_codec.py --codec exp-k exp-k2: the figures of each (CPU part), -k2 modes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from perf import bench_codec
+
+    tensors = [fill("student-t", (512, 3072), generator=torch.Generator().manual_seed(2))]
+    _, t1, one = bench_codec.encode_stats(tensors, DEFAULT_TILE, threaded=False, codec="exp-k")
+    _, t2, two = bench_codec.encode_stats(tensors, DEFAULT_TILE, threaded=False, codec="exp-k2")
+    assert (one["k"], one["k2"], two["k"], two["k2"]) == ([3], [0], [2], [3])
+    assert two["coded_bytes"] < one["coded_bytes"] and two["bits_per_weight"] < 11.0 < one["bits_per_weight"]
+    assert two["exception_fraction"] < one["exception_fraction"] < two["escape_fraction"]
+    assert t2.segments[0].header.version == 2 and bench_codec.CODEC_SUFFIX == {"exp-k": "", "exp-k2": "-k2"}
