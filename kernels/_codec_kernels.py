@@ -72,7 +72,7 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
     table_abs = tl.load(rec + 4)
     code2_abs = tl.load(rec + 10)
     base2_abs = tl.load(rec + 11)
-    bit = esc_index * k2
+    bit = tl.where(is_esc, esc_index, 0) * k2  # >= 0 on every lane: no negative shift where nothing escapes
     at = src_ptr + code2_abs + bit // 8
     lo = tl.load(at, mask=is_esc, other=0).to(tl.int32)
     hi = tl.load(at + 1, mask=is_esc, other=0).to(tl.int32)

@@ -291,8 +291,12 @@ def _codec_differs(parallel, rank, other=None):
     """Rank 1 without the codec (or with ``other``): both ranks are told at setup (no gather
     of mismatched sizes)."""
     model, _ = _model("toy")
-    cfg = _coded_cfg() if rank == 0 else (
-        OffloadConfig.layerwise(weight_transfer="allgather", progress=False) if other is None else _coded_cfg(codec=other))
+    if rank == 0:
+        cfg = _coded_cfg()
+    elif other is None:
+        cfg = OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    else:
+        cfg = _coded_cfg(codec=other)
     try:
         OffloadedTransformer(model, cfg, device="cpu", parallel=parallel)
     except ValueError as e:
