@@ -1,7 +1,6 @@
 """weight_codec='exp-k' (and 'exp-k2': the *_k2 cases) on the device: H2D of coded bytes + Triton
-decode on the copy stream,
-bit-exact against the resident model, CUDA graphs off and on (the decode captured inside
-the step's graph), each case in its own process (pytest -m gpu)."""
+decode on the copy stream, bit-exact against the resident model, CUDA graphs off and on (the
+decode captured inside the step's graph), each case in its own process (pytest -m gpu)."""
 import os
 import subprocess
 import sys
