@@ -8,7 +8,11 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
 3. loads its tile's raw bytes and code bit planes (contiguous bytes),
 4. marks escapes, ranks them with a prefix sum plus the tile's stored base,
    and reads their symbols from the exception stream; other codes index the
-   tensor's table (k = 8: the code is the symbol),
+   tensor's table (k = 8: the code is the symbol). Version-2 tensors (k2 > 0,
+   a runtime branch: version 1 runs the same instructions as before) read each
+   escape's k2-bit level-2 code at bit rank * k2 of the level-2 code stream,
+   rank the level-2 escapes with a second prefix sum plus the tile's level-2
+   base and read those from the exception stream (`_level2`),
 5. joins symbol and raw byte into the 16-bit element and stores it.
 
 Payload is handled as integers only, so decoding is exact on raw bits.
@@ -19,7 +23,7 @@ import triton
 import triton.language as tl
 
 # int64 fields per segment record; must match `codec._pack_records`.
-_NUM_FIELDS = tl.constexpr(9)
+_NUM_FIELDS = tl.constexpr(12)
 
 
 @triton.jit
@@ -48,8 +52,40 @@ def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: t
 
 
 @triton.jit
+def _tile_base(src_ptr, base_abs, t):
+    """Entry t of an int64 (little-endian) base stream: one scalar load (streams are 16-byte aligned)."""
+    return tl.load((src_ptr + base_abs + 8 * t).to(tl.pointer_type(tl.int64)))
+
+
+@triton.jit
+def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
+    """Version 2: the symbols of a tile's level-1 escapes ([TILE] int32, 0 elsewhere).
+
+    `esc_index`: each escape's index in the tensor's escape order; its level-2 code is the
+    k2 bits at bit esc_index * k2 of the level-2 code stream (read as two bytes: the stream
+    has one byte of padding past its last code). Code 2^k2 - 1 escapes again: the symbol is
+    the next level-2 exception byte (ranked by a prefix sum plus the tile's level-2 base);
+    other codes index the level-2 table (after the 2^k - 1 level-1 entries)."""
+    exc_abs = tl.load(rec + 3)
+    table_abs = tl.load(rec + 4)
+    code2_abs = tl.load(rec + 10)
+    base2_abs = tl.load(rec + 11)
+    bit = tl.where(is_esc, esc_index, 0) * k2  # >= 0 on every lane: no negative shift where nothing escapes
+    at = src_ptr + code2_abs + bit // 8
+    lo = tl.load(at, mask=is_esc, other=0).to(tl.int32)
+    hi = tl.load(at + 1, mask=is_esc, other=0).to(tl.int32)
+    code2 = ((lo | (hi << 8)) >> (bit % 8).to(tl.int32)) & ((1 << k2) - 1).to(tl.int32)
+    is_esc2 = is_esc & (code2 == ((1 << k2) - 1).to(tl.int32))
+    rank2 = tl.cumsum(is_esc2.to(tl.int32), axis=0)
+    base2 = _tile_base(src_ptr, base2_abs, t)
+    exc = tl.load(src_ptr + exc_abs + base2 + rank2 - 1, mask=is_esc2, other=0).to(tl.int32)
+    tab = tl.load(src_ptr + table_abs + ((1 << k) - 1) + code2, mask=is_esc & (~is_esc2), other=0).to(tl.int32)
+    return tl.where(is_esc2, exc, tab)
+
+
+@triton.jit
 def _decode_tile(
-    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t,
+    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
     SCALAR_LOADS: tl.constexpr,
 ):
@@ -80,8 +116,12 @@ def _decode_tile(
         base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + k) < 8, other=0).to(tl.int64)
         base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
     rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
-    exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-    if SCALAR_LOADS:  # k <= 3: the <= 7 table bytes as two int32 scalars (16-byte aligned, padded), shifted
+    k2 = tl.load(rec + 9)  # version 2: level-2 code bits (0: one level)
+    if k2 > 0:
+        exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
+    else:
+        exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
+    if SCALAR_LOADS:  # k <= 3: the <= 7 level-1 table bytes as two int32 scalars (16-byte aligned, padded)
         words = (src_ptr + table_abs).to(tl.pointer_type(tl.int32))
         lo = tl.load(words, mask=k <= 3, other=0)
         hi = tl.load(words + 1, mask=k <= 3, other=0)
@@ -139,7 +179,7 @@ def _decode_kernel(
     split = tl.load(rec + 8)
     if (t + 1) * TILE <= numel:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, False, GATHER, SCALAR_LOADS)
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, SCALAR_LOADS)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, TILE, DST_ALIGN, True, GATHER, SCALAR_LOADS)
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, SCALAR_LOADS)

@@ -34,6 +34,18 @@ So a coded element costs 8 + k bits plus 8 bits per escape. On bf16 weights
 k = 3 wins: 0.69 (uniform init), 0.70 (Gaussian), 0.71 (Student-t df=4) of
 the raw bytes, against an exponent-entropy bound of 0.64 / 0.66 / 0.67.
 
+Two levels (version 2, `encode(..., levels=2)`, codec "exp-k2"): the escapes
+of a level-1 code with `k` bits (1 <= k <= 7) are coded again, each with `k2`
+bits (1 <= k2 <= 7) against a second table of the `2^k2 - 1` symbols that
+follow the level-1 ones in frequency; the level-2 code `2^k2 - 1` escapes to
+a raw exception byte. An element costs 8 + k bits, plus k2 bits per level-1
+escape, plus 8 bits per level-2 escape (and 8 bytes per tile for a second
+base stream). The encoder picks (k, k2) from the same histogram, one-level
+codes included: when none of the two-level ones is smaller, `levels=2` writes
+the version-1 bytes. On Student-t bf16 weights (k, k2) = (2, 3) wins:
+10.98-11.06 bits per weight (0.686-0.691 of the bytes, depending on where the
+tensor's scale falls between powers of two; 11.31-11.35 with one level).
+
 Coded tensor format (one flat uint8 buffer, little-endian, 16-byte aligned
 streams, total length a multiple of 16)
 ------------------------------------------------------------------------
@@ -72,6 +84,39 @@ base (num_tiles int64): escapes before each tile (the tile's first index
      sum over its escape mask.
 exc  (num_exceptions bytes): the escaped symbols in element order.
 
+Version 2 (two levels; `HEADER2_BYTES` = 96 bytes, then the table). The
+80 bytes above with these fields changed or used, then two more:
+
+     4      1   version (2)
+     6      1   k (level-1 bits, 1..7)
+     7      1   table_len = (2^k - 1) + (2^k2 - 1): the level-1 symbols, then
+                the level-2 ones (level-2 code j means table[2^k - 1 + j])
+    20      4   k2 (level-2 bits, 1..7)
+    24      8   num_exceptions: level-2 escapes (bytes of the exc stream)
+    56      8   exc_off: the level-2 exception bytes
+    72      8   num_escapes: level-1 escapes (= level-2 codes)
+    80      8   code2_off: byte offset of the level-2 code stream
+    88      8   base2_off: byte offset of the level-2 base stream
+    96      table_len bytes; zero padding to 16
+
+Streams: raw, code and base as in version 1 (code holds the k-bit level-1
+codes, base the level-1 escapes before each tile), then
+
+code2 (ceil(num_escapes * k2 / 8) + 1 bytes, 16-byte aligned): the k2-bit
+      level-2 code of every level-1 escape in escape (= element) order,
+      packed densely: escape r's code is the bits [r * k2, (r + 1) * k2) of
+      the stream, bit b being bit b % 8 of byte b // 8; then one zero byte,
+      so a two-byte read at any code's first byte stays inside the stream.
+base2 (num_tiles int64, 16-byte aligned): level-2 escapes before each tile
+      (the tile's first index into the exception stream).
+exc   (num_exceptions bytes): the symbols of the level-2 escapes, in
+      element order.
+
+A tile decodes on its own: the prefix sum of its level-1 escape mask plus
+its base gives each escape's index r (its code2 position), the prefix sum
+of its level-2 escape mask plus its base2 gives each level-2 escape's
+exception byte.
+
 `coded_bytes` (= `CodedHeader.nbytes`) and `bits_per_weight`
 (= 8 * coded_bytes / numel) describe a coded tensor; `encode_block` lays
 several coded tensors out in one buffer at 16-byte aligned offsets and returns
@@ -94,13 +139,17 @@ Decode (`decode(src, dst, table)`): a program decodes one tile of one tensor:
 it finds its tensor by binary search over the table's tile prefix sums, loads
 the raw bytes and code planes of its tile (contiguous), marks escapes, takes a
 prefix sum (`tl.cumsum`) of the escape mask plus the tile's base to index the
-exception stream, looks up the table, and stores 16-bit elements. No host
+exception stream (version 2: the level-2 codes, and a second prefix sum of
+the level-2 escapes plus the tile's base2 for theirs; a runtime branch on k2,
+so version-1 tensors run the one-level instructions), looks up the table,
+and stores 16-bit elements. No host
 sync, no allocation, fixed launch configuration, no autotune: capturable in a
 CUDA graph after `table.upload(device)` and one eager call. Traffic per
 element: ~1.4 bytes read (raw, codes, escapes) and 2 written.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -119,6 +168,8 @@ __all__ = [
     "DEFAULT_TILE",
     "DEFAULT_NUM_WARPS",
     "HEADER_BYTES",
+    "HEADER2_BYTES",
+    "LEVELS",
     "MIN_TILE",
     "MAX_TILE",
     "encode",
@@ -132,8 +183,12 @@ __all__ = [
 ]
 
 MAGIC = b"WSC1"
-VERSION = 1
+VERSION = 1  # the one-level code ("exp-k"); version 2 is the two-level one ("exp-k2", VERSION2)
+VERSION2 = 2
+VERSIONS = (VERSION, VERSION2)
+LEVELS = (1, 2)  # encode(levels=...): 1 writes version 1, 2 the smaller of version 2 and version 1
 HEADER_BYTES = 80
+HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 8
 # the tile's escape base and a k <= 3 table as int64 / int32 scalar loads (no vector load + reduction)
@@ -151,8 +206,10 @@ _CODE_CHUNK = 1 << 21  # elements coded per step: any multiple of the tile gives
 # then); 2 Mi keeps a worker's scratch ~12 MB (tests/test_pack_rss.py counts it)
 _DEVICE_CODE_CHUNK = 1 << 26  # elements per step when coding on a GPU (launch-bound, not memory-bound)
 _HEADER = struct.Struct("<4sBBBBQIIQQQQQQQ")  # 80 bytes, see the module docstring
-if _HEADER.size != HEADER_BYTES:  # pragma: no cover - a layout bug in this file
-    raise ImportError(f"codec header struct is {_HEADER.size} bytes, expected {HEADER_BYTES}")
+_HEADER2 = struct.Struct("<QQ")  # version 2: code2_off, base2_off (after the 80 bytes of _HEADER)
+if _HEADER.size != HEADER_BYTES or _HEADER.size + _HEADER2.size != HEADER2_BYTES:  # pragma: no cover
+    raise ImportError(f"codec header structs are {_HEADER.size} + {_HEADER2.size} bytes, expected "
+                      f"{HEADER_BYTES} + {HEADER2_BYTES - HEADER_BYTES}")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -180,7 +237,12 @@ def _check_tile(tile) -> None:
 
 @dataclass(frozen=True)
 class CodedHeader:
-    """The parsed header of one coded tensor (offsets relative to its start)."""
+    """The parsed header of one coded tensor (offsets relative to its start).
+
+    Version 2 (two levels, k2 >= 1): `table` holds the 2^k - 1 level-1 symbols then the
+    2^k2 - 1 level-2 ones, `num_escapes` counts the level-1 escapes (= level-2 codes),
+    `num_exceptions` and `exc_off` are the level-2 exception bytes; version 1 leaves
+    k2, num_escapes, code2_off and base2_off at 0."""
 
     dtype: torch.dtype
     k: int
@@ -193,10 +255,20 @@ class CodedHeader:
     base_off: int
     exc_off: int
     nbytes: int
+    version: int = VERSION
+    k2: int = 0
+    num_escapes: int = 0
+    code2_off: int = 0
+    base2_off: int = 0
 
     @property
     def num_tiles(self) -> int:
         return -(-self.numel // self.tile)
+
+    @property
+    def table_off(self) -> int:
+        """Byte offset of the symbol table (right after the header)."""
+        return HEADER_BYTES if self.version == VERSION else HEADER2_BYTES
 
     @property
     def coded_bytes(self) -> int:
@@ -217,20 +289,39 @@ class CodedHeader:
 
     def pack(self) -> bytes:
         fixed = _HEADER.pack(
-            MAGIC, VERSION, DTYPE_CODES[self.dtype], self.k, len(self.table), self.numel, self.tile, 0,
-            self.num_exceptions, self.raw_off, self.code_off, self.base_off, self.exc_off, self.nbytes, 0,
+            MAGIC, self.version, DTYPE_CODES[self.dtype], self.k, len(self.table), self.numel, self.tile, self.k2,
+            self.num_exceptions, self.raw_off, self.code_off, self.base_off, self.exc_off, self.nbytes,
+            self.num_escapes,
         )
+        if self.version == VERSION2:
+            fixed += _HEADER2.pack(self.code2_off, self.base2_off)
         return fixed + bytes(self.table) + bytes(_round_up(len(self.table), STREAM_ALIGN) - len(self.table))
 
 
-def _layout(dtype, k: int, table: Sequence[int], numel: int, tile: int, num_exc: int) -> CodedHeader:
-    raw_off = _round_up(HEADER_BYTES + len(table), STREAM_ALIGN)
+def _layout(dtype, k: int, table: Sequence[int], numel: int, tile: int, num_exc: int, k2: int = 0,
+            num_esc: int = 0) -> CodedHeader:
+    """The stream offsets of a coded tensor (version 2 when k2 >= 1: `num_exc` level-2
+    exceptions of `num_esc` level-1 escapes)."""
+    raw_off = _round_up((HEADER2_BYTES if k2 else HEADER_BYTES) + len(table), STREAM_ALIGN)
     tiles = -(-numel // tile)
     code_off = _round_up(raw_off + numel, STREAM_ALIGN)
     base_off = code_off + tiles * tile * k // 8  # a multiple of 16 (tile >= 128)
-    exc_off = base_off + 8 * tiles
+    if not k2:
+        exc_off = base_off + 8 * tiles
+        nbytes = _round_up(exc_off + num_exc, STREAM_ALIGN)
+        return CodedHeader(dtype, k, tuple(table), numel, tile, num_exc, raw_off, code_off, base_off, exc_off, nbytes)
+    code2_off = _round_up(base_off + 8 * tiles, STREAM_ALIGN)
+    base2_off = _round_up(code2_off + _code2_bytes(num_esc, k2), STREAM_ALIGN)
+    exc_off = base2_off + 8 * tiles
     nbytes = _round_up(exc_off + num_exc, STREAM_ALIGN)
-    return CodedHeader(dtype, k, tuple(table), numel, tile, num_exc, raw_off, code_off, base_off, exc_off, nbytes)
+    return CodedHeader(dtype, k, tuple(table), numel, tile, num_exc, raw_off, code_off, base_off, exc_off, nbytes,
+                       VERSION2, k2, num_esc, code2_off, base2_off)
+
+
+def _code2_bytes(num_esc: int, k2: int) -> int:
+    """Bytes of the level-2 code stream: k2 bits per escape, packed, then one byte of zero
+    padding (so a 16-bit read at any code's first byte stays inside the stream)."""
+    return (num_esc * k2 + 7) // 8 + 1
 
 
 def _as_bytes(buf, name: str = "buf") -> torch.Tensor:
@@ -248,26 +339,46 @@ def read_header(buf: torch.Tensor, offset: int = 0) -> CodedHeader:
     if offset + HEADER_BYTES > buf.numel():
         raise ValueError(f"buf has {buf.numel()} bytes, too few for a header at offset {offset}")
     raw = bytes(buf[offset : offset + HEADER_BYTES].cpu().numpy().tobytes())
-    (magic, version, dcode, k, tlen, numel, tile, _, num_exc, raw_off, code_off, base_off, exc_off, nbytes, _) = (
-        _HEADER.unpack(raw)
-    )
+    (magic, version, dcode, k, tlen, numel, tile, k2, num_exc, raw_off, code_off, base_off, exc_off, nbytes,
+     num_esc) = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"no coded tensor at offset {offset}: magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise ValueError(f"coded tensor version {version} is not supported (only {VERSION})")
+    if version not in VERSIONS:
+        raise ValueError(f"coded tensor version {version} is not supported (only {', '.join(map(str, VERSIONS))})")
     if dcode not in _DTYPES:
         raise ValueError(f"coded tensor dtype code {dcode} is not one of {sorted(_DTYPES)}")
-    if k > 8 or tlen != _table_len(k):
-        raise ValueError(f"coded tensor has k={k} and table_len={tlen}; allowed: k in [0, 8] with 2^k - 1 entries")
-    _check_tile(tile)
-    table = tuple(buf[offset + HEADER_BYTES : offset + HEADER_BYTES + tlen].tolist())
-    head = _layout(_DTYPES[dcode], k, table, numel, tile, num_exc)
     got = (raw_off, code_off, base_off, exc_off, nbytes)
-    if got != (head.raw_off, head.code_off, head.base_off, head.exc_off, head.nbytes):
+    if version == VERSION2:
+        k2, extra = _check_levels(buf, offset, k, k2, tlen)
+        got += extra
+    else:
+        if k > 8 or tlen != _table_len(k):
+            raise ValueError(f"coded tensor has k={k} and table_len={tlen}; allowed: k in [0, 8] with 2^k - 1 "
+                             "entries")
+        k2 = num_esc = 0
+    _check_tile(tile)
+    head_len = HEADER2_BYTES if version == VERSION2 else HEADER_BYTES
+    table = tuple(buf[offset + head_len : offset + head_len + tlen].tolist())
+    head = _layout(_DTYPES[dcode], k, table, numel, tile, num_exc, k2, num_esc)
+    want = (head.raw_off, head.code_off, head.base_off, head.exc_off, head.nbytes)
+    if version == VERSION2:
+        want += (head.code2_off, head.base2_off)
+    if got != want:
         raise ValueError(f"coded tensor at offset {offset} has inconsistent stream offsets {got}")
     if offset + nbytes > buf.numel():
         raise ValueError(f"coded tensor at offset {offset} needs {nbytes} bytes, buf has {buf.numel() - offset}")
     return head
+
+
+def _check_levels(buf: torch.Tensor, offset: int, k: int, k2: int, tlen: int) -> tuple[int, tuple[int, int]]:
+    """Version 2's level fields and its (code2_off, base2_off)."""
+    if not (1 <= k <= 7 and 1 <= k2 <= 7) or tlen != (1 << k) - 1 + (1 << k2) - 1:
+        raise ValueError(f"coded tensor (version 2) has k={k}, k2={k2} and table_len={tlen}; allowed: k and k2 "
+                         "in [1, 7] with 2^k - 1 + 2^k2 - 1 entries")
+    if offset + HEADER2_BYTES > buf.numel():
+        raise ValueError(f"buf has {buf.numel()} bytes, too few for a version-2 header at offset {offset}")
+    extra = _HEADER2.unpack(bytes(buf[offset + HEADER_BYTES : offset + HEADER2_BYTES].cpu().numpy().tobytes()))
+    return k2, extra
 
 
 def _table_len(k: int) -> int:
@@ -343,6 +454,47 @@ def _choose(hist: torch.Tensor, k: int | None, table: tuple[int, ...] | None = N
     return kk, tuple(order[:n_tab]), None
 
 
+def _cost1(counts: list[int], k: int, table: tuple[int, ...]) -> float:
+    """Bytes of a one-level code beyond the raw bytes (codes and exceptions) for `counts`."""
+    numel = sum(counts)
+    return numel * k / 8 + (0 if k in (0, 8) else numel - sum(counts[s] for s in table))
+
+
+def _choose2(hist: torch.Tensor, k: int | None, k2: int | None, tile: int):
+    """(k, table, window start or None, k2) minimising the coded size for the symbol
+    histogram `hist` over one-level codes (k2 = 0, as `_choose`) and two-level ones (k2 >= 1:
+    the level-1 table of the 2^k - 1 most frequent symbols, then the 2^k2 - 1 next ones).
+    A two-level code pays k2 bits per level-1 escape, a byte per level-2 escape and 8 bytes
+    per tile (its second base stream)."""
+    if k in (0, 8) or k2 == 0:
+        if k2:
+            raise ValueError(f"k2={k2} needs k in [1, 7] (k={k} has no escapes to code at a second level)")
+        return _choose(hist, k) + (0,)
+    best = None
+    if k2 is None:  # the one-level code is a candidate
+        one = _choose(hist, k)
+        best = (_cost1(hist.tolist(), one[0], one[1]), one + (0,))
+    counts = hist.tolist()
+    numel = sum(counts)
+    order = sorted(range(256), key=lambda s: (-counts[s], s))
+    cum = [0]
+    for s in order:
+        cum.append(cum[-1] + counts[s])
+    for k1 in range(1, 8) if k is None else [k]:
+        for kk2 in range(1, 8) if not k2 else [k2]:
+            n1, n2 = (1 << k1) - 1, (1 << kk2) - 1
+            esc1, esc2 = numel - cum[n1], numel - cum[n1 + n2]
+            cost = numel * k1 / 8 + esc1 * kk2 / 8 + esc2 + 8 * numel / tile
+            if best is None or cost < best[0]:
+                best = (cost, (k1, None, None, kk2))
+    k1, table, window, kk2 = best[1]
+    if kk2 == 0:
+        return best[1]
+    _, t1, window = _choose(hist, k1)
+    rest = [s for s in order if s not in set(t1)]
+    return k1, tuple(t1) + tuple(rest[: (1 << kk2) - 1]), window, kk2
+
+
 def _best_window(counts: list[int], width: int) -> int:
     """Start of the circular window of `width` symbols holding the most elements."""
     ext = counts + counts[:width]
@@ -402,14 +554,22 @@ class _Coder:
     raw: list
     codes: list
     exc: list
-    bases: list  # per chunk: escapes before each of its tiles (int64, whole tensor)
+    bases: list  # per chunk: (level-1) escapes before each of its tiles (int64, whole tensor)
     scratch: _Scratch
-    num_exc: int = 0
+    num_exc: int = 0  # exceptions so far (version 2: level-2 ones)
     torch_index: bool = False  # escapes found with torch (any device) instead of numpy (CPU)
+    k2: int = 0  # version 2: bits per level-2 code (0: one level)
+    codes2: list = dataclasses.field(default_factory=list)  # per chunk: the level-2 code of each escape
+    bases2: list = dataclasses.field(default_factory=list)  # per chunk: level-2 escapes before each tile
+    num_esc: int = 0  # level-1 escapes so far
+    lut2: torch.Tensor | None = None  # version 2: symbol -> level-2 code (`lut(2)`)
 
-    def lut(self) -> torch.Tensor:
-        lut = torch.full((256,), (1 << self.k) - 1, dtype=torch.uint8)
-        lut[list(self.table)] = torch.arange(len(self.table), dtype=torch.uint8)
+    def lut(self, level: int = 1) -> torch.Tensor:
+        """symbol -> code of `level` (the level's escape code for symbols not in its table)."""
+        k, n1 = (self.k, 0) if level == 1 else (self.k2, (1 << self.k) - 1)
+        part = self.table[n1 : n1 + (1 << k) - 1]
+        lut = torch.full((256,), (1 << k) - 1, dtype=torch.uint8)
+        lut[list(part)] = torch.arange(len(part), dtype=torch.uint8)
         return lut.to(self.scratch.sym.device)
 
     def add(self, v: torch.Tensor, lut: torch.Tensor | None) -> None:
@@ -437,15 +597,40 @@ class _Coder:
         if k < 8 and self.torch_index:  # the same indices with torch ops, where the chunk lives
             idx = torch.nonzero(codes.reshape(-1) == (1 << k) - 1).flatten()
             starts = torch.arange(tiles, dtype=torch.int64, device=idx.device) * tile
-            self.bases.append(torch.searchsorted(idx, starts) + self.num_exc)
-            self.num_exc += idx.numel()
-            self.exc.append(sym[idx])
+            self.bases.append(torch.searchsorted(idx, starts) + self.num_esc)
+            self.num_esc += idx.numel()
+            self._escaped(idx, sym[idx], starts)
         elif k < 8:
             # numpy's compare and flatnonzero: ~5x faster than torch's uint8 == scalar, ~10x than nonzero
             idx = np.flatnonzero(codes.reshape(-1).numpy() == (1 << k) - 1)
-            self.bases.append(torch.from_numpy(np.searchsorted(idx, np.arange(tiles) * tile) + self.num_exc))
-            self.num_exc += idx.size
-            self.exc.append(torch.from_numpy(sym.numpy()[idx]))
+            starts = np.arange(tiles) * tile
+            self.bases.append(torch.from_numpy(np.searchsorted(idx, starts) + self.num_esc))
+            self.num_esc += idx.size
+            self._escaped(idx, sym.numpy()[idx], starts)
+
+    def _escaped(self, idx, esc, starts) -> None:
+        """One chunk's escapes (element indices `idx`, symbols `esc`; tile starts `starts`; all
+        torch tensors or all numpy arrays, the same bytes either way): version 1 keeps the
+        symbols as exceptions; version 2 codes them at level 2 and keeps its escapes' symbols
+        and per-tile bases."""
+        if self.k2 == 0:
+            self._exceptions(esc if isinstance(esc, torch.Tensor) else torch.from_numpy(esc))
+            return
+        if isinstance(esc, torch.Tensor):
+            code2 = self.lut2[esc.long()]
+            hit = code2 == (1 << self.k2) - 1
+            self.bases2.append(torch.searchsorted(idx[hit], starts) + self.num_exc)
+        else:
+            code2 = self.lut2.numpy()[esc]
+            hit = code2 == (1 << self.k2) - 1
+            self.bases2.append(torch.from_numpy(np.searchsorted(idx[hit], starts) + self.num_exc))
+            code2, esc, hit = torch.from_numpy(code2), torch.from_numpy(esc), torch.from_numpy(hit)
+        self.codes2.append(code2)
+        self._exceptions(esc[hit])
+
+    def _exceptions(self, symbols: torch.Tensor) -> None:
+        self.exc.append(symbols)
+        self.num_exc += symbols.numel()
 
 
 def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch: _Scratch) -> torch.Tensor:
@@ -459,10 +644,16 @@ def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch:
 
 def encode(
     tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None,
-    out: torch.Tensor | None = None, _torch_index: bool | None = None,
+    out: torch.Tensor | None = None, levels: int = 1, k2: int | None = None, _torch_index: bool | None = None,
 ) -> torch.Tensor:
     """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer
     (or, with `out`, at the start of `out` when it fits: the result is then a view of it).
+
+    levels: 1 (the one-level code, version 1, codec "exp-k") or 2 (codec "exp-k2": the
+    level-1 escapes are coded again with k2 bits, version 2, whenever that is smaller than
+    every one-level code; otherwise the result is the version-1 bytes of levels=1).
+    k2 (levels=2 only): None picks it with k; 0 forces one level (version 1); 1..7 forces
+    a two-level code (needs k in [1, 7] or None). table needs k2=0 with levels=2.
 
     k: bits per symbol code (0..8, see the module doc); None picks the k that
     gives the smallest buffer (from the symbol histogram of the tensor, or of
@@ -486,6 +677,7 @@ def encode(
     if k is not None:
         _check_int("k", k, 0, 8)
     _check_tile(tile)
+    _check_levels_args(levels, k2, table)
     table = _check_table(k, table)
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
                             or out.device.type != "cpu" or not out.is_contiguous()):
@@ -498,15 +690,64 @@ def encode(
     code_step = _round_up(max(_CODE_CHUNK if dev.type == "cpu" else _DEVICE_CODE_CHUNK, tile), tile)
     scratch = _Scratch(min(max(code_step, step), _round_up(elems.numel(), tile)), dev)  # >= any chunk
     sample = 4 if elems.numel() > 4 * step and table is None else 1
-    kk, table, window = _choose(_histogram(elems, bf16, step, sample, scratch), k, table)
+
+    def choose(sample: int, table):
+        hist = _histogram(elems, bf16, step, sample, scratch)
+        return _choose(hist, k, table) + (0,) if levels == 1 or table is not None else _choose2(hist, k, k2, tile)
+
+    kk, table, window, kk2 = choose(sample, table)
     if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
-        kk, table, window = _choose(_histogram(elems, bf16, step, 1, scratch), k, None)
+        kk, table, window, kk2 = choose(1, None)
     coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch,
-                   torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index))
+                   torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index), k2=kk2)
+    if kk2:
+        coder.lut2 = coder.lut(2)
     lut = coder.lut() if 0 < kk < 8 and window is None else None
     for a in range(0, elems.numel(), code_step):
         coder.add(elems[a : a + code_step], lut)
     return _assemble(coder, tensor.dtype, elems.numel(), out)
+
+
+def _check_levels_args(levels, k2, table) -> None:
+    _check_int("levels", levels, min(LEVELS), max(LEVELS))
+    if k2 is not None:
+        _check_int("k2", k2, 0, 7)
+        if levels != 2:
+            raise ValueError(f"k2={k2} needs levels=2 (got levels={levels})")
+    if table is not None and levels == 2 and k2 != 0:
+        raise ValueError(f"table with levels=2 needs k2=0 (a one-level code), got k2={k2}")
+
+
+def _pack_bits(vals: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
+    """uint8 values of `width` (<= 7) bits packed densely, value r at bits [r * width, (r + 1) * width)
+    (bit b of the stream = bit b % 8 of byte b // 8), zero-padded to `nbytes` bytes. Eight values
+    fill `width` bytes exactly: each group of eight is joined in an int64 and its low `width`
+    bytes are kept (little-endian, as every target of this package is)."""
+    groups = -(-vals.numel() // 8)
+    v = torch.zeros(groups * 8, dtype=torch.uint8, device=vals.device)
+    v[: vals.numel()] = vals
+    v = v.view(groups, 8)
+    acc = torch.empty(groups, dtype=torch.int64, device=vals.device).copy_(v[:, 0])  # stride 1 (a view below)
+    for j in range(1, 8):
+        acc.bitwise_or_(v[:, j].to(torch.int64).bitwise_left_shift_(j * width))
+    packed = acc.view(torch.uint8).view(groups, 8)[:, :width].reshape(-1)  # zeros past the last value
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=vals.device)
+    n = min(nbytes, packed.numel())
+    out[:n] = packed[:n]
+    return out
+
+
+def _put_level2(out: torch.Tensor, c: _Coder, head: CodedHeader) -> None:
+    """Version 2's streams after the level-1 bases: level-2 codes, level-2 bases (and the
+    zero padding between them)."""
+    dev = out.device
+    out[head.base_off + 8 * head.num_tiles : head.code2_off].zero_()
+    n2 = _code2_bytes(c.num_esc, c.k2)
+    codes2 = torch.cat(c.codes2) if c.codes2 else torch.zeros(0, dtype=torch.uint8, device=dev)
+    out[head.code2_off : head.code2_off + n2] = _pack_bits(codes2.to(dev), c.k2, n2)
+    out[head.code2_off + n2 : head.base2_off].zero_()
+    bases2 = torch.cat(c.bases2) if c.bases2 else torch.zeros(head.num_tiles, dtype=torch.int64, device=dev)
+    out[head.base2_off : head.exc_off] = bases2.to(dev).view(torch.uint8)
 
 
 def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -514,7 +755,7 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None =
     when it fits, else a new one (on the device the pieces were coded on; coded on a GPU
     into a CPU `into`, the buffer is laid out there and copied into it)."""
     num_exc = sum(e.numel() for e in c.exc)
-    head = _layout(dtype, c.k, c.table, n, c.tile, num_exc)
+    head = _layout(dtype, c.k, c.table, n, c.tile, num_exc, c.k2, c.num_esc)
     dev = c.scratch.sym.device
     fits = into is not None and into.numel() >= head.nbytes
     if fits and into.device == dev:
@@ -531,7 +772,9 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None =
     if c.codes:
         torch.cat([x.reshape(-1) for x in c.codes], out=codes)
     bases = torch.cat(c.bases) if c.bases else torch.zeros(head.num_tiles, dtype=torch.int64, device=dev)
-    out[head.base_off : head.exc_off] = bases.view(torch.uint8)
+    out[head.base_off : head.base_off + 8 * head.num_tiles] = bases.view(torch.uint8)
+    if head.version == VERSION2:
+        _put_level2(out, c, head)
     if num_exc:
         torch.cat(c.exc, out=out[head.exc_off : head.exc_off + num_exc])
     out[head.exc_off + num_exc :].zero_()
@@ -579,8 +822,9 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
         h, o = s.header, s.src_offset
         starts.append(starts[-1] + -(-h.numel // tile))
         split = 0 if h.dtype == torch.bfloat16 else 1
-        records += [o + h.raw_off, o + h.code_off, o + h.base_off, o + h.exc_off, o + HEADER_BYTES]
+        records += [o + h.raw_off, o + h.code_off, o + h.base_off, o + h.exc_off, o + h.table_off]
         records += [s.dst_offset // 2, h.numel, h.k, split]
+        records += [h.k2, o + h.code2_off if h.k2 else 0, o + h.base2_off if h.k2 else 0]  # version 2
     return torch.tensor(starts + records, dtype=torch.int64), starts[-1]
 
 
@@ -592,7 +836,8 @@ class DecodeTable(PackedTable):
     plane bytes instead of a load-once-and-reshape) are launch options that do
     not change the result. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
-    byte offsets, destination element offset, numel, k, split].
+    byte offsets, destination element offset, numel, k, split, then k2 and the
+    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1)].
     """
 
     def __init__(
@@ -741,18 +986,46 @@ def _decode_one(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:
         sym = _unpack_codes(buf, head)
     else:
         code = _unpack_codes(buf, head)
-        table = torch.tensor(list(head.table) + [0], dtype=torch.int32, device=buf.device)
+        n1 = (1 << head.k) - 1
+        table = torch.tensor(list(head.table[:n1]) + [0], dtype=torch.int32, device=buf.device)
         sym = table[code.long()]
-        esc = code == (1 << head.k) - 1
-        exc = buf[head.exc_off : head.exc_off + head.num_exceptions].to(torch.int32)
-        if int(esc.sum()) != exc.numel():
-            raise ValueError(f"coded tensor has {int(esc.sum())} escapes but {exc.numel()} exceptions")
+        esc = code == n1
+        if head.k2:
+            exc = _level2_symbols(buf, head, int(esc.sum()))
+        else:
+            exc = _exceptions(buf, head, int(esc.sum()))
         sym[esc] = exc  # element order
     if head.dtype == torch.bfloat16:
         val = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     else:
         val = (sym << 8) | raw
     return (val - ((val >> 15) << 16)).to(torch.int16)  # two's complement of the 16 bits
+
+
+def _exceptions(buf: torch.Tensor, head: CodedHeader, escapes: int) -> torch.Tensor:
+    """The exception bytes (int32) of a coded tensor that marks `escapes` of them."""
+    exc = buf[head.exc_off : head.exc_off + head.num_exceptions].to(torch.int32)
+    if escapes != exc.numel():
+        raise ValueError(f"coded tensor has {escapes} escapes but {exc.numel()} exceptions")
+    return exc
+
+
+def _level2_symbols(buf: torch.Tensor, head: CodedHeader, escapes: int) -> torch.Tensor:
+    """Version 2: the symbols (int32) of the `escapes` level-1 escapes, in element order: the
+    k2-bit code of escape r at bit r * k2 of the level-2 code stream indexes the level-2
+    table; its escape code takes the next level-2 exception byte."""
+    if escapes != head.num_escapes:
+        raise ValueError(f"coded tensor has {escapes} level-1 escapes but its header says {head.num_escapes}")
+    k2, n1 = head.k2, (1 << head.k) - 1
+    stream = buf[head.code2_off : head.code2_off + _code2_bytes(escapes, k2)].to(torch.int32)
+    bit = torch.arange(escapes, dtype=torch.int64, device=buf.device) * k2
+    pair = stream[bit >> 3] | (stream[(bit >> 3) + 1] << 8)  # the stream has a byte past its last code
+    code2 = (pair >> (bit & 7)) & ((1 << k2) - 1)
+    table2 = torch.tensor(list(head.table[n1:]) + [0], dtype=torch.int32, device=buf.device)
+    sym = table2[code2]
+    esc2 = code2 == (1 << k2) - 1
+    sym[esc2] = _exceptions(buf, head, int(esc2.sum()))
+    return sym
 
 
 def decode_torch(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
@@ -786,11 +1059,14 @@ def encode_block(
     align: int = 512,
     num_warps: int = DEFAULT_NUM_WARPS,
     gather_planes: bool = True,
+    levels: int = 1,
+    k2: int | None = None,
 ) -> tuple[torch.Tensor, DecodeTable]:
     """Code `tensors` into one flat uint8 CPU buffer (each at a 16-byte aligned
     offset) and return it with the `DecodeTable` that decodes them into a block
     image: tensor i at `dst_offsets[i]` (default: back to back, each at an
-    `align`-byte aligned offset, like the host store's block images)."""
+    `align`-byte aligned offset, like the host store's block images). k, tile,
+    levels, k2: as `encode`'s, for every tensor."""
     _check_int("align", align, 2)
     if align % 2:
         raise ValueError(f"align must be even, got {align}")
@@ -802,7 +1078,7 @@ def encode_block(
             at += 2 * t.numel()
     if len(dst_offsets) != len(tensors):
         raise ValueError(f"dst_offsets has {len(dst_offsets)} entries for {len(tensors)} tensors")
-    blobs = [encode(t, k=k, tile=tile) for t in tensors]
+    blobs = [encode(t, k=k, tile=tile, levels=levels, k2=k2) for t in tensors]
     src_offsets, at = [], 0
     for b in blobs:
         src_offsets.append(at)

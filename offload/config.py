@@ -30,8 +30,9 @@ LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
 WEIGHT_TRANSFERS = ("allgather", "rank-local")
 CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
-# "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py)
-WEIGHT_CODECS = ("none", "exp-k")
+# "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py);
+# "exp-k2": the same with its escapes coded at a second level (codec version 2)
+WEIGHT_CODECS = ("none", "exp-k", "exp-k2")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
@@ -245,11 +246,14 @@ class OffloadConfig:
     dlo_verify_weights: bool, default true. DLO: at setup compare a sampled
         digest of every block's weights across the ranks (one collective; a
         few KB read per block); a mismatch names the block and the ranks.
-    weight_codec: "none" (default) | "exp-k". "exp-k" stores streamed block
-        images losslessly coded in host memory (16-bit weights: the exponent
+    weight_codec: "none" (default) | "exp-k" | "exp-k2". "exp-k" stores streamed
+        block images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
-        slot on the copy stream (offload/sources/coded.py). With DLO AllGather
+        slot on the copy stream (offload/sources/coded.py). "exp-k2" codes the
+        escapes again at a second level (about 0.69 instead of 0.71 of the
+        bytes on Student-t bf16 weights; a tensor it does not shrink keeps the
+        "exp-k" bytes); it works wherever "exp-k" does. With DLO AllGather
         every rank keeps 1/N of each coded image and the gather moves coded
         bytes (offload/sources/dlo_coded.py); rank-local DLO streams full coded
         blocks per rank. In mode='module' each offloaded component's image is

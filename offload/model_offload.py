@@ -366,7 +366,7 @@ class ModuleOffload:
         self.host_views: Mapping[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
         self.store: HostStore | None = None  # the packed images (weight_codec="none")
-        self.coded: CodedSource | None = None  # or the coded images (weight_codec="exp-k")
+        self.coded: CodedSource | None = None  # or the coded images (weight_codec="exp-k" / "exp-k2")
         try:
             self._build_units()
             self._setup_store()
@@ -558,7 +558,7 @@ class ModuleOffload:
         self.coded = CodedSource(
             layouts, [u.tensors for u in self.units.values()], device=self.device,
             pin=self.config.pin_memory and self.cuda, budget_bytes=budget, progress=self.config.progress,
-            drop=drop, decode_stream=False,
+            drop=drop, decode_stream=False, codec=self.config.weight_codec,
         )
         # an arrival also holds the unit's coded bytes on the device until its decode ran
         self.peak_device_bytes += max(self.coded.copy_bytes)

@@ -4,8 +4,10 @@ Per weight fill (uniform init, Gaussian, Student-t df=4; `weightstream.fills`)
 and per size (one 3072x12288 bf16 tensor = a Flux MLP weight, a Flux.1
 single-stream block of ~283 MB, a double-stream block of ~680 MB):
 
-- coded ratio (coded / raw bytes), bits per weight, chosen k per tensor,
-  exponent entropy (the bound for this code: (8 + H) / 16 of the bytes);
+- per codec (``--codec``, default both: ``exp-k`` one level, ``exp-k2`` two levels,
+  mode names of exp-k2 end in ``-k2``): coded ratio (coded / raw bytes), bits per
+  weight, chosen k (and k2) per tensor, exponent entropy (the bound for this code:
+  (8 + H) / 16 of the bytes);
 - CPU encode rate on ONE core (`torch.set_num_threads(1)`), raw bytes / s by
   wall time and by the process's CPU time (fair on a busy machine), and with
   torch's default intra-op threads;
@@ -30,6 +32,8 @@ CPU) with the metadata keys of perf/results.py.
     python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
     python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
     python perf/bench_codec.py --cpu --sizes tensor # coding figures only
+    python perf/bench_codec.py --sizes tensor single --fills student-t --codec exp-k exp-k2 --no-build
+                                                    # one level vs two: bits/weight and decode GB/s
     python perf/bench_codec.py --cpu --sizes single --fills gaussian --no-threaded-encode --build-blocks 32
                                                     # the setup figure: build-path GB/s at 1..cores workers
 """
@@ -54,6 +58,7 @@ from perf.results import gpu_slug, validate_result  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GBPS = 300.0  # decoded bf16 per second on an H200
 SIZES = ("tensor", "single", "double")
+CODEC_SUFFIX = {"exp-k": "", "exp-k2": "-k2"}  # mode-name suffix per codec (offload.sources.coded.CODECS)
 
 
 def _shapes(size: str) -> list[tuple[int, ...]]:
@@ -73,22 +78,24 @@ def make_tensors(size: str, kind: str, device: str, seed: int = 0, dtype=torch.b
     return [fill(kind, s, generator=gen, device=device, dtype=dtype).cpu() for s in _shapes(size)]
 
 
-def encode_stats(tensors, tile: int, threaded: bool = True) -> tuple[torch.Tensor, object, dict]:
-    """Encode on one core; (coded buffer, DecodeTable, figures)."""
+def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k") -> tuple[torch.Tensor, object, dict]:
+    """Encode on one core with ``codec``; (coded buffer, DecodeTable, figures)."""
     from weightstream.kernels.codec import encode_block, read_header, symbol_entropy
+    from weightstream.offload.sources.coded import codec_levels
 
+    levels = codec_levels(codec)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         t0, c0 = time.perf_counter(), time.process_time()
-        buf, table = encode_block(tensors, tile=tile)
+        buf, table = encode_block(tensors, tile=tile, levels=levels)
         enc_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     finally:
         torch.set_num_threads(threads)
     all_s = None
     if threaded:
         t0 = time.perf_counter()
-        encode_block(tensors, tile=tile)  # torch's default intra-op threads
+        encode_block(tensors, tile=tile, levels=levels)  # torch's default intra-op threads
         all_s = time.perf_counter() - t0
     raw = sum(2 * t.numel() for t in tensors)
     heads = [read_header(buf, s.src_offset) for s in table.segments]
@@ -100,8 +107,11 @@ def encode_stats(tensors, tile: int, threaded: bool = True) -> tuple[torch.Tenso
         "bits_per_weight": round(table.bits_per_weight, 4),
         "exponent_entropy_bits": round(entropy, 4),
         "entropy_bound_ratio": round((8 + entropy) / 16, 5),
+        "codec": codec,
         "k": sorted({h.k for h in heads}),
-        "escape_fraction": round(sum(h.num_exceptions for h in heads) / (raw // 2), 5),
+        "k2": sorted({h.k2 for h in heads}),  # 0: a one-level tensor
+        "escape_fraction": round(sum(h.num_escapes if h.k2 else h.num_exceptions for h in heads) / (raw // 2), 5),
+        "exception_fraction": round(sum(h.num_exceptions for h in heads) / (raw // 2), 5),  # raw bytes escaped
         "encode_s_one_core": round(enc_s, 4),
         "encode_gbps_one_core": round(raw / enc_s / 1e9, 4),
         "encode_gbps_one_core_cpu_time": round(raw / cpu_s / 1e9, 4),  # robust to a busy machine
@@ -239,11 +249,13 @@ def run(args) -> dict:
         copy = None
         for kind, dt in [(k, d) for d in args.dtypes for k in args.fills]:
             tensors = make_tensors(size, kind, device, dtype=DTYPES[dt])
-            for ti, tile in enumerate(args.tiles):
-                buf, table, figs = encode_stats(tensors, tile, args.threaded_encode)
+            for ti, tile, codec in [(i, t, c) for i, t in enumerate(args.tiles) for c in args.codec]:
+                buf, table, figs = encode_stats(tensors, tile, args.threaded_encode, codec)
                 name = f"triton-{size}-{kind}" + ("" if dt == "bf16" else f"-{dt}") + ("" if ti == 0 else f"-t{tile}")
+                name += CODEC_SUFFIX[codec]
                 print(f"[{name}] {figs['raw_bytes'] / 1e6:.1f} MB -> {figs['coded_bytes'] / 1e6:.1f} MB "
                       f"(ratio {figs['coded_ratio']:.4f}, {figs['bits_per_weight']:.3f} bits/weight, k {figs['k']}, "
+                      f"k2 {figs['k2']}, "
                       f"entropy bound {figs['entropy_bound_ratio']:.4f}); encode {figs['encode_gbps_one_core']:.2f} "
                       f"GB/s on one core ({figs['encode_gbps_one_core_cpu_time']:.2f} by CPU time), "
                       f"{figs['encode_gbps_all_threads']} GB/s on {figs['encode_threads']} threads", flush=True)
@@ -292,6 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"],
                    help="weight dtypes (fp16 codes the high byte; mode names get a -fp16 suffix)")
     p.add_argument("--tiles", type=int, nargs="+", default=[DEFAULT_TILE], help="elements per tile (first = default)")
+    p.add_argument("--codec", nargs="+", choices=sorted(CODEC_SUFFIX), default=sorted(CODEC_SUFFIX),
+                   help="codecs to code with (exp-k: one level; exp-k2: two levels, modes suffixed -k2)")
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
                    help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")

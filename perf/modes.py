@@ -17,7 +17,9 @@
   `streamed_bytes` stays the RAW bytes: ratio_to_floor is against the
   uncoded floor (raw streamed bytes / best H2D of the run), so a coded mode
   below 1.0 beats what any uncoded stream can do. `coded_bytes` and
-  `bits_per_weight` come from the source's stats.
+  `bits_per_weight` come from the source's stats. `layerwise-coded2`,
+  `graphs-coded2` (`-coded2` combines like `-coded`): the same with
+  `weight_codec="exp-k2"` (the two-level code).
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -51,7 +53,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded|sidecar|encgpu)$")
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|sidecar|encgpu)$")
+CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -102,6 +105,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
+                                 "coded2 (weight_codec='exp-k2'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
                                  "encgpu (with coded: encode the blocks on the GPU)")
             if m.group(2) is not None:
@@ -118,8 +122,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 kw["graph_boundary_loads"] = "in-graph"
             elif v == "compile":
                 compiled = True
-            elif v == "coded":
-                kw["weight_codec"] = "exp-k"
+            elif v in CODED_VARIANTS:
+                kw["weight_codec"] = CODED_VARIANTS[v]
                 weight_fill = CODED_FILL
             elif v == "sidecar":
                 sidecar = "read"
@@ -153,8 +157,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
     raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, resident-tfill, "
-                     "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded], "
-                     f"graphs[-nextstep|-ingraph|-coded], {', '.join(PEER_MODES)}")
+                     "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded|-coded2], "
+                     f"graphs[-nextstep|-ingraph|-coded|-coded2], {', '.join(PEER_MODES)}")
 
 
 @dataclass

@@ -17,6 +17,10 @@ def test_coded_modes_parse():
     g = parse_mode("graphs-coded", flux)
     assert g.config_kw == {"cuda_graphs": "on", "weight_codec": "exp-k"} and g.weight_fill == "student-t"
     assert parse_mode("layerwise-r2-coded", flux).config_kw == {"resident_layers": 2, "weight_codec": "exp-k"}
+    lw2, g2 = parse_mode("layerwise-coded2", flux), parse_mode("graphs-coded2", flux)  # the two-level code
+    assert lw2.config_kw == {"weight_codec": "exp-k2"} and lw2.weight_fill == "student-t"
+    assert g2.config_kw == {"cuda_graphs": "on", "weight_codec": "exp-k2"} and g2.weight_fill == "student-t"
+    assert parse_mode("layerwise-mmap-coded2", flux).coded_sidecar == "write"
     assert parse_mode("layerwise", flux).weight_fill == "normal"  # uncoded modes keep their fill
     assert parse_mode("graphs", flux).weight_fill == "normal"
     m = parse_mode("layerwise-mmap-coded", flux)  # encodes the checkpoint, writes the sidecar
@@ -68,11 +72,14 @@ def test_harness_coded_tiny_cpu(tmp_path):
     """resident and layerwise-coded in fresh workers: the coded mode carries coded_bytes,
     bits_per_weight, a floor from the RAW bytes, and no output comparison with resident
     (other weights)."""
-    result, path, ok = run("flux-12b-1024", ["resident", "resident-tfill", "layerwise-coded"], steps=2, warmup=1,
-                           out_dir=tmp_path, tiny=True, device="cpu", touch_gb=0, mode_timeout=300)
+    result, path, ok = run("flux-12b-1024", ["resident", "resident-tfill", "layerwise-coded", "layerwise-coded2"],
+                           steps=2, warmup=1, out_dir=tmp_path, tiny=True, device="cpu", touch_gb=0, mode_timeout=300)
     assert ok, result and result.get("failed")
     on_disk = json.loads(path.read_text())
     validate_result(on_disk)
+    f2 = on_disk["modes"]["layerwise-coded2"]  # exp-k2: fewer coded bytes of the same weights, still exact
+    assert f2["stats"]["source"] == "coded-exp-k2" and f2["output_equals_resident"] is True
+    assert 0 < f2["coded_bytes"] < on_disk["modes"]["layerwise-coded"]["coded_bytes"]
     f = on_disk["modes"]["layerwise-coded"]
     assert f["coded_bytes"] > 0 and f["bits_per_weight"] > 0
     assert f["stats"]["source"].startswith("coded")

@@ -1,4 +1,4 @@
-"""CodedSource (weight_codec='exp-k') on the CPU: bytes in the slot equal the raw block
+"""CodedSource (weight_codec='exp-k' and 'exp-k2') on the CPU: bytes in the slot equal the raw block
 image, special values survive, edits/writes re-encode, nothing is lost on a failed build.
 
 The source is driven directly (as the executor does: attach, then load per block) and,
@@ -68,10 +68,21 @@ def _check_all_loads(src, slots, layouts, raw, tag=None):
         assert not bad, f"block {k}: tensors {bad} differ from the raw image"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("recording", [False, True])
-def test_loads_give_raw_image(dtype, recording):
-    src, tensors, layouts, raw = _source(tiny_flux(dtype=dtype))
+def _versions(src) -> set[int]:
+    """Coded tensor format versions the source's blocks hold (2: two-level, "exp-k2")."""
+    return {seg.header.version for t in src.tables for seg in t.segments}
+
+
+_ALL = [(d, r, "exp-k") for d in (torch.bfloat16, torch.float16, torch.float32) for r in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,recording,codec", _ALL + [(torch.bfloat16, True, "exp-k2"),
+                                                          (torch.float16, False, "exp-k2")])
+def test_loads_give_raw_image(dtype, recording, codec):
+    src, tensors, layouts, raw = _source(tiny_flux(dtype=dtype), codec=codec)
+    assert src.name == f"coded-{codec}"
+    if dtype == torch.bfloat16:  # exp-k2 holds two-level tensors (and one-level ones too small to gain)
+        assert _versions(src) == ({1} if codec == "exp-k" else {1, 2})
     assert all(t.numel() == 0 for ts in tensors for _, _, t in ts), "originals are dropped after coding"
     slots = _attach(src, RecordingStreams() if recording else None)
     _check_all_loads(src, slots, layouts, raw)
@@ -112,9 +123,10 @@ class _OddDiT(nn.Module):
         self.blocks = nn.ModuleList([_Odd() for _ in range(n)])
 
 
-@pytest.mark.parametrize("recording", [False, True])
-def test_special_values_survive(recording):
-    src, tensors, layouts, raw = _source(_OddDiT())
+@pytest.mark.parametrize("recording,codec", [(False, "exp-k"), (True, "exp-k"), (True, "exp-k2")])
+def test_special_values_survive(recording, codec):
+    src, tensors, layouts, raw = _source(_OddDiT(), codec=codec)
+    assert 2 in _versions(src) or codec == "exp-k"
     slots = _attach(src, RecordingStreams() if recording else None)
     _check_all_loads(src, slots, layouts, raw)
     view = src.host_views()
@@ -129,7 +141,8 @@ def test_special_values_survive(recording):
             assert torch.equal(hv, ref), name
 
 
-def test_coded_bytes_below_raw_on_student_t():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_coded_bytes_below_raw_on_student_t(codec):
     class Big(nn.Module):
         _layerwise_offload_blocks_attrs = ["blocks"]
 
@@ -141,20 +154,23 @@ def test_coded_bytes_below_raw_on_student_t():
                 for b in self.blocks:
                     b.weight.copy_(fill("student-t", b.weight.shape, generator=g))
 
-    src, _, layouts, raw = _source(Big())
+    src, _, layouts, raw = _source(Big(), codec=codec)
     s = check_stats(src.stats())
-    assert set(STATS_KEYS) <= set(s)
+    assert set(STATS_KEYS) <= set(s) and s["source"] == f"coded-{codec}"
     assert s["raw_bytes"] == sum(lay.nbytes for lay in layouts)
     assert s["coded_bytes"] < 0.75 * s["raw_bytes"], s
     assert s["coded_bytes"] <= s["h2d_bytes_per_step"] < 0.77 * s["raw_bytes"], s
-    assert 10.5 < s["bits_per_weight"] < 12.0, s
+    if codec == "exp-k":  # 512x512 Student-t: 11.33 / 11.05 bits per weight (weights, biases, headers)
+        assert 11.2 < s["bits_per_weight"] < 12.0, s
+    else:
+        assert 10.5 < s["bits_per_weight"] < 11.1, s
     assert s["encode_s"] > 0 and s["pinned"] is False and s["pinned_bytes"] == 0
     _check_all_loads(src, _attach(src), layouts, raw)
 
 
-@pytest.mark.parametrize("recording", [False, True])
-def test_host_view_edit_is_reencoded_at_step_start(recording):
-    src, tensors, layouts, raw = _source(tiny_flux(dtype=torch.bfloat16))
+@pytest.mark.parametrize("recording,codec", [(False, "exp-k"), (True, "exp-k"), (False, "exp-k2")])
+def test_host_view_edit_is_reencoded_at_step_start(recording, codec):
+    src, tensors, layouts, raw = _source(tiny_flux(dtype=torch.bfloat16), codec=codec)
     slots = _attach(src, RecordingStreams() if recording else None)
     _, _, obj = tensors[0][0]
     views = src.host_views()
@@ -170,6 +186,7 @@ def test_host_view_edit_is_reencoded_at_step_start(recording):
     spec.view_of(want).mul_(2)
     src.check()  # step start: re-encodes block 0; the executor re-copies loaded slots
     assert src.host_version() != version
+    assert {seg.header.version for seg in src.tables[0].segments} == ({1} if codec == "exp-k" else {1, 2})
     src.load(0, 0, position=0, after=None, tag=None)
     assert not _spans_equal(slots[0], want, layouts[0])
     assert not _spans_equal(src.image(0), want, layouts[0])
@@ -181,8 +198,9 @@ def test_host_view_edit_is_reencoded_at_step_start(recording):
     assert not _spans_equal(slots[1], want, layouts[0])
 
 
-def test_write_reencodes_and_unheld_copies_go():
-    src, tensors, layouts, raw = _source(tiny_wan(dtype=torch.bfloat16))
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_write_reencodes_and_unheld_copies_go(codec):
+    src, tensors, layouts, raw = _source(tiny_wan(dtype=torch.bfloat16), codec=codec)
     slots = _attach(src)
     k, i = 1, 3
     spec = layouts[k].tensors[i]
@@ -236,7 +254,10 @@ def test_config_weight_codec():
     assert OffloadConfig.layerwise().weight_codec == "none"
     cfg = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k")
     assert OffloadConfig.from_json(cfg.to_json()).weight_codec == "exp-k"
-    with pytest.raises(ValueError, match=r"weight_codec='zstd' is not allowed; choose from: none, exp-k"):
+    cfg2 = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k2")
+    assert OffloadConfig.from_json(cfg2.to_json()).weight_codec == "exp-k2"
+    assert OffloadConfig.module(weight_codec="exp-k2").weight_codec == "exp-k2"
+    with pytest.raises(ValueError, match=r"weight_codec='zstd' is not allowed; choose from: none, exp-k, exp-k2"):
         OffloadConfig(mode="layer", components=["dit"], weight_codec="zstd")
     with pytest.raises(TypeError, match="weight_codec"):
         OffloadConfig(mode="layer", components=["dit"], weight_codec=True)
@@ -253,6 +274,7 @@ def test_config_weight_codec():
 # -- the whole model through the wrapper (StreamedBlocks picks the coded source) -------------------
 
 CODED = dict(weight_codec="exp-k")
+CODED2 = dict(weight_codec="exp-k2")
 
 
 def _coded_stats(wrapped):
@@ -263,13 +285,16 @@ def _coded_stats(wrapped):
 
 
 @pytest.mark.parametrize("name", ["flux", "wan"])
-@pytest.mark.parametrize("dtype,resident,slots", [(torch.bfloat16, 0, 2), (torch.bfloat16, 1, 2),
-                                                  (torch.bfloat16, 0, 3), (torch.float32, 1, 3)],
-                         ids=["bf16-r0s2", "bf16-r1s2", "bf16-r0s3", "fp32-r1s3"])
-def test_coded_model_bit_exact(name, dtype, resident, slots):
+@pytest.mark.parametrize("dtype,resident,slots,codec", [
+    (torch.bfloat16, 0, 2, "exp-k"), (torch.bfloat16, 1, 2, "exp-k"), (torch.bfloat16, 0, 3, "exp-k"),
+    (torch.float32, 1, 3, "exp-k"), (torch.bfloat16, 0, 2, "exp-k2"), (torch.bfloat16, 1, 3, "exp-k2")],
+    ids=["bf16-r0s2", "bf16-r1s2", "bf16-r0s3", "fp32-r1s3", "k2-bf16-r0s2", "k2-bf16-r1s3"])
+def test_coded_model_bit_exact(name, dtype, resident, slots, codec):
     wrapped, _, _ = check_equal_outputs(name, "cpu", dtype=dtype, steps=3, resident_layers=resident,
-                                        num_slots=slots, **CODED)
-    _coded_stats(wrapped)
+                                        num_slots=slots, weight_codec=codec)
+    s = _coded_stats(wrapped)
+    assert s["source"] == f"coded-{codec}"
+    assert (2 in _versions(wrapped.executor.source)) == (codec == "exp-k2")
 
 
 def _streamed_keys(wrapped, ref):
@@ -280,11 +305,12 @@ def _streamed_keys(wrapped, ref):
     return streamed
 
 
-def test_coded_model_state_dict_and_edits():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_coded_model_state_dict_and_edits(codec):
     model, ref, x = build("flux", "cpu", torch.bfloat16)
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     with torch.no_grad():
-        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**CODED), device="cpu")
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec=codec), device="cpu")
         first(wrapped(**x))
     sd = wrapped.state_dict()
     assert sd.keys() == ref_sd.keys()
@@ -304,10 +330,12 @@ def test_coded_model_state_dict_and_edits():
         assert torch.equal(first(wrapped(**x)), first(ref(**x)))
 
 
-def test_coded_model_update_weights_and_restore():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_coded_model_update_weights_and_restore(codec):
     model, ref, x = build("wan", "cpu", torch.bfloat16)
     with torch.no_grad():
-        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(resident_layers=1, **CODED), device="cpu")
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(resident_layers=1, weight_codec=codec),
+                                       device="cpu")
         first(wrapped(**x))
         new = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
         ref.load_state_dict(new)
@@ -343,8 +371,8 @@ def test_coded_model_special_weights_round_trip():
 # DLO and the mmap source code too now: tests/test_dlo_coded.py, tests/test_mmap_coded.py
 
 
-@pytest.mark.parametrize("name", ["flux", "wan"])
-def test_coded_auto_placement_is_bit_exact(name):
+@pytest.mark.parametrize("name,codec", [("flux", "exp-k"), ("wan", "exp-k"), ("flux", "exp-k2")])
+def test_coded_auto_placement_is_bit_exact(name, codec):
     """resident_layers='auto' over the coded source: promoted blocks get a decoded device image,
     demoted ones are written back (re-encoded); outputs stay exact, the planner sees coded bytes."""
     model, ref, x = build(name, "cpu", torch.bfloat16)
@@ -353,7 +381,7 @@ def test_coded_auto_placement_is_bit_exact(name):
     probe.disable()
     budget = fixed + 2 * max(sizes) + sum(sizes) // 2
     cfg = OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=budget / 1e9, progress=False,
-                                  **CODED)
+                                  weight_codec=codec)
     wrapped = OffloadedTransformer(model, cfg, device="cpu")
     wrapped._streamed.placement.h2d_gbps = 1e-6  # a very slow link: the planner keeps blocks resident
     src = wrapped.executor.source
@@ -386,21 +414,24 @@ def _big_blocks(n=5, seed=0):
     return tensors, layouts
 
 
-def test_parallel_build_is_byte_identical_to_one_thread_build():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
     """Coded images are the same bytes whatever the worker count and intra-op threads."""
-    from weightstream.offload.sources.coded import encoded_in_order
+    from weightstream.offload.sources.coded import CODEC_LEVELS, encoded_in_order
 
     tensors, layouts = _big_blocks()
     objs = [[t for _, _, t in ts] for ts in tensors]
     raw = _raw_images(tensors, layouts)
+    levels = CODEC_LEVELS[codec]
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # the reference: one worker, one intra-op thread, block by block
-        ref = [b for b in encoded_in_order(layouts, objs, workers=1)]
+        ref = [b for b in encoded_in_order(layouts, objs, workers=1, levels=levels)]
     finally:
         torch.set_num_threads(before)
-    par = list(encoded_in_order(layouts, objs, workers=4))
-    src = CodedSource(layouts, [list(o) for o in objs], device="cpu", pin=False)  # default workers
+    par = list(encoded_in_order(layouts, objs, workers=4, levels=levels))
+    src = CodedSource(layouts, [list(o) for o in objs], device="cpu", pin=False, codec=codec)  # default workers
+    assert (2 in _versions(src)) == (codec == "exp-k2")
     for k, ((rb, rt), (pb, pt)) in enumerate(zip(ref, par)):
         one = torch.cat(rb)
         assert torch.equal(one, torch.cat(pb)), f"block {k}: 4 workers coded other bytes than 1"
@@ -453,7 +484,8 @@ def _check_threads_restored(in_order, before):
     assert torch.get_num_threads() == before, "intra-op threads not restored after a failed build"
 
 
-def test_tensor_parallel_encode_gives_the_same_bytes():
+@pytest.mark.parametrize("levels", [1, 2])
+def test_tensor_parallel_encode_gives_the_same_bytes(levels):
     """Few large blocks (module offload's components) encode their tensors on worker threads:
     the region and the decode table equal the one-thread-per-block encoder's."""
     from weightstream.offload.sources.coded import _capacity, encode_into, encode_tensors_into
@@ -463,10 +495,11 @@ def test_tensor_parallel_encode_gives_the_same_bytes():
         objs = [t for _, _, t in ts]
         a = torch.zeros(_capacity(lay), dtype=torch.uint8)
         b = torch.zeros(_capacity(lay), dtype=torch.uint8)
-        na, ta = encode_into(a, lay, objs)
-        nb, tb = encode_tensors_into(b, lay, objs, workers=2)
+        na, ta = encode_into(a, lay, objs, levels=levels)
+        nb, tb = encode_tensors_into(b, lay, objs, workers=2, levels=levels)
         assert na == nb > 0 and torch.equal(a, b)
         assert ta.segments == tb.segments
+        assert max(seg.header.version for seg in ta.segments) == levels
 
 
 def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
@@ -490,4 +523,6 @@ def test_encode_on_is_validated():
         CodedSource(layouts, objs, device="cpu", pin=False, encode_on="gpu")
     with pytest.raises(ValueError, match="encode_on='device' needs a CUDA device"):
         CodedSource(layouts, objs, device="cpu", pin=False, encode_on="device")
+    with pytest.raises(ValueError, match="weight_codec='exp-k3' is not allowed here; choose from: exp-k, exp-k2"):
+        CodedSource(layouts, objs, device="cpu", pin=False, codec="exp-k3")
     assert all(t.numel() for t in objs[0])  # refused before anything was dropped

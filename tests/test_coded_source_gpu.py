@@ -1,6 +1,6 @@
-"""weight_codec='exp-k' on the device: H2D of coded bytes + Triton decode on the copy stream,
-bit-exact against the resident model, CUDA graphs off and on (the decode captured inside
-the step's graph), each case in its own process (pytest -m gpu)."""
+"""weight_codec='exp-k' (and 'exp-k2': the *_k2 cases) on the device: H2D of coded bytes + Triton
+decode on the copy stream, bit-exact against the resident model, CUDA graphs off and on (the
+decode captured inside the step's graph), each case in its own process (pytest -m gpu)."""
 import os
 import subprocess
 import sys
@@ -32,7 +32,7 @@ def _student_t(model, torch):
     return model
 
 
-def _setup(name="flux", graphs="off", big=False, **cfg):
+def _setup(name="flux", graphs="off", big=False, codec="exp-k", **cfg):
     import copy
 
     import torch
@@ -47,8 +47,10 @@ def _setup(name="flux", graphs="off", big=False, **cfg):
     model = _student_t(make(dtype=torch.bfloat16, **over), torch)
     ref = copy.deepcopy(model).to("cuda")
     x = inputs(model, device="cuda")
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs=graphs, weight_codec="exp-k", **cfg),
+    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs=graphs, weight_codec=codec, **cfg),
                              device="cuda")
+    if codec == "exp-k2":  # two-level tensors really stream (the tiny ones may stay one-level)
+        assert any(seg.header.version == 2 for t in w.executor.source.tables for seg in t.segments)
     return torch, first, w, ref, x
 
 
@@ -73,11 +75,22 @@ def case_eager_wan_resident():
     _check(torch, first, w, ref, x)
 
 
-def case_eager_big_flux_codes_below_raw():
-    torch, first, w, ref, x = _setup("flux", big=True)
+def case_eager_big_flux_codes_below_raw(codec="exp-k"):
+    torch, first, w, ref, x = _setup("flux", big=True, codec=codec)
     s = _check(torch, first, w, ref, x)
     assert s["h2d_bytes_per_step"] < 0.8 * s["raw_bytes"], s
-    assert s["bits_per_weight"] < 12.5, s
+    assert s["bits_per_weight"] < (12.5 if codec == "exp-k" else 11.5), s
+    return s
+
+
+def case_eager_big_flux_k2_below_exp_k():
+    one, two = case_eager_big_flux_codes_below_raw(), case_eager_big_flux_codes_below_raw("exp-k2")
+    assert two["coded_bytes"] < one["coded_bytes"] and two["source"] == "coded-exp-k2", (one, two)
+
+
+def case_eager_wan_resident_k2():
+    torch, first, w, ref, x = _setup("wan", resident_layers=1, codec="exp-k2")
+    _check(torch, first, w, ref, x)
 
 
 def case_graphs_flux():
@@ -93,11 +106,11 @@ def case_graphs_wan_resident():
     assert w.graphs.counts["replay"] >= 2, w.graphs.counts
 
 
-def case_graphs_decode_reads_current_weights():
+def case_graphs_decode_reads_current_weights(codec="exp-k"):
     """After capture, update_weights and a state_dict() edit re-encode blocks in place: the
     replayed graphs (H2D of the coded bytes, decode with the in-place table) compute with
     the new weights, without a new capture."""
-    torch, first, w, ref, x = _setup("flux", graphs="on", big=True)
+    torch, first, w, ref, x = _setup("flux", graphs="on", big=True, codec=codec)
     _check(torch, first, w, ref, x, steps=4)
     captures = w.graphs.counts["capture"]
     with torch.no_grad():
@@ -119,7 +132,15 @@ def case_graphs_decode_reads_current_weights():
         assert torch.equal(first(plain(**x)), expected)
 
 
-def case_encode_on_device_same_bytes():
+def case_graphs_decode_reads_current_weights_k2():
+    case_graphs_decode_reads_current_weights("exp-k2")
+
+
+def case_encode_on_device_same_bytes_k2():
+    case_encode_on_device_same_bytes("exp-k2")
+
+
+def case_encode_on_device_same_bytes(codec="exp-k"):
     """CodedSource(encode_on="device"): blocks coded on the GPU store the CPU encoder's bytes,
     and the streamed model stays bit-exact."""
     import torch
@@ -131,8 +152,9 @@ def case_encode_on_device_same_bytes():
     model = _student_t(tiny_flux(dtype=torch.bfloat16), torch)
     tensors, layouts = _blocks(model)
     objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
-    cpu = CodedSource(layouts, objs(), device="cuda", pin=False)
-    gpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="device")
+    cpu = CodedSource(layouts, objs(), device="cuda", pin=False, codec=codec)
+    gpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="device", codec=codec)
+    assert (codec == "exp-k2") == any(seg.header.version == 2 for t in gpu.tables for seg in t.segments)
     for k in range(len(layouts)):
         n = cpu.coded[k]
         assert n == gpu.coded[k] and torch.equal(cpu.region(k)[:n], gpu.region(k)[:n]), layouts[k].name
@@ -144,6 +166,8 @@ def case_encode_on_device_same_bytes():
 @pytest.mark.parametrize("name", [
     "case_eager_flux", "case_eager_wan_resident", "case_eager_big_flux_codes_below_raw", "case_graphs_flux",
     "case_graphs_wan_resident", "case_graphs_decode_reads_current_weights", "case_encode_on_device_same_bytes",
+    "case_eager_big_flux_k2_below_exp_k", "case_eager_wan_resident_k2", "case_graphs_decode_reads_current_weights_k2",
+    "case_encode_on_device_same_bytes_k2",
 ])
 def test_coded_gpu(name):
     run_isolated(name)

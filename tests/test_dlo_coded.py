@@ -49,19 +49,26 @@ def _model(kind, seed_inputs=1, device="cpu"):
     return m, flux_inputs(m, seed=seed_inputs, device=device)
 
 
-def _fake(model, cls=StreamedBlocks, **cfg_kw):
+def _fake(model, cls=StreamedBlocks, codec="exp-k", **cfg_kw):
     from test_happens_before import fake_dlo
 
-    cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False, **cfg_kw)
+    cfg = OffloadConfig.layerwise(weight_codec=codec, progress=False, **cfg_kw)
     sb = fake_dlo(model, cfg, cls, source_cls=FakeCodedGather)
     return OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
 
 
-@pytest.mark.parametrize("kind", ["toy", "flux"])
-def test_fake_world_of_one_is_bit_exact_and_moves_coded_bytes(kind):
+def _versions(tables) -> set[int]:
+    """Coded tensor format versions of the tables' tensors (2: two-level, "exp-k2")."""
+    return {seg.header.version for t in tables if t is not None for seg in t.segments}
+
+
+@pytest.mark.parametrize("kind,codec", [("toy", "exp-k"), ("flux", "exp-k"), ("flux", "exp-k2")])
+def test_fake_world_of_one_is_bit_exact_and_moves_coded_bytes(kind, codec):
     model, x = _model(kind)
     ref = copy.deepcopy(model)
-    om = _fake(model)
+    om = _fake(model, codec=codec)
+    if kind == "flux":
+        assert (2 in _versions(om._streamed.source.store.tables)) == (codec == "exp-k2")
     with torch.no_grad():
         want = _first(ref(**x))
         assert all(torch.equal(_first(om(**x)), want) for _ in range(3))
@@ -78,12 +85,13 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def test_fake_update_weights_reshards_and_stays_exact():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_fake_update_weights_reshards_and_stays_exact(codec):
     """An update with random bit patterns codes larger than N * shard (a re-shard; gathered back
     bit for bit), then ordinary new weights: the outputs follow every update."""
     model, x = _model("flux")
     ref = copy.deepcopy(model)
-    om = _fake(model)
+    om = _fake(model, codec=codec)
     src = om._streamed.source
     with torch.no_grad():
         om(**x)
@@ -103,14 +111,16 @@ def test_fake_update_weights_reshards_and_stays_exact():
         assert all(torch.equal(_first(om(**x)), want) for _ in range(2))
     full = om.gather_state_dict()
     assert all(torch.equal(full[k], new[k]) for k in new)
+    assert (2 in _versions(src.store.tables)) == (codec == "exp-k2")  # re-encoded with the same codec
     with pytest.raises(RuntimeError, match="gather_state_dict"):
         om.state_dict()
 
 
-def test_local_state_dict_gives_coded_pieces_that_merge():
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_local_state_dict_gives_coded_pieces_that_merge(codec):
     model, x = _model("flux")
     ref = copy.deepcopy(model)
-    om = _fake(model)
+    om = _fake(model, codec=codec)
     local = om.local_state_dict()
     pieces = [v for v in local.values() if isinstance(v, CodedPiece)]
     assert pieces and all(p.data.dtype == torch.uint8 for p in pieces)
@@ -163,8 +173,8 @@ def test_config_and_wiring_accept_the_codec_with_dlo():
 
 
 # --------------------------------------------------------------------------- gloo, 2 ranks
-def _coded_cfg(transfer="allgather", **kw):
-    return OffloadConfig.layerwise(weight_transfer=transfer, weight_codec="exp-k", progress=False, **kw)
+def _coded_cfg(transfer="allgather", codec="exp-k", **kw):
+    return OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, progress=False, **kw)
 
 
 def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
@@ -175,7 +185,9 @@ def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
     with torch.no_grad():
         want = _first(ref(**x))
         equal = [torch.equal(_first(om(**x)), want) for _ in range(forwards)]
-    stats = dict(om._streamed.source.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
+    src = om._streamed.source
+    stats = dict(src.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
+    stats["versions"] = sorted(_versions(src.store.tables if hasattr(src, "store") else src.tables))
     local = om.local_state_dict()
     plain = om.disable()
     with torch.no_grad():
@@ -275,10 +287,16 @@ def _rank_collective_failure(parallel, rank):
                 local=om.local_state_dict(), ref={k: v.clone() for k, v in ref.state_dict().items()})
 
 
-def _codec_differs(parallel, rank):
-    """Rank 1 without the codec: both ranks are told at setup (no gather of mismatched sizes)."""
+def _codec_differs(parallel, rank, other=None):
+    """Rank 1 without the codec (or with ``other``): both ranks are told at setup (no gather
+    of mismatched sizes)."""
     model, _ = _model("toy")
-    cfg = _coded_cfg() if rank == 0 else OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    if rank == 0:
+        cfg = _coded_cfg()
+    elif other is None:
+        cfg = OffloadConfig.layerwise(weight_transfer="allgather", progress=False)
+    else:
+        cfg = _coded_cfg(codec=other)
     try:
         OffloadedTransformer(model, cfg, device="cpu", parallel=parallel)
     except ValueError as e:
@@ -295,6 +313,9 @@ def scenario_two(rank, world):
     c.run("equal_flux", _rank_equal, "flux", par, rank)
     c.run("rank_local", _rank_equal, "flux", par, rank, transfer="rank-local")
     c.run("codec_differs", _codec_differs, par, rank)
+    c.run("equal_flux_k2", _rank_equal, "flux", par, rank, codec="exp-k2")
+    c.run("rank_local_k2", _rank_equal, "flux", par, rank, transfer="rank-local", codec="exp-k2")
+    c.run("codec_differs_k2", _codec_differs, par, rank, "exp-k2")
     c.run("weights", _rank_weights, par, rank)
     c.run("failure_one", _rank_failure_one, rank, world)
     c.run("collective_failure", _rank_collective_failure, par, rank)
@@ -308,11 +329,13 @@ def two(tmp_path_factory):
     return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two")
 
 
-@pytest.mark.parametrize("kind", ["toy", "flux"])
+@pytest.mark.parametrize("kind", ["toy", "flux", "flux_k2"])
 def test_two_ranks_bit_exact_and_each_holds_half_the_coded_bytes(two, kind):
     from test_distributed import get
 
     reps = get(two, f"equal_{kind}")
+    if kind != "toy":
+        assert all((2 in r["stats"]["versions"]) == (kind == "flux_k2") for r in reps)
     for r in reps:
         assert r["equal"] == [True, True] and r["restored"] and r["back"]
     s0, s1 = reps[0]["stats"], reps[1]["stats"]
@@ -333,20 +356,23 @@ def test_two_ranks_update_weights_and_gather_state_dict(two):
         assert "gather_state_dict" in r["sd_error"]
 
 
-def test_two_ranks_rank_local_streams_full_coded_blocks(two):
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+def test_two_ranks_rank_local_streams_full_coded_blocks(two, codec):
     from test_distributed import get
 
-    for r in get(two, "rank_local"):
+    for r in get(two, "rank_local" if codec == "exp-k" else "rank_local_k2"):
         assert r["equal"] == [True, True] and r["restored"] and r["back"]
-        assert r["stats"]["source"] == "coded-exp-k" and r["stats"]["transfer"] == "rank-local"
+        assert r["stats"]["source"] == f"coded-{codec}" and r["stats"]["transfer"] == "rank-local"
+        assert (2 in r["stats"]["versions"]) == (codec == "exp-k2")
         assert r["stats"]["h2d_bytes_per_step"] >= r["stats"]["coded_bytes"]
         assert not any(isinstance(v, CodedPiece) for v in r["local"].values())
 
 
-def test_two_ranks_disagreeing_on_the_codec_are_told_at_setup(two):
+@pytest.mark.parametrize("case", ["codec_differs", "codec_differs_k2"])  # exp-k vs none / vs exp-k2
+def test_two_ranks_disagreeing_on_the_codec_are_told_at_setup(two, case):
     from test_distributed import get
 
-    for msg in get(two, "codec_differs"):
+    for msg in get(two, case):
         assert msg is not None and "weight_codec" in msg and "disagree" in msg, msg
 
 

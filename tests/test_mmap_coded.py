@@ -1,4 +1,4 @@
-"""The mmap source with weight_codec='exp-k' and its coded sidecar, on the CPU.
+"""The mmap source with weight_codec='exp-k' / 'exp-k2' and its coded sidecar, on the CPU.
 
 Every output is compared with the unwrapped model bit for bit; sidecar reuse is
 checked by the encoder's own call count; stale, foreign and corrupt sidecars by
@@ -24,6 +24,7 @@ from test_mmap_source import (
 
 DEV = "cpu"
 CODED = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
+CODED2 = OffloadConfig.layerwise(weight_codec="exp-k2", progress=False)
 
 
 @pytest.fixture
@@ -66,19 +67,25 @@ def _sidecars(folder):
 # ----------------------------------------------------------------- bit-exact
 
 
+def _versions(wrapped) -> set[int]:
+    return {seg.header.version for t in wrapped.executor.source.tables for seg in t.segments}
+
+
 @pytest.mark.parametrize("name", ["flux", "wan"])
-@pytest.mark.parametrize("dtype,resident,sharded", [(torch.bfloat16, 0, False), (torch.bfloat16, 1, True),
-                                                    (torch.float32, 0, False)], ids=["bf16", "bf16-r1-sharded", "fp32"])
-def test_coded_mmap_bit_exact(name, dtype, resident, sharded, tmp_path):
+@pytest.mark.parametrize("dtype,resident,sharded,codec", [
+    (torch.bfloat16, 0, False, "exp-k"), (torch.bfloat16, 1, True, "exp-k"), (torch.float32, 0, False, "exp-k"),
+    (torch.bfloat16, 1, True, "exp-k2")], ids=["bf16", "bf16-r1-sharded", "fp32", "k2-bf16-r1-sharded"])
+def test_coded_mmap_bit_exact(name, dtype, resident, sharded, codec, tmp_path):
     model, x, cls, folder = _diffusers_case(name, tmp_path, dtype=dtype,
                                             **({"max_shard_size": "20KB"} if sharded else {}))
     with torch.no_grad():
         want = first(model(**x))
-    cfg = OffloadConfig.layerwise(weight_codec="exp-k", resident_layers=resident, progress=False)
+    cfg = OffloadConfig.layerwise(weight_codec=codec, resident_layers=resident, progress=False)
     wrapped = _wrap(cls, folder, cfg)
     _steps(wrapped, x, want)
     s = wrapped.stats()
-    assert s["source"] == "coded-exp-k-mmap" and s["blocks_resident"] == resident
+    assert s["source"] == f"coded-{codec}-mmap" and s["blocks_resident"] == resident
+    assert (2 in _versions(wrapped)) == (codec == "exp-k2")
     assert s["blocks_encoded"] == s["blocks_streamed"] > 0 and s["encode_s"] > 0
     assert s["coded_bytes"] > 0 and s["raw_bytes"] == s["streamed_bytes_per_step"]
     if dtype == torch.bfloat16:
@@ -150,6 +157,35 @@ def test_sidecar_written_then_reused_without_encoding(tmp_path, encodes):
         assert s2["sidecar_load_s"] > 0 and s2["sidecar_bytes"] == s1["sidecar_bytes"]
         assert s2["coded_bytes"] == s1["coded_bytes"]
     assert _sidecars(folder) == files and files[0].stat().st_mtime_ns == mtime  # read, never rewritten
+
+
+def test_a_sidecar_of_one_codec_is_never_loaded_for_the_other(tmp_path, encodes):
+    """The sidecar's name and header bind the codec: an exp-k2 sidecar is another file than the
+    exp-k one; copied over it, it is foreign (and the other way round); each loads for its own."""
+    from weightstream.offload.sources.mmap_coded import _codec_id
+
+    assert _codec_id("exp-k") == ["exp-k", 1, 4096]  # the identity exp-k sidecars were written with
+    model, x, cls, folder, want = _flux(tmp_path)
+    _wrap(cls, folder, CODED2, coded_sidecar="write")
+    (k2,) = _sidecars(folder)
+    with pytest.raises(CodedSidecarError, match="cannot be read"):  # no exp-k sidecar yet
+        _wrap(cls, folder, CODED, coded_sidecar="read")
+    one = _wrap(cls, folder, CODED, coded_sidecar="auto")  # encodes and writes its own
+    assert not one.stats()["sidecar_loaded"] and _versions(one) == {1}
+    (k1,) = [p for p in _sidecars(folder) if p != k2]
+    for codec, path, other in (("exp-k2", k2, k1), ("exp-k", k1, k2)):
+        cfg = CODED2 if codec == "exp-k2" else CODED
+        encodes[0] = 0
+        wrapped = _wrap(cls, folder, cfg, coded_sidecar="read")
+        s = wrapped.stats()
+        assert s["sidecar_loaded"] and encodes[0] == 0 and s["source"] == f"coded-{codec}-mmap"
+        assert (2 in _versions(wrapped)) == (codec == "exp-k2")
+        _steps(wrapped, x, want, n=1)
+        saved = path.read_bytes()
+        shutil.copyfile(other, path)  # the other codec's sidecar where this codec looks
+        with pytest.raises(CodedSidecarError, match="foreign"):
+            _wrap(cls, folder, cfg, coded_sidecar="read")
+        path.write_bytes(saved)
 
 
 def test_write_rewrites_atomically_and_leaves_no_temp_files(tmp_path, encodes):
@@ -268,14 +304,15 @@ def test_corrupt_sidecar_is_a_named_error_or_re_encoded(corrupt, match, tmp_path
 # ----------------------------------------------------------------- weights semantics
 
 
-@pytest.mark.parametrize("sidecar", ["off", "read"])
-def test_update_weights_and_edits_as_the_coded_source(sidecar, tmp_path):
+@pytest.mark.parametrize("sidecar,cfg", [("off", CODED), ("read", CODED), ("read", CODED2)],
+                         ids=["off", "read", "k2-read"])
+def test_update_weights_and_edits_as_the_coded_source(sidecar, cfg, tmp_path):
     model, x, cls, folder, want = _flux(tmp_path)
     if sidecar == "read":
-        _wrap(cls, folder, coded_sidecar="write")
+        _wrap(cls, folder, cfg, coded_sidecar="write")
         (path,) = _sidecars(folder)
         before = path.read_bytes()
-    wrapped = _wrap(cls, folder, coded_sidecar=sidecar)
+    wrapped = _wrap(cls, folder, cfg, coded_sidecar=sidecar)
     _steps(wrapped, x, want, n=1)
     new = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     model.load_state_dict(new)

@@ -5,6 +5,9 @@ float tensor of a block keeps its sign/mantissa byte raw and codes its
 exponent byte as a k-bit table code with escapes (about 0.70 of the bytes on
 bf16 weights); every other tensor is stored raw (k = 8: its bytes as they
 are) in the same coded image, so one decode launch writes the whole block.
+``weight_codec="exp-k2"``: the same with the escapes coded again at a second
+level (``encode(..., levels=2)``, about 0.69 of the bytes on Student-t bf16
+weights); a tensor where two levels gain nothing keeps the one-level bytes.
 
 Host side. One anonymous arena holds, per block, a region as large as the
 block's worst case (every tensor at k = 8); only the coded prefix is ever
@@ -61,9 +64,11 @@ from ..layout import BlockLayout, TensorSpec, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
 
-__all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS"]
+__all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
+           "CODEC_LEVELS", "codec_levels"]
 
-CODECS = ("exp-k",)
+CODECS = ("exp-k", "exp-k2")
+CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2}  # weight_codec -> encode(levels=...)
 ENCODE_ON = ("cpu", "device")  # where CodedSource codes its blocks
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
@@ -83,17 +88,23 @@ def check_codec_supported(config, where: str) -> None:
             "there yet (only the pinned host source of layer mode decodes them); choose from: none")
 
 
+def codec_levels(codec: str) -> int:
+    """``encode``'s ``levels`` for the codec named ``codec`` (ValueError naming the codecs)."""
+    if codec not in CODEC_LEVELS:
+        raise ValueError(f"weight_codec={codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
+    return CODEC_LEVELS[codec]
+
+
 def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``
     (``encode_on``: see :class:`CodedSource`)."""
     cfg = req.config
-    if cfg.weight_codec not in CODECS:
-        raise ValueError(f"weight_codec={cfg.weight_codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
+    codec_levels(cfg.weight_codec)
     budget = cfg.pinned_memory_budget_gb
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on,
+        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec,
     )
 
 
@@ -119,14 +130,16 @@ def _raw_bound(spec: TensorSpec) -> int:
     return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
 
 
-def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec.encode`)."""
+def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None,
+                   levels: int = 1) -> torch.Tensor:
+    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec.encode`;
+    ``levels`` 2: codec "exp-k2")."""
     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
         raise ValueError(f"tensor {spec.name!r}: got {t.dtype} {tuple(t.shape)}, the layout says "
                          f"{spec.dtype} {spec.shape}")
     raw = _span_bytes(t, spec)
     if spec.dtype in CODED_DTYPES:
-        blob = encode(raw.view(spec.dtype), out=out)
+        blob = encode(raw.view(spec.dtype), out=out, levels=levels)
         if blob.numel() <= _raw_bound(spec):
             return blob
     if raw.numel() % 2:  # odd byte count: one pad byte (the next tensor starts 512-aligned)
@@ -134,16 +147,16 @@ def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None =
     return encode(raw.view(torch.int16), k=8, out=out)
 
 
-def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = None):
+def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = None, *, levels: int = 1):
     """Coded tensors of one block (empty ones left out) and the table decoding them into its image.
     With ``region`` (a block region, :func:`_capacity` bytes), the coded tensors are written back
-    to back at its start and the blobs returned are views of it."""
+    to back at its start and the blobs returned are views of it. ``levels``: see :data:`CODEC_LEVELS`."""
     blobs, segs, at = [], [], 0
     for spec, t in zip(layout.tensors, tensors):
         if not spec.nbytes:
             continue
         out = None if region is None else region[at:]
-        blob = _encode_tensor(t, spec, out)
+        blob = _encode_tensor(t, spec, out, levels)
         if out is not None and blob.data_ptr() != out.data_ptr():  # did not fit where it goes: copy
             blob = out[: blob.numel()].copy_(blob)  # (raises if the region is too small)
         blobs.append(blob)
@@ -152,23 +165,23 @@ def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = Non
     return blobs, DecodeTable(segs)
 
 
-def encode_into(region: torch.Tensor, layout: BlockLayout, tensors) -> tuple[int, DecodeTable]:
+def encode_into(region: torch.Tensor, layout: BlockLayout, tensors, *, levels: int = 1) -> tuple[int, DecodeTable]:
     """``encode_image`` coding straight into the start of ``region`` (on the worker: no copy
     afterwards, and the first touch of the region's pages runs in parallel too); returns
     (coded bytes, table)."""
-    blobs, table = encode_image(layout, tensors, region)
+    blobs, table = encode_image(layout, tensors, region, levels=levels)
     return sum(b.numel() for b in blobs), table
 
 
 def encode_tensors_into(region: torch.Tensor, layout: BlockLayout, tensors, *,
-                        workers: int | None = None) -> tuple[int, DecodeTable]:
+                        workers: int | None = None, levels: int = 1) -> tuple[int, DecodeTable]:
     """:func:`encode_into` with the block's tensors encoded on worker threads (a few tensors
     ahead, each into its own buffer, copied into ``region`` in order): the same bytes, for
     blocks too few to keep the workers busy one block each (module offload: 2 components of
     a pipeline encoded one tensor at a time reached 0.3 GB/s on the H200 host, 9aef8fd)."""
     items = [(spec, t) for spec, t in zip(layout.tensors, tensors) if spec.nbytes]
     segs, at = [], 0
-    work = lambda i: _encode_tensor(items[i][1], items[i][0])  # noqa: E731
+    work = lambda i: _encode_tensor(items[i][1], items[i][0], levels=levels)  # noqa: E731
     with contextlib.closing(in_order(len(items), work, workers=workers)) as coded:
         for (spec, _), blob in zip(items, coded):
             region[at : at + blob.numel()].copy_(blob)  # (raises if the region is too small)
@@ -185,11 +198,12 @@ def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:
     return at
 
 
-def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, workers: int | None = None):
+def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, workers: int | None = None,
+                     levels: int = 1):
     """``encode_image`` of every block, computed on worker threads a few blocks ahead and
     yielded in block order (torch's copies and shifts release the GIL). See :func:`in_order`
     for the threads; ``workers`` defaults to :func:`encode_workers`."""
-    return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k]), workers=workers)
+    return in_order(len(layouts), lambda k: encode_image(layouts[k], objs[k], levels=levels), workers=workers)
 
 
 def encode_workers() -> int:
@@ -343,7 +357,7 @@ class CodedSource:
     """Lossless coded block images in pinned host memory; H2D of the coded bytes on the copy
     stream and a Triton decode into the slot on the decode stream (see the module docstring)."""
 
-    name = "coded-exp-k"
+    name_suffix = ""  # the source's name: "coded-" + its codec + this
     collective = False
     # the coded H2D runs ahead of the slot's release (its own buffer); only the decode into the
     # slot waits for ``after`` (the slot-free event). Measured on flux-12b-1024 it changed nothing
@@ -353,10 +367,13 @@ class CodedSource:
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
-                 encoded=None, encode_on: str = "cpu"):
+                 encoded=None, encode_on: str = "cpu", codec: str = "exp-k"):
         """``encode_on``: "cpu" (worker threads) or "device" (a CUDA ``device``: each block is
         copied there and coded with the same integer ops, the coded bytes copied back: the
-        same bytes; not measured on the H200 yet, so not the default)."""
+        same bytes; not measured on the H200 yet, so not the default). ``codec``: one of
+        :data:`CODECS` (blocks built and re-encoded with it)."""
+        self.levels = codec_levels(codec)
+        self.codec, self.name = codec, f"coded-{codec}{self.name_suffix}"
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
         if encode_on == "device" and canonical_device(device).type != "cuda":
@@ -437,19 +454,20 @@ class CodedSource:
             """One block on a worker: encoded into its region, committed, its originals dropped
             at once (blocks coded ahead of the in-order pinning then hold coded bytes only: the
             setup peak stays near the model, tests/test_pack_rss.py)."""
-            self._commit(k, *encode_into(self.region(k), self.layouts[k], objs[k]), grow=True)
+            self._commit(k, *encode_into(self.region(k), self.layouts[k], objs[k], levels=self.levels), grow=True)
             dropping(k)
 
         try:
             if encoded is None and self.encode_on == "device":
                 for k in range(n):  # one block at a time on the GPU (H2D, code, D2H into the region)
                     dev = [t.detach().to(self.device) for t in objs[k]]
-                    self._commit(k, *encode_into(self.region(k), self.layouts[k], dev), grow=True)
+                    self._commit(k, *encode_into(self.region(k), self.layouts[k], dev, levels=self.levels), grow=True)
                     del dev
                     stored(k)
             elif encoded is None and n < encode_workers():
                 for k in range(n):  # few large blocks (module offload's components): tensors in parallel
-                    self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k]), grow=True)
+                    self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k], levels=self.levels),
+                                 grow=True)
                     stored(k)
             elif encoded is None:
                 with contextlib.closing(in_order(n, work)) as coded:  # closing: running work ends first
@@ -709,7 +727,8 @@ class CodedSource:
         grown = False
         dirty = sorted(self._dirty)
         images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
-        with contextlib.closing(encoded_in_order([self.layouts[k] for k in dirty], images)) as coded:
+        with contextlib.closing(encoded_in_order([self.layouts[k] for k in dirty], images,
+                                                 levels=self.levels)) as coded:
             for k, (blobs, table) in zip(dirty, coded):
                 d = self._decoded[k]
                 if self._store(k, blobs, table, grow=False):

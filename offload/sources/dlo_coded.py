@@ -1,6 +1,6 @@
 """DLO AllGather with coded shards: each rank holds 1/N of every block's *coded* image.
 
-``weight_transfer='allgather'`` with ``weight_codec='exp-k'``. At build every
+``weight_transfer='allgather'`` with ``weight_codec='exp-k'`` (or ``'exp-k2'``). At build every
 rank encodes every block with the deterministic encoder of
 :mod:`.coded` (the same bytes on every rank), and keeps only its share of the
 coded image: ``shard = shard_size(coded + slack, N)`` (512-aligned, the last
@@ -42,7 +42,7 @@ from ...kernels.codec import DecodeTable, decode, decode_tensor, decode_torch
 from ..dlo_control import ShardPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
-from .coded import CODECS, CodedCaptureStaleError, _slack, encode_image, encoded_in_order
+from .coded import CodedCaptureStaleError, _slack, codec_levels, encode_image, encoded_in_order
 from .dlo import ShardedHostViews, ShardSource
 from .pinned import SourceRequest, drop_storage
 
@@ -171,9 +171,7 @@ class CodedShardSource(ShardSource):
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
-        codec = req.config.weight_codec
-        if codec not in CODECS:
-            raise ValueError(f"weight_codec={codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
+        self.levels = codec_levels(req.config.weight_codec)  # blocks built and re-encoded with this codec
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
         self.layouts = list(req.layouts)
@@ -200,7 +198,7 @@ class CodedShardSource(ShardSource):
                        sum(lay.nbytes for lay in self.layouts), req.config.progress)
         try:
             objs = [req.objects(k) for k in range(n)]
-            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs)):
+            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs, levels=self.levels)):
                 self.store.set(k, _joined(blobs), table)
                 bar.update(self.layouts[k].nbytes)
         except BaseException:
@@ -295,7 +293,7 @@ class CodedShardSource(ShardSource):
         specs = self.layouts[k].tensors
         for i, v in patch.items():
             specs[i].view_of(image).copy_(v)
-        blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs])
+        blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs], levels=self.levels)
         if self.store.set(k, _joined(blobs), table):
             self._resharded()
         self._retable(k)

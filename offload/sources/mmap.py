@@ -479,7 +479,7 @@ def offload_from_safetensors(
     staging_threads: threads that pack staged blocks (int >= 1; None: the
     CPUs available less two, at most 16). 1 packs on the packer thread alone
     (torch's multi-threaded copy).
-    coded_sidecar: with ``weight_codec='exp-k'`` (blocks packed from the mapping, encoded,
+    coded_sidecar: with ``weight_codec='exp-k'`` or ``'exp-k2'`` (blocks packed from the mapping, encoded,
     streamed coded; :mod:`.mmap_coded`): "off" (encode at every start), "write" (encode,
     write ``<checkpoint dir>/.weightstream-coded/<hash>.wsc``), "auto" (load a valid sidecar,
     else encode and write one) or "read" (load one; CodedSidecarError if none is valid).

@@ -1,6 +1,6 @@
 """The coded source over a safetensors checkpoint, and its coded sidecar file.
 
-``offload_from_safetensors(..., config with weight_codec='exp-k')`` streams a
+``offload_from_safetensors(..., config with weight_codec='exp-k' or 'exp-k2')`` streams a
 :class:`~.coded.CodedSource` whose blocks come from the checkpoint mapping:
 each streamed block's runtime tensors are read from the mapping (views; kernel
 transforms and ``mmap_weight_transform`` applied into fresh tensors, as
@@ -14,7 +14,8 @@ The coded sidecar (``coded_sidecar``): ``'off'`` encodes at every start;
 ``'auto'`` loads a valid sidecar, else encodes and writes one; ``'read'`` must
 load one (:class:`CodedSidecarError` otherwise). The file name hashes what
 never changes for one checkpoint path (resolved file paths, runtime layout,
-codec, transforms); its header binds the whole identity: each file's size,
+codec name, transforms: a sidecar written with one codec is never loaded for
+another); its header binds the whole identity: each file's size,
 inode and ``mtime_ns`` as mapped, every block's runtime layout, the codec
 version and tile, every tensor's transform (kernel transform spec, the code of
 an ``mmap_weight_transform`` (its bytecode, constants and plain closure values:
@@ -58,7 +59,7 @@ from ..checkpoint import (
 )
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
-from .coded import CodedRegion, CodedSource, _capacity, encode_image, in_order
+from .coded import CODECS, CodedRegion, CodedSource, _capacity, codec_levels, encode_image, in_order
 from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
@@ -76,7 +77,7 @@ def check_sidecar_mode(mode, codec_name: str) -> str:
     if not isinstance(mode, str) or mode not in SIDECAR_MODES:
         raise ValueError(f"coded_sidecar={mode!r} is not allowed; choose from: {', '.join(SIDECAR_MODES)}")
     if mode != "off" and codec_name == "none":
-        raise ValueError(f"coded_sidecar={mode!r} needs weight_codec='exp-k' (got weight_codec='none'); "
+        raise ValueError(f"coded_sidecar={mode!r} needs weight_codec in {list(CODECS)} (got weight_codec='none'); "
                          "choose from: off")
     return mode
 
@@ -109,14 +110,21 @@ def _cell(c) -> str:
     return repr(v) if isinstance(v, (int, float, str, bool, tuple, type(None))) else type(v).__qualname__
 
 
-def identity(ckpt: Checkpoint, layouts: list[BlockLayout], tensors, bindings) -> dict:
+def _codec_id(codec_name: str) -> list:
+    """The codec part of a sidecar's identity: its name, the format version it writes, the tile
+    ("exp-k" keeps the identity sidecars were first written with)."""
+    version = codec.VERSION if codec_levels(codec_name) == 1 else codec.VERSION2
+    return [codec_name, version, codec.DEFAULT_TILE]
+
+
+def identity(ckpt: Checkpoint, layouts: list[BlockLayout], tensors, bindings, codec_name: str = "exp-k") -> dict:
     """What a sidecar is bound to: ``stable`` (names the file) and ``files`` (checked in the header)."""
     blocks = []
     for lay, ts in zip(layouts, tensors):
         specs = [[s.name, str(s.dtype), list(s.shape), list(s.stride), s.offset, _transform_id(t, bindings.get(id(t)))]
                  for s, t in zip(lay.tensors, ts)]
         blocks.append({"name": lay.name, "nbytes": lay.nbytes, "tensors": specs})
-    stable = {"format": _FORMAT, "codec": ["exp-k", codec.VERSION, codec.DEFAULT_TILE],
+    stable = {"format": _FORMAT, "codec": _codec_id(codec_name),
               "paths": [os.path.abspath(f.path) for f in ckpt.files], "blocks": blocks}
     files = [{"size": f.identity[2], "ino": f.identity[1], "mtime_ns": f.identity[3]} for f in ckpt.files]
     return json.loads(json.dumps({"stable": stable, "files": files}))  # as a header reads back
@@ -262,7 +270,7 @@ def write_sidecar(path: Path, ident: dict, src: CodedSource) -> int:
 class MmapCodedSource(CodedSource):
     """A CodedSource built from a checkpoint mapping (or its coded sidecar); see the module docstring."""
 
-    name = "coded-exp-k-mmap"
+    name_suffix = "-mmap"  # "coded-<codec>-mmap"
     sidecar = None  # the mapped sidecar (_Watched), when blocks were loaded from one
 
     def check(self) -> None:
@@ -316,13 +324,14 @@ def _runtime_tensors(ckpt: Checkpoint, plan, layout: BlockLayout, tensors, bindi
     return out
 
 
-def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter: list):
+def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter: list, levels: int = 1):
     """(blobs, table) of every block in order, encoded on workers from the mapping (the files
     checked before and after each block: never a truncated read, never a mixed block)."""
 
     def work(k: int):
         ckpt.check_unchanged()
-        blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings))
+        blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings),
+                                   levels=levels)
         ckpt.check_unchanged()
         return blobs_table
 
@@ -336,7 +345,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     cfg, device = req.config, req.device
     tensors = [[t for _, _, t in ts] for ts in req.tensors]
     layouts = [file_ordered_layout(lay, file_keys(ts, bindings, len(ckpt.files))) for lay, ts in zip(req.layouts, tensors)]
-    ident = identity(ckpt, layouts, tensors, bindings)
+    ident = identity(ckpt, layouts, tensors, bindings, cfg.weight_codec)
     path = sidecar_path(ckpt, ident)
     t0 = time.perf_counter()
     regions, size, watch = None, 0, None
@@ -356,10 +365,13 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
                 if t.device.type == "meta":
                     _give_data(t, torch.empty(0, dtype=t.dtype, device=device))
     counter = [0]
-    encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter)
+    levels = codec_levels(cfg.weight_codec)
+    encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,
+                                                                 levels)
     budget = cfg.pinned_memory_budget_gb
     src = MmapCodedSource(layouts, tensors, device=device, pin=cfg.pin_memory, progress=cfg.progress,
-                          budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded)
+                          budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded,
+                          codec=cfg.weight_codec)
     load_s = time.perf_counter() - t0
     try:
         ckpt.check_unchanged()  # resident weights and packed blocks were read from the mapping

@@ -622,3 +622,320 @@ def test_encode_on_the_gpu_gives_the_cpu_bytes(numel):
     out = torch.zeros(want.numel() + 64, dtype=torch.uint8)
     got = encode(x.cuda(), out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+
+
+# -- two levels (version 2, codec "exp-k2") ---------------------------------
+
+
+def _skewed_bits(numel: int, dtype=torch.bfloat16, window: bool = True) -> torch.Tensor:
+    """Weight-like bf16 bit patterns from integer arithmetic alone (no RNG): exponents
+    126, 125, ... with Student-t-like falling frequencies (18, 14, 12, 8, 4, 3, 2, 1, 1, 1 in
+    64), every 97th element anywhere. window=False moves the second most frequent exponent
+    away (the level-1 table is then a lookup, not a window). Other dtypes view the bits."""
+    h = (torch.arange(numel, dtype=torch.int64) * 2654435761) % 4294967291
+    off = torch.bucketize((h >> 3) % 64, torch.tensor([18, 32, 44, 52, 56, 59, 61, 62, 63]), right=True)
+    if not window:
+        off = torch.where(off == 1, torch.full_like(off, 40), off)
+    exp = torch.where(h % 97 == 0, (h >> 11) % 256, 126 - off)
+    bits = ((h >> 20) & 1) << 15 | exp << 7 | (h & 0x7F)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, k2", [(None, None), (1, 1), (2, 3), (3, 2), (7, 7), (4, 0)])
+def test_v2_exhaustive_roundtrip_reference(dtype, k, k2):
+    x = _all_patterns(dtype)
+    blob = _roundtrip(x, levels=2, k=k, k2=k2)
+    head = read_header(blob)
+    if k2 is None:  # 256 equally frequent symbols: one level (k = 8) is the smallest, version-1 bytes
+        assert (head.version, head.k, head.k2) == (1, 8, 0) and torch.equal(blob, encode(x))
+    elif k2 == 0:  # forced one level: exactly exp-k's bytes
+        assert head.version == 1 and torch.equal(blob, encode(x, k=k))
+    else:
+        n1, n2 = 2**k - 1, 2**k2 - 1
+        assert (head.version, head.k, head.k2, len(head.table)) == (2, k, k2, n1 + n2)
+        assert head.num_escapes == 65536 - 256 * n1 and head.num_exceptions == 65536 - 256 * (n1 + n2)
+        assert bytes(blob[:4].tolist()) == b"WSC1" and int(blob[4]) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, k2", [(2, 3), (3, 7), (1, 5)])
+def test_v2_exhaustive_kernel(dtype, k, k2):
+    x = _all_patterns(dtype, seed=1)
+    buf, table = encode_block([x], levels=2, k=k, k2=k2)
+    assert table.segments[0].header.k2 == k2
+    out = _kernel_vs_reference(buf, table)
+    assert torch.equal(out[: 2 * 65536], x.view(torch.uint8))
+
+
+def test_v2_every_k1_k2_in_one_launch():
+    """Every forced (k1, k2) in 1..7 x 1..7 beside version-1 tensors of every k, in one decode
+    launch: the reference round trip of each and the kernel's bytes against the reference."""
+    gen = torch.Generator().manual_seed(21)
+    blobs, segs, src_at, dst_at = [], [], 0, 0
+    cases = [(k1, k2) for k1 in range(1, 8) for k2 in range(1, 8)] + [(k, 0) for k in range(9)]
+    for i, (k1, k2) in enumerate(cases):
+        numel = 2 * SMALL_TILE + 19 * i % SMALL_TILE + 1
+        x = fill(FILLS[i % 3], (numel,), generator=gen)
+        if k1 == 0:
+            x = torch.full((numel,), -3.0, dtype=torch.bfloat16)
+        if i % 5 == 4:
+            x = x.float().to(torch.float16)
+        blob = _roundtrip(x, tile=SMALL_TILE, levels=2, k=k1, k2=k2)
+        head = read_header(blob)
+        assert (head.version, head.k, head.k2) == ((2, k1, k2) if k2 else (1, k1, 0))
+        blobs.append(blob)
+        segs.append(CodecSegment(src_at, dst_at, head))
+        src_at += blob.numel()
+        dst_at += 2 * numel + 2 * (i % 3)
+    buf = torch.cat(blobs)
+    out = _kernel_vs_reference(buf, DecodeTable(segs[::-1]))
+    assert torch.equal(_kernel_vs_reference(buf, DecodeTable(segs, gather_planes=False, num_warps=2)), out)
+    flipped = not DecodeTable(segs).scalar_loads
+    assert torch.equal(_kernel_vs_reference(buf, DecodeTable(segs, scalar_loads=flipped)), out)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * 128 + 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v2_edge_sizes(numel, dtype):
+    gen = torch.Generator().manual_seed(numel)
+    x = fill("student-t", (numel,), dtype=torch.float32, generator=gen).to(torch.bfloat16).view(torch.int16)
+    x = x.view(dtype)
+    blob = _roundtrip(x, tile=SMALL_TILE, levels=2, k=2, k2=3)
+    head = read_header(blob)
+    assert head.version == 2 and head.num_tiles == -(-numel // SMALL_TILE)
+    assert head.nbytes >= head.exc_off + head.num_exceptions and head.code2_off % 16 == head.base2_off % 16 == 0
+    _roundtrip(x, tile=SMALL_TILE, levels=2)  # the encoder's own choice
+    buf, table = encode_block([x, x.flip(0)], tile=SMALL_TILE, levels=2, k=2, k2=3)
+    assert table.num_tiles == 2 * -(-numel // SMALL_TILE)
+    out = _kernel_vs_reference(buf, table, seed=numel)
+    assert torch.equal(out[: 2 * numel], x.view(torch.uint8))
+
+
+def test_v2_level2_escapes_in_one_tile():
+    """Level-1 escapes spread over every tile, level-2 escapes (symbols in neither table) all
+    in tile 3, runs of them at its ends: each tile finds both its level-2 codes (bit position
+    from its base) and its exceptions (from its base2)."""
+    n, t = 6 * SMALL_TILE + 17, SMALL_TILE
+    pos = torch.arange(n)
+    exps = torch.tensor([127, 126, 125])[pos % 3]  # the level-1 table (a window: 125..127)
+    exps = torch.where(pos % 5 == 0, 120 + pos % 7 // 2, exps)  # level-2 symbols 120..123 in every tile
+    rare = [3 * t, 3 * t + 1, 3 * t + 2, 3 * t + 50, 4 * t - 3, 4 * t - 2, 4 * t - 1]
+    exps[rare] = torch.tensor([10, 20, 30, 200, 250, 0, 255])
+    bits = (pos % 2) << 15 | exps << 7 | pos % 128
+    x = (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+    blob = _roundtrip(x, tile=t, levels=2, k=2, k2=2)
+    head = read_header(blob)
+    assert head.table[:3] == (125, 126, 127) and sorted(head.table[3:]) == [120, 121, 122]
+    esc1 = int(((exps < 125) | (exps > 127)).sum())
+    assert head.num_escapes == esc1 and head.num_exceptions == len(rare) + int((exps == 123).sum())
+    bases2 = blob[head.base2_off : head.exc_off].view(torch.int64).tolist()
+    per_tile = [int(((exps[i * t : (i + 1) * t] == 123)).sum()) for i in range(7)]
+    per_tile[3] += len(rare)
+    assert bases2 == [sum(per_tile[:i]) for i in range(7)]
+    bases = blob[head.base_off : head.base_off + 8 * 7].view(torch.int64).tolist()
+    assert bases == [int(((exps[: i * t] < 125) | (exps[: i * t] > 127)).sum()) for i in range(7)]
+    _kernel_vs_reference(blob, DecodeTable([CodecSegment(0, 0, head)]))
+    # k2 = 4: a level-2 table of 15 holds all 11 escaped symbols, no exception bytes left
+    wide = _roundtrip(x, tile=t, levels=2, k=2, k2=4)
+    assert read_header(wide).num_exceptions == 0
+    _kernel_vs_reference(wide, DecodeTable([CodecSegment(0, 0, read_header(wide))]))
+
+
+def test_v2_all_level1_escapes_and_empty_level2():
+    """k1 = 1 (most elements escape at level 1), a tensor without any escape (an empty
+    level-2 code stream) and one whose escapes all hit the level-2 table (no exception bytes)."""
+    x = fill("gaussian", (3 * SMALL_TILE + 1,), generator=torch.Generator().manual_seed(4))
+    blob = _roundtrip(x, tile=SMALL_TILE, levels=2, k=1, k2=7)
+    head = read_header(blob)
+    assert head.num_escapes > x.numel() // 2 and head.num_exceptions < head.num_escapes
+    _kernel_vs_reference(blob, DecodeTable([CodecSegment(0, 0, head)]))
+    three = torch.tensor([1.0, 2.0, 4.0], dtype=torch.bfloat16).repeat(200)  # 3 exponents
+    none = read_header(_roundtrip(three, tile=SMALL_TILE, levels=2, k=2, k2=1))
+    assert none.num_escapes == 0 and none.num_exceptions == 0
+    five = torch.tensor([1.0, 2.0, 4.0, 8.0, 0.5], dtype=torch.bfloat16).repeat(100)
+    head5 = read_header(_roundtrip(five, tile=SMALL_TILE, levels=2, k=2, k2=2))
+    assert head5.num_escapes == 200 and head5.num_exceptions == 0
+    for b in (three, five):
+        buf, table = encode_block([b], tile=SMALL_TILE, levels=2, k=2, k2=2)
+        _kernel_vs_reference(buf, table)
+
+
+def test_v2_student_t_bits_per_weight():
+    """exp-k2 on Student-t (df=4) bf16 weights of Flux's fan-in (3072): 10.98 bits per weight
+    measured ((k, k2) = (2, 3); one level: 11.31). Other fan-ins move it with the scale's
+    place between powers of two: 1024 -> 11.02, 5120 -> 11.06 (one level 11.32 / 11.34)."""
+    x = fill("student-t", (3072, 3072), generator=torch.Generator().manual_seed(1))
+    one, two = read_header(_roundtrip(x)), read_header(_roundtrip(x, levels=2))
+    assert (two.version, two.k, two.k2) == (2, 2, 3)
+    assert two.bits_per_weight <= 11.0 < 11.25 <= one.bits_per_weight, (two.bits_per_weight, one.bits_per_weight)
+    assert two.bits_per_weight >= 8 + symbol_entropy(x) - 1e-6
+
+
+@pytest.mark.parametrize("kind", FILLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_v2_never_larger_than_one_level(kind, dtype):
+    x = fill(kind, (384, 1024), dtype=dtype, generator=torch.Generator().manual_seed(3))
+    one, two = read_header(_roundtrip(x)), read_header(_roundtrip(x, levels=2))
+    assert two.nbytes <= one.nbytes and (two.version == 1) == (two.nbytes == one.nbytes)
+    if dtype == torch.bfloat16:
+        assert two.version == 2 and two.nbytes < 0.985 * one.nbytes, (kind, two.bits_per_weight)
+
+
+GOLDEN_V2_SHA256 = {
+    "bf16-window": "7565bda942b3de13f3b17480ac363cff109c61f06c2101d39e9508ee2e54bc5a",
+    "bf16-lookup": "0b708d712da0a71691221609318543f2b12fec55d39beebfccbdc49ef4f7dd6a",
+    "fp16": "468d7d261fca064b136af8780b080a308d431737af6df7bf05c77cc08a1ab29e",
+}
+_V2_INPUTS = {
+    "bf16-window": lambda: _skewed_bits(1_500_000),
+    "bf16-lookup": lambda: _skewed_bits(1_500_000, window=False),
+    "fp16": lambda: _skewed_bits(1_500_000, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_V2_SHA256))
+@pytest.mark.parametrize("torch_index", [False, True])
+def test_v2_encoded_bytes_are_the_golden_bytes(case, torch_index):
+    """Version-2 bytes as first shipped (levels=2), from numpy's escape indices and from
+    torch's (the path a CUDA tensor takes): the same golden bytes."""
+    import hashlib
+
+    blob = encode(_V2_INPUTS[case](), levels=2, _torch_index=torch_index)
+    head = read_header(blob)
+    assert head.version == 2 and (head.k, head.k2) == ((3, 3) if case == "fp16" else (2, 3))
+    if case.startswith("bf16"):  # the window case codes level 1 by subtraction, the other by a lookup
+        assert (head.table[:3] == (124, 125, 126)) == (case == "bf16-window")
+    assert hashlib.sha256(blob.numpy().tobytes()).hexdigest() == GOLDEN_V2_SHA256[case]
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_V2_SHA256))
+def test_v2_encoded_bytes_do_not_depend_on_the_code_chunk(case, monkeypatch):
+    """Cut in many chunks, level-2 codes straddle chunk ends: the same bytes."""
+    import weightstream.kernels.codec as codec_mod
+
+    whole = encode(_V2_INPUTS[case](), levels=2)
+    monkeypatch.setattr(codec_mod, "_CODE_CHUNK", 3 * codec_mod.DEFAULT_TILE)
+    assert torch.equal(encode(_V2_INPUTS[case](), levels=2), whole)
+    assert torch.equal(encode(_V2_INPUTS[case](), levels=2, _torch_index=True), whole)
+
+
+def test_v2_validation():
+    x = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"levels must be in \[1, 2\], got 3"):
+        encode(x, levels=3)
+    with pytest.raises(ValueError, match="k2=2 needs levels=2"):
+        encode(x, k2=2)
+    with pytest.raises(ValueError, match=r"k2 must be in \[0, 7\], got 8"):
+        encode(x, levels=2, k2=8)
+    with pytest.raises(ValueError, match=r"k2=3 needs k in \[1, 7\]"):
+        encode(x, levels=2, k=8, k2=3)
+    with pytest.raises(ValueError, match="table with levels=2 needs k2=0"):
+        encode(x, levels=2, k=2, table=[1, 2, 3])
+    assert torch.equal(encode(x, levels=2, k=2, k2=0, table=[1, 2, 127]), encode(x, k=2, table=[1, 2, 127]))
+
+
+def _poke(blob: torch.Tensor, at: int, fmt: str, value: int) -> torch.Tensor:
+    """A copy of `blob` with `value` packed little-endian (struct `fmt`) at byte `at`."""
+    import struct
+
+    raw = bytearray(blob.numpy().tobytes())
+    struct.pack_into("<" + fmt, raw, at, value)
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+def test_v2_header_validation():
+    x = fill("student-t", (1000,), generator=torch.Generator().manual_seed(8))
+    blob = encode(x, tile=256, levels=2, k=2, k2=3)
+    h = read_header(blob)
+    assert (h.version, h.k, h.k2, len(h.table), h.table_off) == (2, 2, 3, 10, 96)
+    assert h.raw_off == 112 and h.code_off == 112 + 1008 and h.base_off == h.code_off + 2 * 4 * 32
+    code2_bytes = -(-h.num_escapes * 3 // 8) + 1
+    assert h.code2_off == h.base_off + 32 and h.base2_off == -(-(h.code2_off + code2_bytes) // 16) * 16
+    assert h.exc_off == h.base2_off + 32 and h.nbytes == -(-(h.exc_off + h.num_exceptions) // 16) * 16
+    assert blob.numel() == h.nbytes and not blob[h.code2_off + code2_bytes - 1 : h.base2_off].any()
+    for at, fmt, val, why in [(4, "B", 3, "version 3 is not supported"), (20, "I", 0, "k=2, k2=0"),
+                              (20, "I", 8, "k=2, k2=8"), (7, "B", 9, "table_len=9"),
+                              (6, "B", 8, "k=8, k2=3"),
+                              (80, "Q", h.code2_off + 16, "inconsistent stream offsets"),
+                              (88, "Q", h.base2_off - 16, "inconsistent stream offsets"),
+                              (72, "Q", h.num_escapes + 200, "inconsistent stream offsets")]:
+        with pytest.raises(ValueError, match=why):
+            read_header(_poke(blob, at, fmt, val))
+    with pytest.raises(ValueError, match="too few for a version-2 header"):
+        read_header(blob[:88])
+    # a header that disagrees with its code streams: the reference decoder says so
+    with pytest.raises(ValueError, match="level-1 escapes but its header says"):
+        decode_tensor(_poke(blob, 72, "Q", h.num_escapes + 1))  # the same layout while in the padding
+    v1 = encode(x, tile=256)
+    assert read_header(_poke(v1, 72, "Q", 5)).k2 == 0  # version 1 ignores its reserved fields, as before
+
+
+@pytest.mark.gpu
+def test_gpu_v2_decode_matches_reference_and_graph():
+    """Version-2 tensors (every forced (k1, k2), the encoder's own choices on Flux-like fills
+    and a Flux-sized Student-t tensor) beside version-1 ones, decoded by the real kernel on
+    CUDA in one launch, byte for byte against the reference, eagerly and in a CUDA graph."""
+    _gpu_ok()
+    gen = torch.Generator().manual_seed(7)
+    blobs = [encode(t, levels=2) for t in _flux_like(gen)]
+    blobs.append(encode(fill("student-t", (3072, 3072), generator=gen), levels=2))
+    blobs += [encode(_all_patterns(torch.bfloat16), levels=2, k=2, k2=3), encode(_all_patterns(torch.float16))]
+    for k1 in range(1, 8):
+        for k2 in range(1, 8):
+            blobs.append(encode(fill("student-t", (5000 + 97 * k1 * k2,), generator=gen), levels=2, k=k1, k2=k2))
+    segs, src_at, dst_at = [], 0, 0
+    for b in blobs:
+        head = read_header(b)
+        segs.append(CodecSegment(src_at, dst_at, head))
+        src_at, dst_at = src_at + b.numel(), dst_at + head.decoded_bytes + 2
+    table = DecodeTable(segs)
+    assert sum(s.header.version == 2 for s in segs) >= 50 and any(s.header.version == 1 for s in segs)
+    buf = torch.cat(blobs)
+    ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
+    decode_torch(buf, ref, table)
+    for s, b in zip(segs, blobs):
+        assert torch.equal(ref[s.dst_offset : s.dst_end], decode_tensor(b).view(torch.uint8))
+    src = buf.cuda()
+    dst = torch.zeros_like(ref, device="cuda")
+    decode(src, dst, table)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), ref)
+    table.upload(dst.device)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode(src, dst, table)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        decode(src, dst, table)
+    dst.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numel", [1, 4097, 3_000_001])
+def test_gpu_v2_encode_on_the_gpu_gives_the_cpu_bytes(numel):
+    x = _skewed_bits(numel)
+    want = encode(x, levels=2)
+    assert numel == 1 or read_header(want).version == 2
+    assert torch.equal(encode(x.cuda(), levels=2).cpu(), want)
+
+
+def test_bench_codec_reports_both_codecs():
+    """perf/bench_codec.py --codec exp-k exp-k2: the figures of each (CPU part), -k2 modes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from perf import bench_codec
+
+    tensors = [fill("student-t", (512, 3072), generator=torch.Generator().manual_seed(2))]
+    _, t1, one = bench_codec.encode_stats(tensors, DEFAULT_TILE, threaded=False, codec="exp-k")
+    _, t2, two = bench_codec.encode_stats(tensors, DEFAULT_TILE, threaded=False, codec="exp-k2")
+    assert (one["k"], one["k2"], two["k"], two["k2"]) == ([3], [0], [2], [3])
+    assert two["coded_bytes"] < one["coded_bytes"] and two["bits_per_weight"] < 11.0 < one["bits_per_weight"]
+    assert two["exception_fraction"] < one["exception_fraction"] < two["escape_fraction"]
+    assert t2.segments[0].header.version == 2 and bench_codec.CODEC_SUFFIX == {"exp-k": "", "exp-k2": "-k2"}
