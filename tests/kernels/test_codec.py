@@ -395,12 +395,14 @@ def _flux_like(gen):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_matches_reference_and_graph():
+@pytest.mark.parametrize("scalar_loads", [False, True])
+def test_gpu_decode_matches_reference_and_graph(scalar_loads):
     """The real kernel on CUDA, byte for byte against the reference, eager and in a CUDA graph."""
     _gpu_ok()
     gen = torch.Generator().manual_seed(0)
     ts = _flux_like(gen) + [_all_patterns(torch.bfloat16), _all_patterns(torch.float16)]
     buf, table = encode_block(ts, tile=DEFAULT_TILE)
+    table = DecodeTable(table.segments, scalar_loads=scalar_loads)
     src = buf.cuda()
     ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
     decode_torch(buf, ref, table)
