@@ -87,7 +87,7 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    SCALAR_LOADS: tl.constexpr,
+    LEVEL2: tl.constexpr,
 ):
     e0 = t * TILE
     offs = tl.arange(0, TILE)
@@ -109,28 +109,19 @@ def _decode_tile(
     escapes = (kv >= 1) & has_table
     is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
     # this tile's first exception index: an int64 (little-endian) of the base stream
-    if SCALAR_LOADS:  # one int64 load (the base stream is 16-byte aligned): no reduction
-        base = tl.load((src_ptr + base_abs + 8 * t).to(tl.pointer_type(tl.int64)), mask=k < 8, other=0)
-    else:
-        b8 = tl.arange(0, 8)
-        base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + k) < 8, other=0).to(tl.int64)
-        base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
+    b8 = tl.arange(0, 8)
+    base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + k) < 8, other=0).to(tl.int64)
+    base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
     rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
-    k2 = tl.load(rec + 9)  # version 2: level-2 code bits (0: one level)
-    if k2 > 0:
-        exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
+    if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
+        k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)
+        if k2 > 0:
+            exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
+        else:
+            exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
     else:
         exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-    if SCALAR_LOADS:  # k <= 3: the <= 7 level-1 table bytes as two int32 scalars (16-byte aligned, padded)
-        words = (src_ptr + table_abs).to(tl.pointer_type(tl.int32))
-        lo = tl.load(words, mask=k <= 3, other=0)
-        hi = tl.load(words + 1, mask=k <= 3, other=0)
-        reg = tl.where(code < 4, lo >> (8 * (code & 3)), hi >> (8 * (code & 3))) & 0xFF
-        small = kv <= 3
-        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask & (~small), other=0).to(tl.int32)
-        tab = tl.where(small, reg, tab)
-    else:
-        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
+    tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
     sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
 
     bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
@@ -153,7 +144,7 @@ def _decode_kernel(
     SEARCH_STEPS: tl.constexpr,
     DST_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
-    SCALAR_LOADS: tl.constexpr,
+    LEVEL2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -179,7 +170,7 @@ def _decode_kernel(
     split = tl.load(rec + 8)
     if (t + 1) * TILE <= numel:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, False, GATHER, SCALAR_LOADS)
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, True, GATHER, SCALAR_LOADS)
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2)

@@ -191,8 +191,6 @@ HEADER_BYTES = 80
 HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 8
-# the tile's escape base and a k <= 3 table as int64 / int32 scalar loads (no vector load + reduction)
-DEFAULT_SCALAR_LOADS = False
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
@@ -841,8 +839,7 @@ class DecodeTable(PackedTable):
     """
 
     def __init__(
-        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        scalar_loads: bool = DEFAULT_SCALAR_LOADS,
+        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -855,9 +852,6 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
-        if not isinstance(scalar_loads, bool):
-            raise TypeError(f"scalar_loads must be a bool, got {scalar_loads!r}")
-        self.scalar_loads = scalar_loads
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -870,6 +864,7 @@ class DecodeTable(PackedTable):
                     f"[{b.dst_offset}, {b.dst_end})"
                 )
         self._live = tuple(live)
+        self.two_level = any(s.header.k2 for s in live)  # the kernel's level-2 code is compiled only then
         self.src_nbytes = max((s.src_end for s in live), default=0)
         self.dst_nbytes = max((s.dst_end for s in live), default=0)
         self.coded_nbytes = sum(s.header.nbytes for s in live)
@@ -881,7 +876,7 @@ class DecodeTable(PackedTable):
 
     def options(self) -> dict:
         """The launch options (they never change the decoded bytes), to build a table alike."""
-        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "scalar_loads": self.scalar_loads}
+        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -953,7 +948,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
-        SCALAR_LOADS=table.scalar_loads,
+        LEVEL2=table.two_level,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes

@@ -224,13 +224,11 @@ def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
 def _variants(name: str, args):
     """(mode name, DecodeTable launch options) for every combination of the swept options; a
     mode name carries a suffix for each option that is not its list's first choice."""
-    for loads in args.loads:
-        for planes in args.planes:
-            for warps in args.num_warps:
-                mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
-                mode += "" if planes == args.planes[0] else f"-{planes}"
-                mode += "" if loads == args.loads[0] else f"-{loads}"
-                yield mode, {"num_warps": warps, "gather_planes": planes == "gather", "scalar_loads": loads == "scalar"}
+    for planes in args.planes:
+        for warps in args.num_warps:
+            mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+            mode += "" if planes == args.planes[0] else f"-{planes}"
+            yield mode, {"num_warps": warps, "gather_planes": planes == "gather"}
 
 
 def copy_ms(nbytes: int) -> float:
@@ -295,7 +293,7 @@ def run_build(args) -> dict:
 
 def main(argv=None) -> int:
     from weightstream.fills import FILLS
-    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_SCALAR_LOADS, DEFAULT_TILE
+    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_TILE
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],
@@ -309,9 +307,6 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
                    help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
-    p.add_argument("--loads", nargs="+", choices=["vector", "scalar"],
-                   default=["scalar" if DEFAULT_SCALAR_LOADS else "vector"],
-                   help="a tile's escape base and small table: vector loads + reduction, or scalar loads")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",

@@ -253,11 +253,7 @@ def test_mixed_block_one_launch():
     out = _kernel_vs_reference(torch.cat(blobs), table)
     gathered = _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, gather_planes=False, num_warps=2))
     assert torch.equal(gathered, out)
-    scalar = DecodeTable(segs, scalar_loads=not DecodeTable(segs).scalar_loads)  # the other load path
-    assert scalar.options()["scalar_loads"] != DecodeTable(segs).options()["scalar_loads"]
-    assert torch.equal(_kernel_vs_reference(torch.cat(blobs), scalar), out)
-    with pytest.raises(TypeError, match="scalar_loads must be a bool"):
-        DecodeTable(segs, scalar_loads=1)
+    assert not DecodeTable(segs).two_level  # version-1 tensors only: the one-level kernel
 
 
 def test_encode_block_layout():
@@ -395,14 +391,12 @@ def _flux_like(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scalar_loads", [False, True])
-def test_gpu_decode_matches_reference_and_graph(scalar_loads):
+def test_gpu_decode_matches_reference_and_graph():
     """The real kernel on CUDA, byte for byte against the reference, eager and in a CUDA graph."""
     _gpu_ok()
     gen = torch.Generator().manual_seed(0)
     ts = _flux_like(gen) + [_all_patterns(torch.bfloat16), _all_patterns(torch.float16)]
     buf, table = encode_block(ts, tile=DEFAULT_TILE)
-    table = DecodeTable(table.segments, scalar_loads=scalar_loads)
     src = buf.cuda()
     ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
     decode_torch(buf, ref, table)
@@ -693,8 +687,7 @@ def test_v2_every_k1_k2_in_one_launch():
     buf = torch.cat(blobs)
     out = _kernel_vs_reference(buf, DecodeTable(segs[::-1]))
     assert torch.equal(_kernel_vs_reference(buf, DecodeTable(segs, gather_planes=False, num_warps=2)), out)
-    flipped = not DecodeTable(segs).scalar_loads
-    assert torch.equal(_kernel_vs_reference(buf, DecodeTable(segs, scalar_loads=flipped)), out)
+    assert DecodeTable(segs).two_level
 
 
 @pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * 128 + 5])
