@@ -151,12 +151,17 @@ def test_fill_validation():
 # -- edge cases ------------------------------------------------------------
 
 
+def _edge_input(numel: int, dtype) -> torch.Tensor:
+    """Student-t bf16 bits of `numel` elements, viewed as `dtype` (seeded by the size)."""
+    gen = torch.Generator().manual_seed(numel)
+    x = fill("student-t", (numel,), dtype=torch.float32, generator=gen).to(torch.bfloat16).view(torch.int16)
+    return x.view(dtype)
+
+
 @pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * 128 + 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_edge_sizes(numel, dtype):
-    gen = torch.Generator().manual_seed(numel)
-    x = fill("student-t", (numel,), dtype=torch.float32, generator=gen).to(torch.bfloat16).view(torch.int16)
-    x = x.view(dtype)
+    x = _edge_input(numel, dtype)
     blob = _roundtrip(x, tile=SMALL_TILE)
     buf, table = encode_block([x, x.flip(0)], tile=SMALL_TILE, k=3)
     assert table.num_tiles == 2 * -(-numel // SMALL_TILE)
@@ -390,26 +395,16 @@ def _flux_like(gen):
     return out
 
 
-@pytest.mark.gpu
-def test_gpu_decode_matches_reference_and_graph():
-    """The real kernel on CUDA, byte for byte against the reference, eager and in a CUDA graph."""
-    _gpu_ok()
-    gen = torch.Generator().manual_seed(0)
-    ts = _flux_like(gen) + [_all_patterns(torch.bfloat16), _all_patterns(torch.float16)]
-    buf, table = encode_block(ts, tile=DEFAULT_TILE)
+def _gpu_decode_eager_and_graph(buf, table, ref):
+    """Decode `buf` on CUDA eagerly, then from a captured CUDA graph (replayed into a zeroed
+    `dst`); both must equal the reference bytes `ref`. Returns (src, dst, graph)."""
     src = buf.cuda()
-    ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
-    decode_torch(buf, ref, table)
-    for s, t in zip(table.segments, ts):
-        assert torch.equal(ref[s.dst_offset : s.dst_end], t.reshape(-1).view(torch.uint8))
     dst = torch.zeros_like(ref, device="cuda")
     decode(src, dst, table)
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), ref)
-
     table.upload(dst.device)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         decode(src, dst, table)  # warm-up on a side stream, as capture requires
@@ -420,6 +415,21 @@ def test_gpu_decode_matches_reference_and_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), ref)
+    return src, dst, graph
+
+
+@pytest.mark.gpu
+def test_gpu_decode_matches_reference_and_graph():
+    """The real kernel on CUDA, byte for byte against the reference, eager and in a CUDA graph."""
+    _gpu_ok()
+    gen = torch.Generator().manual_seed(0)
+    ts = _flux_like(gen) + [_all_patterns(torch.bfloat16), _all_patterns(torch.float16)]
+    buf, table = encode_block(ts, tile=DEFAULT_TILE)
+    ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
+    decode_torch(buf, ref, table)
+    for s, t in zip(table.segments, ts):
+        assert torch.equal(ref[s.dst_offset : s.dst_end], t.reshape(-1).view(torch.uint8))
+    src, dst, graph = _gpu_decode_eager_and_graph(buf, table, ref)
     # replay reads the coded bytes at replay time: flipped tensors coded with the
     # same k and tables have the same layout (table) and new contents
     ts2 = [t.flip(0) for t in ts]
@@ -693,9 +703,7 @@ def test_v2_every_k1_k2_in_one_launch():
 @pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * 128 + 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_v2_edge_sizes(numel, dtype):
-    gen = torch.Generator().manual_seed(numel)
-    x = fill("student-t", (numel,), dtype=torch.float32, generator=gen).to(torch.bfloat16).view(torch.int16)
-    x = x.view(dtype)
+    x = _edge_input(numel, dtype)
     blob = _roundtrip(x, tile=SMALL_TILE, levels=2, k=2, k2=3)
     head = read_header(blob)
     assert head.version == 2 and head.num_tiles == -(-numel // SMALL_TILE)
@@ -891,23 +899,7 @@ def test_gpu_v2_decode_matches_reference_and_graph():
     decode_torch(buf, ref, table)
     for s, b in zip(segs, blobs):
         assert torch.equal(ref[s.dst_offset : s.dst_end], decode_tensor(b).view(torch.uint8))
-    src = buf.cuda()
-    dst = torch.zeros_like(ref, device="cuda")
-    decode(src, dst, table)
-    torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), ref)
-    table.upload(dst.device)
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode(src, dst, table)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        decode(src, dst, table)
-    dst.fill_(0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), ref)
+    _gpu_decode_eager_and_graph(buf, table, ref)
 
 
 @pytest.mark.gpu
