@@ -8,8 +8,8 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
 3. loads its tile's raw bytes and code bit planes (contiguous bytes),
 4. marks escapes, ranks them with a prefix sum plus the tile's stored base,
    and reads their symbols from the exception stream; other codes index the
-   tensor's table (k = 8: the code is the symbol). Version-2 tensors (k2 > 0,
-   a runtime branch: version 1 runs the same instructions as before) read each
+   tensor's table (k = 8: the code is the symbol). Version-2 tensors (k2 > 0;
+   that code is compiled only when the table holds one, LEVEL2) read each
    escape's k2-bit level-2 code at bit rank * k2 of the level-2 code stream,
    rank the level-2 escapes with a second prefix sum plus the tile's level-2
    base and read those from the exception stream (`_level2`),
