@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 # int64 fields per segment record; must match `codec._pack_records`.
-_NUM_FIELDS = tl.constexpr(12)
+_NUM_FIELDS = tl.constexpr(13)
 
 
 @triton.jit
@@ -135,6 +135,85 @@ def _decode_tile(
 
 
 @triton.jit
+def _plane_words(src_ptr, tile_code, K: tl.constexpr, W: tl.constexpr, TILE: tl.constexpr):
+    """Plane W's code bits of a tile, four elements per uint32 word (byte b of word i: element 4 i + b),
+    shifted to their place in each byte ([TILE // 4] uint32)."""
+    NW: tl.constexpr = TILE // 4
+    SPAN_W: tl.constexpr = TILE * W // 32  # words per plane
+    wi = tl.arange(0, NW)
+    start = tile_code + (TILE // 8) * (K & ~(2 * W - 1))
+    start = (start // 16) * 16
+    word = tl.load((src_ptr + start).to(tl.pointer_type(tl.uint32)) + wi % SPAN_W)
+    keep: tl.constexpr = ((1 << W) - 1) * 0x01010101
+    bits = (word >> (W * (wi // SPAN_W)).to(tl.uint32)) & keep
+    return bits << (K & (W - 1))
+
+
+@triton.jit
+def _spread(x, HIGH: tl.constexpr):
+    """Bytes 0, 1 (HIGH: 2, 3) of each uint32 word into the low bytes of its two 16-bit halves."""
+    if HIGH:
+        return ((x >> 16) & 0xFF) | ((x >> 8) & 0xFF0000)
+    return (x & 0xFF) | ((x << 8) & 0xFF0000)
+
+
+@triton.jit
+def _join16(raw, sym, split, HIGH: tl.constexpr):
+    """Two 16-bit elements per uint32 word from four-per-word raw and symbol bytes."""
+    r = _spread(raw, HIGH)
+    s = _spread(sym, HIGH)
+    bf16 = ((r << 8) & 0x80008000) | (s << 7) | (r & 0x007F007F)
+    return tl.where(split == 0, bf16, (s << 8) | r)
+
+
+@triton.jit
+def _decode_tile_words(
+    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
+    K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr,
+):
+    """A full tile of a one-level code (1 <= K <= 7) whose table is the window of symbols
+    [window, window + 2^K - 1) with window + 2^K - 1 <= 255, four elements per uint32 word
+    (SWAR): code j decodes to window + j with one add per word, no table lookup; escapes are
+    flagged per byte, counted per word, ranked by a prefix sum over words, and their
+    exception bytes read as one 4-byte window per word and moved to their byte."""
+    NW: tl.constexpr = TILE // 4
+    wi = tl.arange(0, NW)
+    raw = tl.load((src_ptr + (raw_abs // 16) * 16).to(tl.pointer_type(tl.uint32)) + t * NW + wi)
+    tile_code = code_abs + t * (TILE // 8) * K
+    code = tl.zeros([NW], tl.uint32)
+    if K & 4:
+        code |= _plane_words(src_ptr, tile_code, K, 4, TILE)
+    if K & 2:
+        code |= _plane_words(src_ptr, tile_code, K, 2, TILE)
+    if K & 1:
+        code |= _plane_words(src_ptr, tile_code, K, 1, TILE)
+    # escape flags: code 2^K - 1 carries into bit K of its byte when 1 is added (no carry past it)
+    esc = ((code + 0x01010101) >> K) & 0x01010101
+    sym = code + (window * 0x01010101).to(tl.uint32)
+    cnt = ((esc * 0x01010101) >> 24).to(tl.int32)  # escapes in the word
+    pre = esc * 0x01010100  # byte b: escapes in bytes < b of the word
+    rank = tl.cumsum(cnt, axis=0) - cnt  # escapes of the tile before the word
+    base = tl.load((src_ptr + base_abs + 8 * t).to(tl.pointer_type(tl.int64)))
+    first = exc_abs + base  # the tile's first exception byte
+    aligned = (first // 4) * 4
+    at = (first - aligned).to(tl.int32) + rank  # the word's first exception, from the aligned start
+    exc_words = (src_ptr + aligned).to(tl.pointer_type(tl.uint32)) + (at >> 2)
+    lo = tl.load(exc_words, mask=cnt > 0, other=0)
+    hi = tl.load(exc_words + 1, mask=(at & 3) + cnt > 4, other=0)
+    sh = ((at & 3) * 8).to(tl.uint32)
+    x = (lo >> sh) | ((hi << (31 - sh)) << 1)  # the word's exceptions, in order (sh = 0: hi drops out)
+    z = x & 0xFF  # byte 0 takes exception 0; byte b takes exception pre[b]
+    z |= ((x >> ((pre >> 5) & 0x18)) & 0xFF) << 8
+    z |= ((x >> ((pre >> 13) & 0x18)) & 0xFF) << 16
+    z |= ((x >> ((pre >> 21) & 0x18)) & 0xFF) << 24
+    m = esc * 0xFF
+    sym = (sym & ~m) | (z & m)
+    out = tl.reshape(tl.join(_join16(raw, sym, split, False), _join16(raw, sym, split, True)), [2 * NW])
+    dst = (dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE).to(tl.pointer_type(tl.uint32))
+    tl.store(dst + tl.arange(0, 2 * NW), out)
+
+
+@triton.jit
 def _decode_kernel(
     src_ptr,
     dst_ptr,
@@ -145,6 +224,7 @@ def _decode_kernel(
     DST_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
     LEVEL2: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -168,7 +248,18 @@ def _decode_kernel(
     numel = tl.load(rec + 6)
     k = tl.load(rec + 7)
     split = tl.load(rec + 8)
-    if (t + 1) * TILE <= numel:
+    window = tl.load(rec + 12)  # -1: not a window table (see codec._pack_records)
+    full = (t + 1) * TILE <= numel
+    if WORDS and full and window >= 0 and k == 3:
+        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
+                           3, TILE, DST_ALIGN)
+    elif WORDS and full and window >= 0 and k == 2:
+        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
+                           2, TILE, DST_ALIGN)
+    elif WORDS and full and window >= 0 and k == 4:
+        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
+                           4, TILE, DST_ALIGN)
+    elif full:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
                      split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2)
     else:

@@ -815,6 +815,18 @@ class CodecSegment:
         return self.dst_offset + self.header.decoded_bytes
 
 
+def _word_window(h: CodedHeader) -> int:
+    """The table's first symbol when the kernel may decode the tensor four elements per word: a
+    one-level code (2 <= k <= 4) whose table is the window [w, w + 2^k - 1) with w + 2^k - 1 <= 255
+    (so adding w to every code byte, the escape code included, never carries); -1 otherwise."""
+    if h.k2 or not 2 <= h.k <= 4 or not h.table:
+        return -1
+    w = h.table[0]
+    if w + (1 << h.k) - 1 > 255 or any(s != w + j for j, s in enumerate(h.table)):
+        return -1
+    return w
+
+
 def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor, int]:
     starts, records = [0], []
     for s in segs:
@@ -824,6 +836,7 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
         records += [o + h.raw_off, o + h.code_off, o + h.base_off, o + h.exc_off, o + h.table_off]
         records += [s.dst_offset // 2, h.numel, h.k, split]
         records += [h.k2, o + h.code2_off if h.k2 else 0, o + h.base2_off if h.k2 else 0]  # version 2
+        records += [_word_window(h)]
     return torch.tensor(starts + records, dtype=torch.int64), starts[-1]
 
 
@@ -840,7 +853,8 @@ class DecodeTable(PackedTable):
     """
 
     def __init__(
-        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True
+        self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
+        words: bool = True,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -853,6 +867,8 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
+        if not isinstance(words, bool):
+            raise TypeError(f"words must be a bool, got {words!r}")
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -873,11 +889,14 @@ class DecodeTable(PackedTable):
         self.dst_align = math.gcd(16, *(s.dst_offset for s in live)) // 2 if live else 8  # in elements
         self._host, self.num_tiles = _pack_records(live, self.tile)
         self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))
+        # the four-elements-per-word path (window tables, full tiles) stores uint32 words: even element offsets
+        self.words = words and self.dst_align >= 2 and any(_word_window(s.header) >= 0 for s in live)
+        self._words_option = words
         self._device: dict[torch.device, torch.Tensor] = {}
 
     def options(self) -> dict:
         """The launch options (they never change the decoded bytes), to build a table alike."""
-        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes}
+        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "words": self._words_option}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -950,6 +969,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
+        WORDS=table.words,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes
@@ -1055,6 +1075,7 @@ def encode_block(
     align: int = 512,
     num_warps: int = DEFAULT_NUM_WARPS,
     gather_planes: bool = True,
+    words: bool = True,
     levels: int = 1,
     k2: int | None = None,
 ) -> tuple[torch.Tensor, DecodeTable]:
@@ -1081,7 +1102,7 @@ def encode_block(
         at += b.numel()  # a multiple of 16
     buf = torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)
     segs = [CodecSegment(s, d, read_header(b)) for s, d, b in zip(src_offsets, dst_offsets, blobs)]
-    return buf, DecodeTable(segs, num_warps=num_warps, gather_planes=gather_planes)
+    return buf, DecodeTable(segs, num_warps=num_warps, gather_planes=gather_planes, words=words)
 
 
 def symbol_entropy(tensor: torch.Tensor) -> float:

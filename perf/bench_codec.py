@@ -224,11 +224,13 @@ def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
 def _variants(name: str, args):
     """(mode name, DecodeTable launch options) for every combination of the swept options; a
     mode name carries a suffix for each option that is not its list's first choice."""
-    for planes in args.planes:
-        for warps in args.num_warps:
-            mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
-            mode += "" if planes == args.planes[0] else f"-{planes}"
-            yield mode, {"num_warps": warps, "gather_planes": planes == "gather"}
+    for words in args.words:
+        for planes in args.planes:
+            for warps in args.num_warps:
+                mode = name + ("" if warps == args.num_warps[0] else f"-w{warps}")
+                mode += "" if planes == args.planes[0] else f"-{planes}"
+                mode += "" if words == args.words[0] else f"-words{words}"
+                yield mode, {"num_warps": warps, "gather_planes": planes == "gather", "words": words == "on"}
 
 
 def copy_ms(nbytes: int) -> float:
@@ -307,6 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[DEFAULT_NUM_WARPS])
     p.add_argument("--planes", nargs="+", choices=["gather", "reshape"], default=["gather", "reshape"],
                    help="code-plane load variant(s) of the kernel (first = unsuffixed mode name)")
+    p.add_argument("--words", nargs="+", choices=["on", "off"], default=["on"],
+                   help="the four-elements-per-word path for window tables (first = unsuffixed mode name)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph replay figures")
     p.add_argument("--cpu", action="store_true", help="coding figures and encode rate only (no GPU)")
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",

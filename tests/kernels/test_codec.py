@@ -369,12 +369,84 @@ def test_launcher_and_table_validation():
         DecodeTable([CodecSegment(0, 0, head), CodecSegment(0, 64, other)])
     with pytest.raises(TypeError, match="gather_planes must be a bool"):
         DecodeTable([], gather_planes=1)
+    with pytest.raises(TypeError, match="words must be a bool"):
+        DecodeTable([], words=1)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):
         DecodeTable([], num_warps=3)
     with pytest.raises(TypeError, match=r"segments\[0\] must be a CodecSegment"):
         DecodeTable([(0, 0, head)])
     with pytest.raises(TypeError, match="table must be a DecodeTable"):
         bytes_moved(None)
+
+
+# -- the four-elements-per-word path ------------------------------------------
+
+
+def _random_bits(numel: int, seed: int) -> torch.Tensor:
+    return torch.randint(-32768, 32768, (numel,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(seed)).to(torch.int16)
+
+
+def _word_cases(tile: int):
+    """(tensor, k, table) coded with window tables the word path takes, escapes from none to
+    every element (words holding 0..4 exceptions at every alignment of the exception stream)."""
+    gen = torch.Generator().manual_seed(5)
+    n = 3 * tile + 5  # a partial last tile (decoded element by element)
+    st = fill("student-t", (n,), generator=gen)
+    return [
+        (st, 3, None),  # the encoder's window, ~6% escapes
+        (st, 2, None),  # ~35% escapes
+        (st, 4, None),  # almost none
+        (_random_bits(n, 1), 2, (0, 1, 2)),  # ~99% escapes: words with 4
+        (_random_bits(n, 2), 3, tuple(range(248, 255))),  # the highest window that cannot carry
+        (_random_bits(n, 3).view(torch.float16), 4, tuple(range(240, 255))),
+        (fill("gaussian", (n,), generator=gen).abs().half(), 3, tuple(range(37, 44))),  # fp16 (split): high byte
+    ]
+
+
+@pytest.mark.parametrize("words", [True, False])
+def test_word_path_matches_the_reference(words):
+    """Window tables (2 <= k <= 4, window + 2^k - 1 <= 255) decode four elements per word
+    (`DecodeTable.words`); the bytes must equal the reference and the element path's."""
+    cases = _word_cases(SMALL_TILE)
+    blobs = [encode(t, k=k, table=tab, tile=SMALL_TILE) for t, k, tab in cases]
+    heads = [read_header(b) for b in blobs]
+    assert all(h.table == tuple(range(h.table[0], h.table[0] + 2**h.k - 1)) for h in heads)
+    segs, at, off = [], 0, 0
+    for b, h in zip(blobs, heads):
+        segs.append(CodecSegment(at, off, h))
+        at, off = at + b.numel(), (off + 2 * h.numel + 79) // 16 * 16  # 16-byte aligned, gaps between
+    table = DecodeTable(segs, words=words)
+    assert table.words is words and table.options()["words"] is words
+    out = _kernel_vs_reference(torch.cat(blobs), table)
+    for sg, (t, _, _) in zip(segs, cases):
+        assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(t))
+
+
+def test_word_path_is_taken_only_where_it_is_exact():
+    """Tables the word path cannot add (a carry past the byte, not a window, one level of k
+    outside 2..4, two levels) and odd element destinations leave it off; decoding stays exact."""
+    x = _random_bits(2 * SMALL_TILE, 4)
+    off_cases = [
+        dict(k=4, table=tuple(range(241, 256))),  # window + 15 = 256: the add would carry
+        dict(k=3, table=(1, 2, 3, 4, 5, 6, 8)),  # not a window
+        dict(k=1, table=(7,)),
+        dict(k=5, table=tuple(range(0, 31))),
+        dict(k=8),
+        dict(k=2, levels=2, k2=3),
+    ]
+    for kw in off_cases:
+        blob = encode(x, tile=SMALL_TILE, **kw)
+        table = DecodeTable([CodecSegment(0, 0, read_header(blob))])
+        assert not table.words, kw
+        _kernel_vs_reference(blob, table)
+    blob = encode(x, k=3, table=tuple(range(100, 107)), tile=SMALL_TILE)
+    head = read_header(blob)
+    assert DecodeTable([CodecSegment(0, 0, head)]).words
+    odd = DecodeTable([CodecSegment(0, 2, head)])  # element offset 1: uint32 stores would straddle
+    assert not odd.words
+    out = _kernel_vs_reference(blob, odd)
+    assert torch.equal(out[2 : 2 + 2 * x.numel()].view(torch.int16), x)
 
 
 # -- GPU -------------------------------------------------------------------
@@ -440,6 +512,28 @@ def test_gpu_decode_matches_reference_and_graph():
     torch.cuda.synchronize()
     for s, t in zip(table.segments, ts2):
         assert torch.equal(dst[s.dst_offset : s.dst_end].cpu(), t.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_word_path_matches_reference_and_graph():
+    """The four-elements-per-word path on CUDA at the default tile: window tables from no
+    escapes to every element, fp16 and a partial last tile; eager and in a CUDA graph."""
+    _gpu_ok()
+    cases = _word_cases(DEFAULT_TILE)
+    ts = [t for t, _, _ in cases]
+    blobs = [encode(t, k=k, table=tab) for t, k, tab in cases]
+    segs, at, off = [], 0, 0
+    for b, t in zip(blobs, ts):
+        segs.append(CodecSegment(at, off, read_header(b)))
+        at, off = at + b.numel(), off + 2 * t.numel() + 2046  # 8-byte aligned destinations, not all 16
+    table = DecodeTable(segs)
+    assert table.words
+    buf = torch.cat(blobs)
+    ref = torch.zeros(table.dst_nbytes, dtype=torch.uint8)
+    decode_torch(buf, ref, table)
+    for sg, t in zip(segs, ts):
+        assert torch.equal(ref[sg.dst_offset : sg.dst_end], t.reshape(-1).view(torch.uint8))
+    _gpu_decode_eager_and_graph(buf, table, ref)
 
 
 def _recode_same_layout(tensors, table: DecodeTable) -> torch.Tensor:
