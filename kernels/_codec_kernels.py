@@ -15,6 +15,9 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
    base and read those from the exception stream (`_level2`),
 5. joins symbol and raw byte into the 16-bit element and stores it.
 
+Full tiles whose level-1 table is a window (record field 12 >= 0, `codec._word_window`)
+run steps 3-5 on uint32 words of four elements instead (`_decode_tile_words`, WORDS).
+
 Payload is handled as integers only, so decoding is exact on raw bits.
 Offsets are rebuilt as `(x // A) * A` where A is a known alignment, so the
 compiler can prove alignment and issue vector loads and stores.
@@ -167,15 +170,85 @@ def _join16(raw, sym, split, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _word_bytes(src_ptr, first, rank, cnt):
+    """Per word, the `cnt` (<= 4) bytes of a byte stream from `first + rank` on, in order, as one
+    uint32 (byte j: the j-th; bytes past cnt are garbage). `first`: scalar absolute byte offset,
+    `rank`, `cnt`: [NW] int32. Two aligned 4-byte loads, the second only where the bytes cross."""
+    aligned = (first // 4) * 4
+    at = (first - aligned).to(tl.int32) + rank
+    words = (src_ptr + aligned).to(tl.pointer_type(tl.uint32)) + (at >> 2)
+    lo = tl.load(words, mask=cnt > 0, other=0)
+    hi = tl.load(words + 1, mask=(at & 3) + cnt > 4, other=0)
+    sh = ((at & 3) * 8).to(tl.uint32)
+    return (lo >> sh) | ((hi << (31 - sh)) << 1)  # sh = 0: hi drops out
+
+
+@triton.jit
+def _place(x, pre):
+    """Byte b of the result is byte pre[b] of x (pre: per-byte exclusive escape counts, pre[0] = 0)."""
+    z = x & 0xFF
+    z |= ((x >> ((pre >> 5) & 0x18)) & 0xFF) << 8
+    z |= ((x >> ((pre >> 13) & 0x18)) & 0xFF) << 16
+    z |= ((x >> ((pre >> 21) & 0x18)) & 0xFF) << 24
+    return z
+
+
+@triton.jit
+def _escapes(flags):
+    """(count per word [int32], per-byte exclusive prefix, tile-exclusive rank per word) of 0/1 byte flags."""
+    cnt = ((flags * 0x01010101) >> 24).to(tl.int32)
+    return cnt, flags * 0x01010100, tl.cumsum(cnt, axis=0) - cnt
+
+
+@triton.jit
+def _level2_words(src_ptr, rec, esc, cnt, pre, rank, base_abs, table_abs, exc_abs, t, K: tl.constexpr):
+    """Version 2, four per word: the symbols of the level-1 escapes (bytes flagged in `esc`).
+    Escape i of the word (tile rank `rank` + i) has the k2-bit code at bit (base + rank + i) * k2
+    of the level-2 code stream: the word's codes are one 32-bit window. Codes index the level-2
+    table (k2 <= 3: at most 7 entries, held in two registers); code 2^k2 - 1 escapes to the next
+    level-2 exception byte, ranked like the level-1 exceptions of version 1."""
+    k2 = tl.load(rec + 9)
+    code2_abs = tl.load(rec + 10)
+    base2_abs = tl.load(rec + 11)
+    base1 = _tile_base(src_ptr, base_abs, t)
+    bit = code2_abs * 8 + base1 * k2  # the tile's first level-2 code
+    aligned = (bit // 32) * 32
+    at = (bit - aligned).to(tl.int32) + rank * k2.to(tl.int32)
+    words = (src_ptr + aligned // 8).to(tl.pointer_type(tl.uint32)) + (at >> 5)
+    lo = tl.load(words, mask=cnt > 0, other=0)
+    hi = tl.load(words + 1, mask=(at & 31) + cnt * k2.to(tl.int32) > 32, other=0)
+    sh = (at & 31).to(tl.uint32)
+    codes = (lo >> sh) | ((hi << (31 - sh)) << 1)  # code i: bits [i * k2, (i + 1) * k2)
+    j = tl.arange(0, 8)
+    tab = tl.load(src_ptr + table_abs + ((1 << K) - 1) + j, mask=j < (1 << k2) - 1, other=0).to(tl.uint32)
+    tab_lo = tl.sum(tl.where(j < 4, tab << (8 * (j & 3)).to(tl.uint32), 0), axis=0)
+    tab_hi = tl.sum(tl.where(j >= 4, tab << (8 * (j & 3)).to(tl.uint32), 0), axis=0)
+    m2 = ((1 << k2) - 1).to(tl.uint32)
+    k2u = k2.to(tl.uint32)
+    sym2 = tl.zeros_like(esc)
+    esc2 = tl.zeros_like(esc)
+    for b in tl.static_range(4):
+        c2 = (codes >> (((pre >> (8 * b)) & 0xFF) * k2u)) & m2
+        word = tl.where(c2 < 4, tab_lo, tab_hi)
+        sym2 |= ((word >> ((c2 & 3) * 8)) & 0xFF) << (8 * b)
+        esc2 |= ((c2 == m2).to(tl.uint32) << (8 * b)) & esc
+    cnt2, pre2, rank2 = _escapes(esc2)
+    x = _word_bytes(src_ptr, exc_abs + _tile_base(src_ptr, base2_abs, t), rank2, cnt2)
+    m = esc2 * 0xFF
+    return (sym2 & ~m) | (_place(x, pre2) & m)
+
+
+@triton.jit
 def _decode_tile_words(
-    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
-    K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr,
+    src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+    K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, V2: tl.constexpr,
 ):
-    """A full tile of a one-level code (1 <= K <= 7) whose table is the window of symbols
-    [window, window + 2^K - 1) with window + 2^K - 1 <= 255, four elements per uint32 word
-    (SWAR): code j decodes to window + j with one add per word, no table lookup; escapes are
-    flagged per byte, counted per word, ranked by a prefix sum over words, and their
-    exception bytes read as one 4-byte window per word and moved to their byte."""
+    """A full tile whose level-1 table is the window of symbols [window, window + 2^K - 1)
+    (2 <= K <= 4, window + 2^K - 1 <= 255), four elements per uint32 word (SWAR): code j
+    decodes to window + j with one add per word, no table lookup; escapes are flagged per
+    byte, counted per word and ranked by a prefix sum over words; version 1 reads their
+    exception bytes as one 4-byte window per word and moves each to its byte, version 2
+    (V2) decodes them through its level-2 code (`_level2_words`)."""
     NW: tl.constexpr = TILE // 4
     wi = tl.arange(0, NW)
     raw = tl.load((src_ptr + (raw_abs // 16) * 16).to(tl.pointer_type(tl.uint32)) + t * NW + wi)
@@ -190,27 +263,31 @@ def _decode_tile_words(
     # escape flags: code 2^K - 1 carries into bit K of its byte when 1 is added (no carry past it)
     esc = ((code + 0x01010101) >> K) & 0x01010101
     sym = code + (window * 0x01010101).to(tl.uint32)
-    cnt = ((esc * 0x01010101) >> 24).to(tl.int32)  # escapes in the word
-    pre = esc * 0x01010100  # byte b: escapes in bytes < b of the word
-    rank = tl.cumsum(cnt, axis=0) - cnt  # escapes of the tile before the word
-    base = tl.load((src_ptr + base_abs + 8 * t).to(tl.pointer_type(tl.int64)))
-    first = exc_abs + base  # the tile's first exception byte
-    aligned = (first // 4) * 4
-    at = (first - aligned).to(tl.int32) + rank  # the word's first exception, from the aligned start
-    exc_words = (src_ptr + aligned).to(tl.pointer_type(tl.uint32)) + (at >> 2)
-    lo = tl.load(exc_words, mask=cnt > 0, other=0)
-    hi = tl.load(exc_words + 1, mask=(at & 3) + cnt > 4, other=0)
-    sh = ((at & 3) * 8).to(tl.uint32)
-    x = (lo >> sh) | ((hi << (31 - sh)) << 1)  # the word's exceptions, in order (sh = 0: hi drops out)
-    z = x & 0xFF  # byte 0 takes exception 0; byte b takes exception pre[b]
-    z |= ((x >> ((pre >> 5) & 0x18)) & 0xFF) << 8
-    z |= ((x >> ((pre >> 13) & 0x18)) & 0xFF) << 16
-    z |= ((x >> ((pre >> 21) & 0x18)) & 0xFF) << 24
+    cnt, pre, rank = _escapes(esc)
+    if V2:
+        z = _level2_words(src_ptr, rec, esc, cnt, pre, rank, base_abs, table_abs, exc_abs, t, K)
+    else:
+        z = _place(_word_bytes(src_ptr, exc_abs + _tile_base(src_ptr, base_abs, t), rank, cnt), pre)
     m = esc * 0xFF
     sym = (sym & ~m) | (z & m)
     out = tl.reshape(tl.join(_join16(raw, sym, split, False), _join16(raw, sym, split, True)), [2 * NW])
     dst = (dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE).to(tl.pointer_type(tl.uint32))
     tl.store(dst + tl.arange(0, 2 * NW), out)
+
+
+@triton.jit
+def _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+           K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, LEVEL2: tl.constexpr):
+    if LEVEL2:
+        if tl.load(rec + 9) > 0:
+            _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                               split, window, t, K, TILE, DST_ALIGN, True)
+        else:
+            _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                               split, window, t, K, TILE, DST_ALIGN, False)
+    else:
+        _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                           split, window, t, K, TILE, DST_ALIGN, False)
 
 
 @triton.jit
@@ -251,14 +328,14 @@ def _decode_kernel(
     window = tl.load(rec + 12)  # -1: not a window table (see codec._pack_records)
     full = (t + 1) * TILE <= numel
     if WORDS and full and window >= 0 and k == 3:
-        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
-                           3, TILE, DST_ALIGN)
+        _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+               3, TILE, DST_ALIGN, LEVEL2)
     elif WORDS and full and window >= 0 and k == 2:
-        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
-                           2, TILE, DST_ALIGN)
+        _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+               2, TILE, DST_ALIGN, LEVEL2)
     elif WORDS and full and window >= 0 and k == 4:
-        _decode_tile_words(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, dst_elem, split, window, t,
-                           4, TILE, DST_ALIGN)
+        _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+               4, TILE, DST_ALIGN, LEVEL2)
     elif full:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
                      split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2)

@@ -143,7 +143,14 @@ exception stream (version 2: the level-2 codes, and a second prefix sum of
 the level-2 escapes plus the tile's base2 for theirs; compiled in only for a
 table that holds a version-2 tensor, `DecodeTable.two_level`: with it, exp-k
 decoded 306 instead of 509 GB/s on the H200), looks up the table,
-and stores 16-bit elements. No host
+and stores 16-bit elements. Full tiles of tensors whose level-1 table is a window of
+consecutive symbols (weights' exponents nearly always are; 2 <= k <= 4, k2 <= 3, no carry
+past 255; `_word_window`) take a four-elements-per-word path instead (`DecodeTable.words`):
+code bytes plus the window's first symbol in one add, escapes flagged, counted and ranked
+per uint32 word, each word's exceptions (version 2: its level-2 codes, then its level-2
+exceptions) read as one 4-byte window and moved to their bytes, two uint32 stores per word.
+On the H200 (Flux double block, Student-t, exp-k) it decodes 777 GB/s against 505 for the
+element path (43c277b). No host
 sync, no allocation, fixed launch configuration, no autotune: capturable in a
 CUDA graph after `table.upload(device)` and one eager call. Traffic per
 element: ~1.4 bytes read (raw, codes, escapes) and 2 written.
@@ -816,13 +823,15 @@ class CodecSegment:
 
 
 def _word_window(h: CodedHeader) -> int:
-    """The table's first symbol when the kernel may decode the tensor four elements per word: a
-    one-level code (2 <= k <= 4) whose table is the window [w, w + 2^k - 1) with w + 2^k - 1 <= 255
-    (so adding w to every code byte, the escape code included, never carries); -1 otherwise."""
-    if h.k2 or not 2 <= h.k <= 4 or not h.table:
+    """The level-1 table's first symbol when the kernel may decode the tensor four elements per
+    word: 2 <= k <= 4, the level-1 table is the window [w, w + 2^k - 1) with w + 2^k - 1 <= 255
+    (so adding w to every code byte, the escape code included, never carries) and, for two
+    levels, k2 <= 3 (a level-2 table of at most 7 symbols, held in registers); -1 otherwise."""
+    n = (1 << h.k) - 1
+    if not 2 <= h.k <= 4 or h.k2 > 3 or len(h.table) < n:
         return -1
     w = h.table[0]
-    if w + (1 << h.k) - 1 > 255 or any(s != w + j for j, s in enumerate(h.table)):
+    if w + n > 255 or any(s != w + j for j, s in enumerate(h.table[:n])):
         return -1
     return w
 

@@ -424,8 +424,8 @@ def test_word_path_matches_the_reference(words):
 
 
 def test_word_path_is_taken_only_where_it_is_exact():
-    """Tables the word path cannot add (a carry past the byte, not a window, one level of k
-    outside 2..4, two levels) and odd element destinations leave it off; decoding stays exact."""
+    """Tables the word path cannot add (a carry past the byte, not a window, k outside 2..4,
+    a level-2 code over 3 bits) and odd element destinations leave it off; decoding stays exact."""
     x = _random_bits(2 * SMALL_TILE, 4)
     off_cases = [
         dict(k=4, table=tuple(range(241, 256))),  # window + 15 = 256: the add would carry
@@ -433,10 +433,13 @@ def test_word_path_is_taken_only_where_it_is_exact():
         dict(k=1, table=(7,)),
         dict(k=5, table=tuple(range(0, 31))),
         dict(k=8),
-        dict(k=2, levels=2, k2=3),
+        dict(k=2, levels=2, k2=4),
     ]
     for kw in off_cases:
         blob = encode(x, tile=SMALL_TILE, **kw)
+        if "k2" in kw:  # level 1 a window, but a level-2 table of 15: not held in registers
+            blob = encode(_skewed_bits(x.numel()), tile=SMALL_TILE, **kw)
+            assert read_header(blob).table[:3] == (124, 125, 126)
         table = DecodeTable([CodecSegment(0, 0, read_header(blob))])
         assert not table.words, kw
         _kernel_vs_reference(blob, table)
@@ -447,6 +450,45 @@ def test_word_path_is_taken_only_where_it_is_exact():
     assert not odd.words
     out = _kernel_vs_reference(blob, odd)
     assert torch.equal(out[2 : 2 + 2 * x.numel()].view(torch.int16), x)
+
+
+def _word_v2_cases(tile: int):
+    """(tensor, k, k2) coded with two levels whose level-1 table is a window (the word path):
+    every (k, k2) it takes on skewed weight-like bits, and level-1 escapes that mostly escape
+    again (random bits beside a window of three frequent exponents: dense level-2 exceptions)."""
+    n = 4 * tile + 9
+    x = _skewed_bits(n)
+    gen = torch.Generator().manual_seed(11)
+    pos = torch.arange(n)
+    frequent = ((62 + pos % 3) << 8 | pos % 256).to(torch.int16)  # int16: the high byte is the symbol
+    dense = torch.where(pos % 2 == 0, frequent, _random_bits(n, 6))
+    cases = [(x, k, k2) for k in (2, 3) for k2 in (1, 2, 3)]
+    return cases + [(dense, 2, 3), (fill("student-t", (n,), generator=gen), 2, 3)]
+
+
+def _coded_run(blobs, **options):
+    segs, at, off = [], 0, 0
+    for b in blobs:
+        h = read_header(b)
+        segs.append(CodecSegment(at, off, h))
+        at, off = at + b.numel(), (off + 2 * h.numel + 79) // 16 * 16
+    return torch.cat(blobs), DecodeTable(segs, **options)
+
+
+@pytest.mark.parametrize("words", [True, False])
+def test_word_path_two_levels(words):
+    """Version 2 with a window level-1 table and k2 <= 3 decodes four elements per word too:
+    level-2 codes read as one bit window per word, level-2 exceptions ranked per word."""
+    cases = _word_v2_cases(SMALL_TILE)
+    blobs = [encode(t, tile=SMALL_TILE, levels=2, k=k, k2=k2) for t, k, k2 in cases]
+    heads = [read_header(b) for b in blobs]
+    assert all(h.k2 for h in heads) and heads[-2].num_exceptions > heads[-2].numel // 3
+    assert all(h.table[1 : 2**h.k - 1] == tuple(range(h.table[0] + 1, h.table[0] + 2**h.k - 1)) for h in heads)
+    buf, table = _coded_run(blobs, words=words)
+    assert table.words is words
+    out = _kernel_vs_reference(buf, table)
+    for sg, (t, _, _) in zip(table.segments, cases):
+        assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(t))
 
 
 # -- GPU -------------------------------------------------------------------
@@ -517,11 +559,13 @@ def test_gpu_decode_matches_reference_and_graph():
 @pytest.mark.gpu
 def test_gpu_word_path_matches_reference_and_graph():
     """The four-elements-per-word path on CUDA at the default tile: window tables from no
-    escapes to every element, fp16 and a partial last tile; eager and in a CUDA graph."""
+    escapes to every element, fp16, two levels, partial last tiles; eager and in a CUDA graph."""
     _gpu_ok()
     cases = _word_cases(DEFAULT_TILE)
-    ts = [t for t, _, _ in cases]
+    v2 = _word_v2_cases(DEFAULT_TILE)
+    ts = [t for t, _, _ in cases] + [t for t, _, _ in v2]
     blobs = [encode(t, k=k, table=tab) for t, k, tab in cases]
+    blobs += [encode(t, levels=2, k=k, k2=k2) for t, k, k2 in v2]
     segs, at, off = [], 0, 0
     for b, t in zip(blobs, ts):
         segs.append(CodecSegment(at, off, read_header(b)))
