@@ -383,6 +383,21 @@ def test_resident_graph_is_a_yardstick_not_an_offloaded_mode():
     assert parse_mode("resident-graph").builds_on_device
 
 
+def test_coded_modes_compare_with_the_resident_model_of_their_weights():
+    raw = {
+        "resident": {"step_ms": 3178.7},
+        "resident-tfill": {"step_ms": 3199.8},
+        "layerwise-coded": {"step_ms": 3218.4, "streamed_bytes": 19.9e9},
+        "graphs-coded2": {"step_ms": 3230.0, "streamed_bytes": 19.5e9},
+        "layerwise": {"step_ms": 3190.0, "streamed_bytes": 28.1e9},
+    }
+    out = summarise(raw, h2d_gbps=55.0)
+    assert out["layerwise-coded"]["ratio_to_resident"] == pytest.approx(3218.4 / 3178.7, rel=1e-4)
+    assert out["layerwise-coded"]["ratio_to_resident_tfill"] == pytest.approx(3218.4 / 3199.8, rel=1e-4)
+    assert out["graphs-coded2"]["ratio_to_resident_tfill"] == pytest.approx(3230.0 / 3199.8, rel=1e-4)
+    assert "ratio_to_resident_tfill" not in out["layerwise"]
+
+
 def test_bench_graphs_plan():
     from perf.bench_graphs import plan
 
