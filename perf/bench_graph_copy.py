@@ -7,7 +7,8 @@ graphs-coded streams the same bytes as layerwise-coded but its copies ran at
 the two suspects: the memcpy node itself (``graph-alone`` vs ``eager-alone``)
 and contention with the compute it overlaps (``*-beside-gemm``: a bf16 GEMM
 loop on another stream, in the same graph for the graph modes, as the step
-graph holds both). Each copy moves ``--mb`` MB of pinned host memory as
+graph holds both; ``*-beside-d2d``: device-to-device copies, which load HBM
+as the decode and memory-bound kernels do). Each copy moves ``--mb`` MB of pinned host memory as
 ``--chunks`` pieces; GB/s = bytes / (copy stream's median time between events).
 Results: ``perf/results/graphcopy-<gpu>-<commit>.json``.
 """
@@ -41,6 +42,11 @@ def _gemm_loop(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, n: int) -> N
         torch.mm(a, b, out=out)
 
 
+def _d2d_loop(x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        y.copy_(x)
+
+
 def _timed(fn) -> float:
     """ms the copy stream spends from its start event to its end event in one `fn` call."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,6 +57,7 @@ def _timed(fn) -> float:
 
 
 def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
+    """GB/s of the copy per mode: eager / graph, alone / beside a GEMM loop / beside D2D copies."""
     nbytes = mb << 20
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     src.random_(0, 256)
@@ -58,16 +65,24 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     out = torch.empty_like(a)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+
+    def work(load):
+        if load == "gemm":
+            _gemm_loop(a, b, out, gemm_n)
+        elif load == "d2d":
+            _d2d_loop(big, big2, 2 * gemm_n)  # ~0.45 ms per GB each way at ~4.5 TB/s
     copy_s, comp_s = torch.cuda.Stream(), torch.cuda.Stream()
     main = torch.cuda.current_stream()
 
-    def eager(load: bool):
+    def eager(load: str | None):
         def run(start, end):
             copy_s.wait_stream(main)
             comp_s.wait_stream(main)
             if load:
                 with torch.cuda.stream(comp_s):
-                    _gemm_loop(a, b, out, gemm_n)
+                    work(load)
             with torch.cuda.stream(copy_s):
                 start.record()
                 _copies(dst, src, chunks)
@@ -76,7 +91,7 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
             main.wait_stream(comp_s)
         return run
 
-    def graphed(load: bool):
+    def graphed(load: str | None):
         g = torch.cuda.CUDAGraph()
         ev = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
         side = torch.cuda.Stream()
@@ -84,6 +99,7 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
         with torch.cuda.stream(side):  # warm-up outside capture
             _copies(dst, src, chunks)
             _gemm_loop(a, b, out, 1)
+            _d2d_loop(big, big2, 1)
         main.wait_stream(side)
         torch.cuda.synchronize()
         with torch.cuda.graph(g, stream=side):
@@ -91,7 +107,7 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
             comp_s.wait_stream(side)
             if load:
                 with torch.cuda.stream(comp_s):
-                    _gemm_loop(a, b, out, gemm_n)
+                    work(load)
             with torch.cuda.stream(copy_s):
                 ev[0].record()
                 _copies(dst, src, chunks)
@@ -106,8 +122,8 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
         return run, lambda: run.ms
 
     figs = {}
-    for load in (False, True):
-        tag = "beside-gemm" if load else "alone"
+    for load in (None, "gemm", "d2d"):
+        tag = f"beside-{load}" if load else "alone"
         fn = eager(load)
         _timed(fn)
         ms = [_timed(fn) for _ in range(reps)]
