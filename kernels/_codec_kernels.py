@@ -3,7 +3,7 @@
 One launch decodes any number of coded tensors: the grid is the total number
 of TILE-element tiles over all segments of a `DecodeTable`, and each program
 
-1. reads its segment (tensor) from the table's per-tile segment map,
+1. binary-searches the table's tile prefix sums for its segment (tensor),
 2. reads the segment's record (see `codec._pack_records` for the fields),
 3. loads its tile's raw bytes and code bit planes (contiguous bytes),
 4. marks escapes, ranks them with a prefix sum plus the tile's stored base,
@@ -270,11 +270,9 @@ def _decode_tile_words(
         z = _place(_word_bytes(src_ptr, exc_abs + _tile_base(src_ptr, base_abs, t), rank, cnt), pre)
     m = esc * 0xFF
     sym = (sym & ~m) | (z & m)
-    lo = _join16(raw, sym, split, False)
-    hi = _join16(raw, sym, split, True)
-    dst = dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE
-    half = tl.arange(0, 2)
-    tl.store(dst.to(tl.pointer_type(tl.uint32)) + 2 * wi[:, None] + half[None, :], tl.join(lo, hi))
+    out = tl.reshape(tl.join(_join16(raw, sym, split, False), _join16(raw, sym, split, True)), [2 * NW])
+    dst = (dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE).to(tl.pointer_type(tl.uint32))
+    tl.store(dst + tl.arange(0, 2 * NW), out)
 
 
 @triton.jit
@@ -299,15 +297,22 @@ def _decode_kernel(
     table_ptr,
     num_segments,
     TILE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     DST_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
     LEVEL2: tl.constexpr,
     WORDS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    # table_ptr[0 : num_segments + 1]: tile prefix sums; the records; then each tile's segment (int32)
-    seg_of_tile = (table_ptr + (num_segments + 1) + num_segments * _NUM_FIELDS).to(tl.pointer_type(tl.int32))
-    seg = tl.load(seg_of_tile + pid).to(tl.int64)
+    # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
+    lo = pid * 0
+    hi = lo + num_segments
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(table_ptr + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seg = lo
     t = pid - tl.load(table_ptr + seg)
 
     rec = table_ptr + (num_segments + 1) + seg * _NUM_FIELDS

@@ -136,7 +136,7 @@ intra-op thread each (as offload/sources/coded.py does), not one encoder over
 torch's intra-op pool, which is slower per core (its threads spin and thrash).
 
 Decode (`decode(src, dst, table)`): a program decodes one tile of one tensor:
-it reads its tensor from the table's map of tiles to tensors (4 bytes per tile), loads
+it finds its tensor by binary search over the table's tile prefix sums, loads
 the raw bytes and code planes of its tile (contiguous), marks escapes, takes a
 prefix sum (`tl.cumsum`) of the escape mask plus the tile's base to index the
 exception stream (version 2: the level-2 codes, and a second prefix sum of
@@ -846,13 +846,7 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
         records += [s.dst_offset // 2, h.numel, h.k, split]
         records += [h.k2, o + h.code2_off if h.k2 else 0, o + h.base2_off if h.k2 else 0]  # version 2
         records += [_word_window(h)]
-    # then the segment of every tile (int32, two per int64 slot): one load instead of a search
-    seg_of_tile = torch.repeat_interleave(torch.arange(len(segs), dtype=torch.int32),
-                                          torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64))
-    if seg_of_tile.numel() % 2:
-        seg_of_tile = torch.cat([seg_of_tile, torch.zeros(1, dtype=torch.int32)])
-    head = torch.tensor(starts + records, dtype=torch.int64)
-    return torch.cat([head, seg_of_tile.view(torch.int64)]), starts[-1]
+    return torch.tensor(starts + records, dtype=torch.int64), starts[-1]
 
 
 class DecodeTable(PackedTable):
@@ -864,9 +858,7 @@ class DecodeTable(PackedTable):
     not change the result. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
-    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1), then
-    the word-path window (`_word_window`), then the segment of every tile as int32, two per
-    int64 (4 bytes per tile: each program finds its tensor with one load)].
+    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1)].
     """
 
     def __init__(
@@ -905,6 +897,7 @@ class DecodeTable(PackedTable):
         self.decoded_nbytes = sum(s.header.decoded_bytes for s in live)
         self.dst_align = math.gcd(16, *(s.dst_offset for s in live)) // 2 if live else 8  # in elements
         self._host, self.num_tiles = _pack_records(live, self.tile)
+        self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))
         # the four-elements-per-word path (window tables, full tiles) stores uint32 words: even element offsets
         self.words = words and self.dst_align >= 2 and any(_word_window(s.header) >= 0 for s in live)
         self._words_option = words
@@ -981,6 +974,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         tab,
         table.num_segments,
         TILE=table.tile,
+        SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
