@@ -1,7 +1,7 @@
 """Module-offload swap benchmark: encoder -> DiT -> encoder transitions at real sizes.
 
     python perf/bench_module.py [--encoder-gb 9.5] [--dit-gb 23.8] [--width 4096] [--rounds 3]
-                                [--modes diffusers-model,module,module-coded] [--no-peer]
+                                [--modes diffusers-model,module,module-coded,module-coded2] [--no-peer]
                                 [--fill student-t] [--run-mb 64] [--out perf/results]
 
 Components are stacks of bf16 ``nn.Linear`` layers (with bias, so the tensor
@@ -23,7 +23,8 @@ Measured in the same run:
   kept losslessly coded in pinned host memory, an arrival copies the coded
   bytes and decodes them on the device, in runs of ``--run-mb`` (copies
   overlap decodes; 0 = one copy, then one decode). Reports per component
-  ``coded_bytes`` and ``bits_per_weight``; ``ratio_to_floor`` is against the
+  ``coded_bytes`` and ``bits_per_weight``; ``module-coded2``: the same with
+  ``weight_codec="exp-k2"`` (two levels); ``ratio_to_floor`` is against the
   UNCODED floor (raw bytes / H2D), ``coded_floor_ms`` is coded bytes / H2D;
   ``setup_s`` includes the encode (``encode_s``).
 - ``diffusers-model``: what ``DiffusionPipeline.enable_model_cpu_offload``
@@ -63,7 +64,8 @@ from torch import nn  # noqa: E402
 from perf.common import git_commit, gpu_slug, measure_h2d_gbps  # noqa: E402
 
 SCENARIO = "module-swap"
-MODES = ("diffusers-model", "module", "module-coded")
+MODES = ("diffusers-model", "module", "module-coded", "module-coded2")
+CODECS = {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2"}
 FILLS = ("normal", "student-t")
 WEIGHT_STD = 0.02
 GB = 1e9
@@ -134,13 +136,12 @@ def med(xs: list[float]) -> float:
 
 # ---------------------------------------------------------------- modes
 def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int,
-               coded: bool = False, run_mb: float | None = None) -> dict:
+               mode: str = "module", run_mb: float | None = None) -> dict:
     from weightstream.offload.config import OffloadConfig
     from weightstream.offload.model_offload import offload_pipeline
 
-    mode = "module-coded" if coded else "module"
     pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
-    cfg = OffloadConfig.module(["dit", "text_encoder"], progress=True, weight_codec="exp-k" if coded else "none")
+    cfg = OffloadConfig.module(["dit", "text_encoder"], progress=True, weight_codec=CODECS[mode])
     t = time.perf_counter()
     handle = offload_pipeline(pipe, cfg, device=device)
     setup_s = time.perf_counter() - t
@@ -287,11 +288,12 @@ def verdicts(modes: dict) -> list[str]:
         ok = all(r <= 1.1 for r in m["arrival_ratios_to_floor"].values()) and \
             all(d < 1.0 for d in m["departure_ms"].values())
         out.append(f"module arrivals within 1.1x of the floor and departures < 1 ms: {'YES' if ok else 'NO'}")
-    if "module-coded" in modes:
-        r = modes["module-coded"]["arrival_ratios_to_floor"]
-        ok = all(v <= 0.75 for v in r.values())
-        out.append(f"module-coded arrivals <= 0.75x the uncoded floor: {'YES' if ok else 'NO'} "
-                   f"({', '.join(f'{k} {v:.3f}' for k, v in r.items())})")
+    for name in ("module-coded", "module-coded2"):
+        if name in modes:
+            r = modes[name]["arrival_ratios_to_floor"]
+            ok = all(v <= 0.75 for v in r.values())
+            out.append(f"{name} arrivals <= 0.75x the uncoded floor: {'YES' if ok else 'NO'} "
+                       f"({', '.join(f'{k} {v:.3f}' for k, v in r.items())})")
     return out
 
 
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "perf" / "results"))
     args = p.parse_args(argv)
     modes_run = parse_modes(args.modes, args.no_peer)
-    weight_fill = args.fill or ("student-t" if "module-coded" in modes_run else "normal")
+    weight_fill = args.fill or ("student-t" if {"module-coded", "module-coded2"} & set(modes_run) else "normal")
 
     if not torch.cuda.is_available():
         print("bench_module: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -348,11 +350,10 @@ def main(argv: list[str] | None = None) -> int:
             m.to("cpu")
         gc.collect()
         torch.cuda.empty_cache()
-    for name in ("module", "module-coded"):
+    for name in ("module", "module-coded", "module-coded2"):
         if name in modes_run:
             log(f"{name} (weightstream offload_pipeline) ...")
-            raws[name] = run_module(enc, dit, x, device, args.rounds, coded=name == "module-coded",
-                                    run_mb=args.run_mb)
+            raws[name] = run_module(enc, dit, x, device, args.rounds, mode=name, run_mb=args.run_mb)
     for name in MODES:
         if name in raws:
             modes[name] = figures(raws[name], sizes, h2d)

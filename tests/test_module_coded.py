@@ -335,6 +335,8 @@ def test_bench_module_coded_cpu_path(capsys):
         bm.main(["--help"])
     assert exit_info.value.code == 0 and "module-coded" in capsys.readouterr().out
     assert bm.parse_modes("module-coded,module,diffusers-model", no_peer=True) == ("module", "module-coded")
+    assert bm.parse_modes("module-coded2,module-coded") == ("module-coded", "module-coded2")
+    assert bm.CODECS == {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2"}
     with pytest.raises(ValueError, match="--modes='modul' is not allowed"):
         bm.parse_modes("modul")
     cpu = torch.device("cpu")
@@ -362,4 +364,7 @@ def test_bench_module_coded_cpu_path(capsys):
     assert "coded: text_encoder" in bm.table(result)
     verdict = bm.verdicts(result["modes"])
     assert len(verdict) == 1 and verdict[0].startswith("module-coded arrivals <= 0.75x the uncoded floor: NO")
+    result["modes"]["module-coded2"] = dict(f, arrival_ratios_to_floor={"transformer": 0.7})
+    validate_result(result)
+    assert bm.verdicts(result["modes"])[1].startswith("module-coded2 arrivals <= 0.75x the uncoded floor: YES")
     handle.disable()
