@@ -141,6 +141,7 @@ def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.de
     from weightstream.offload.model_offload import offload_pipeline
 
     pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
+    coded = CODECS[mode] != "none"
     cfg = OffloadConfig.module(["dit", "text_encoder"], progress=True, weight_codec=CODECS[mode])
     t = time.perf_counter()
     handle = offload_pipeline(pipe, cfg, device=device)
