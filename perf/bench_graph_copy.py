@@ -76,20 +76,23 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
     copy_s, comp_s = torch.cuda.Stream(), torch.cuda.Stream()
     main = torch.cuda.current_stream()
 
+    def pattern(origin, load: str | None, start, end) -> None:
+        """Fork the copy and compute streams off `origin`: the load on one, the copy between two
+        events on the other; join them back."""
+        copy_s.wait_stream(origin)
+        comp_s.wait_stream(origin)
+        if load:
+            with torch.cuda.stream(comp_s):
+                work(load)
+        with torch.cuda.stream(copy_s):
+            start.record()
+            _copies(dst, src, chunks)
+            end.record()
+        origin.wait_stream(copy_s)
+        origin.wait_stream(comp_s)
+
     def eager(load: str | None):
-        def run(start, end):
-            copy_s.wait_stream(main)
-            comp_s.wait_stream(main)
-            if load:
-                with torch.cuda.stream(comp_s):
-                    work(load)
-            with torch.cuda.stream(copy_s):
-                start.record()
-                _copies(dst, src, chunks)
-                end.record()
-            main.wait_stream(copy_s)
-            main.wait_stream(comp_s)
-        return run
+        return lambda start, end: pattern(main, load, start, end)
 
     def graphed(load: str | None):
         g = torch.cuda.CUDAGraph()
@@ -103,17 +106,7 @@ def measure(mb: int, chunks: int, reps: int, gemm_n: int) -> dict[str, float]:
         main.wait_stream(side)
         torch.cuda.synchronize()
         with torch.cuda.graph(g, stream=side):
-            copy_s.wait_stream(side)
-            comp_s.wait_stream(side)
-            if load:
-                with torch.cuda.stream(comp_s):
-                    work(load)
-            with torch.cuda.stream(copy_s):
-                ev[0].record()
-                _copies(dst, src, chunks)
-                ev[1].record()
-            side.wait_stream(copy_s)
-            side.wait_stream(comp_s)
+            pattern(side, load, ev[0], ev[1])
 
         def run(start, end):
             g.replay()

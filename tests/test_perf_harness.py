@@ -468,3 +468,14 @@ def test_auto_modes_parse_and_compare_with_the_best_fixed_count_that_fits():
     out = summarise(raw, 50.0)["layerwise-auto-12gb"]
     assert out["best_fixed_mode"] == "layerwise-r20" and out["ratio_to_best_fixed"] == pytest.approx(0.9)
     assert out["ratio_to_predicted"] == pytest.approx(180 / 175, rel=1e-3)
+
+
+def test_bench_graph_copy_cli():
+    """perf/bench_graph_copy.py parses its options on any machine and refuses to time without CUDA."""
+    from perf import bench_graph_copy as bgc
+
+    with pytest.raises(SystemExit) as exit_info:
+        bgc.main(["--help"])
+    assert exit_info.value.code == 0
+    if not torch.cuda.is_available():
+        assert bgc.main(["--mb", "1"]) == 2
