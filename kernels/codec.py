@@ -978,10 +978,16 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
-        WORDS=table.words,
+        WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes
+
+
+def _words_for(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> bool:
+    """Whether this launch takes the word path: the table allows it and both buffers start at a
+    4-byte boundary (its uint32 loads and stores would fault on an address that is only even)."""
+    return table.words and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
 
 
 def _unpack_codes(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:

@@ -22,6 +22,7 @@ from weightstream.kernels.codec import (
     read_header,
     symbol_entropy,
 )
+from weightstream.kernels.codec import _words_for  # the launch's path choice (private)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.int16]
@@ -450,6 +451,15 @@ def test_word_path_is_taken_only_where_it_is_exact():
     assert not odd.words
     out = _kernel_vs_reference(blob, odd)
     assert torch.equal(out[2 : 2 + 2 * x.numel()].view(torch.int16), x)
+    # buffers that start only 2 (dst) or 1 (src) bytes past a 4-byte boundary: element path, same bytes
+    table = DecodeTable([CodecSegment(0, 0, head)])
+    u8 = lambda n: torch.zeros(n, dtype=torch.uint8)  # noqa: E731
+    src, dst = torch.cat([u8(1), blob])[1:], u8(2 * x.numel() + 2)[2:]
+    assert src.data_ptr() % 4 and dst.data_ptr() % 4 == 2
+    assert _words_for(blob, u8(2 * x.numel()), table)
+    assert not _words_for(src, u8(2 * x.numel()), table) and not _words_for(blob, dst, table)
+    decode(src, dst, table)
+    assert torch.equal(dst.view(torch.int16), x)
 
 
 def _word_v2_cases(tile: int):
