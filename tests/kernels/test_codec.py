@@ -590,6 +590,23 @@ def test_gpu_word_path_matches_reference_and_graph():
     _gpu_decode_eager_and_graph(buf, table, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("src_shift, dst_shift", [(1, 0), (0, 2), (3, 6)])
+def test_gpu_word_path_buffers_off_a_4_byte_boundary(src_shift, dst_shift):
+    """A table that takes the word path, decoded from / into buffers that start off a 4-byte
+    boundary: the launch falls back to the element path (no misaligned uint32 access)."""
+    _gpu_ok()
+    t = fill("student-t", (3, DEFAULT_TILE + 7), generator=torch.Generator().manual_seed(src_shift))
+    buf, table = encode_block([t])
+    assert table.words
+    src = torch.zeros(buf.numel() + src_shift, dtype=torch.uint8, device="cuda")[src_shift:]
+    src.copy_(buf.cuda())
+    dst = torch.zeros(table.dst_nbytes + dst_shift, dtype=torch.uint8, device="cuda")[dst_shift:]
+    decode(src, dst, table)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), t.reshape(-1).view(torch.uint8))
+
+
 def _recode_same_layout(tensors, table: DecodeTable) -> torch.Tensor:
     """Code `tensors` with the k and symbol tables of `table`'s segments, at its source offsets."""
     parts = []
