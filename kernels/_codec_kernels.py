@@ -56,8 +56,18 @@ def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: t
 
 @triton.jit
 def _tile_base(src_ptr, base_abs, t):
-    """Entry t of an int64 (little-endian) base stream: one scalar load (streams are 16-byte aligned)."""
+    """Entry t of an int64 (little-endian) base stream: one scalar load. Streams are 16-byte aligned
+    from the buffer's start: only for a src that starts 8-byte aligned (the word path's launches)."""
     return tl.load((src_ptr + base_abs + 8 * t).to(tl.pointer_type(tl.int64)))
+
+
+@triton.jit
+def _tile_base_bytes(src_ptr, base_abs, t, present):
+    """Entry t of an int64 (little-endian) base stream from its 8 bytes: any src alignment.
+    `present` (scalar bool): whether the stream exists (0 where it does not)."""
+    b8 = tl.arange(0, 8)
+    base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + present.to(tl.int32)) != 0, other=0)
+    return tl.sum(base_bytes.to(tl.int64) << (8 * b8).to(tl.int64), axis=0)
 
 
 @triton.jit
@@ -80,7 +90,7 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
     code2 = ((lo | (hi << 8)) >> (bit % 8).to(tl.int32)) & ((1 << k2) - 1).to(tl.int32)
     is_esc2 = is_esc & (code2 == ((1 << k2) - 1).to(tl.int32))
     rank2 = tl.cumsum(is_esc2.to(tl.int32), axis=0)
-    base2 = _tile_base(src_ptr, base2_abs, t)
+    base2 = _tile_base_bytes(src_ptr, base2_abs, t, k2 > 0)  # the element path: any src alignment
     exc = tl.load(src_ptr + exc_abs + base2 + rank2 - 1, mask=is_esc2, other=0).to(tl.int32)
     tab = tl.load(src_ptr + table_abs + ((1 << k) - 1) + code2, mask=is_esc & (~is_esc2), other=0).to(tl.int32)
     return tl.where(is_esc2, exc, tab)
@@ -112,9 +122,7 @@ def _decode_tile(
     escapes = (kv >= 1) & has_table
     is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
     # this tile's first exception index: an int64 (little-endian) of the base stream
-    b8 = tl.arange(0, 8)
-    base_bytes = tl.load(src_ptr + base_abs + 8 * t + b8, mask=(b8 * 0 + k) < 8, other=0).to(tl.int64)
-    base = tl.sum(base_bytes << (8 * b8).to(tl.int64), axis=0)
+    base = _tile_base_bytes(src_ptr, base_abs, t, k < 8)
     rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
     if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
         k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)

@@ -1,5 +1,5 @@
-# h200, for the next session: the GPU tests changed after call22 (the word path's fallback for buffers off a
-# 4-byte boundary, never run on a GPU) with the other coded GPU tests. WEIGHTSTREAM_COMMIT must be given. ~200 s.
+# h200, for the next session: the GPU tests changed after call22 (the word path's fallback for buffers off
+# alignment, byte-wise level-2 base loads; never run on a GPU) with the other coded GPU tests. WEIGHTSTREAM_COMMIT must be given. ~200 s.
 source perf/device/prefix.sh || exit $?
 T0=$SECONDS
 timeout ${GPU_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider tests/kernels/test_codec.py \

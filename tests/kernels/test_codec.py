@@ -451,15 +451,19 @@ def test_word_path_is_taken_only_where_it_is_exact():
     assert not odd.words
     out = _kernel_vs_reference(blob, odd)
     assert torch.equal(out[2 : 2 + 2 * x.numel()].view(torch.int16), x)
-    # buffers that start only 2 (dst) or 1 (src) bytes past a 4-byte boundary: element path, same bytes
-    table = DecodeTable([CodecSegment(0, 0, head)])
+    # a src off an 8-byte boundary or a dst off a 4-byte one: the element path, same bytes (one and two levels)
     u8 = lambda n: torch.zeros(n, dtype=torch.uint8)  # noqa: E731
-    src, dst = torch.cat([u8(1), blob])[1:], u8(2 * x.numel() + 2)[2:]
-    assert src.data_ptr() % 4 and dst.data_ptr() % 4 == 2
-    assert _words_for(blob, u8(2 * x.numel()), table)
-    assert not _words_for(src, u8(2 * x.numel()), table) and not _words_for(blob, dst, table)
-    decode(src, dst, table)
-    assert torch.equal(dst.view(torch.int16), x)
+    for blob in (blob, encode(_skewed_bits(x.numel()), k=2, k2=2, levels=2, tile=SMALL_TILE)):
+        want = decode_tensor(blob).view(torch.int16)
+        table = DecodeTable([CodecSegment(0, 0, read_header(blob))])
+        assert table.words
+        assert _words_for(blob, u8(2 * x.numel()), table)
+        for shift in (1, 4):
+            src, dst = torch.cat([u8(shift), blob])[shift:], u8(2 * x.numel() + 2)[2:]
+            assert src.data_ptr() % 8 and dst.data_ptr() % 4 == 2
+            assert not _words_for(src, u8(2 * x.numel()), table) and not _words_for(blob, dst, table)
+            decode(src, dst, table)
+            assert torch.equal(dst.view(torch.int16), want)
 
 
 def _word_v2_cases(tile: int):
@@ -591,14 +595,16 @@ def test_gpu_word_path_matches_reference_and_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("src_shift, dst_shift", [(1, 0), (0, 2), (3, 6)])
-def test_gpu_word_path_buffers_off_a_4_byte_boundary(src_shift, dst_shift):
-    """A table that takes the word path, decoded from / into buffers that start off a 4-byte
-    boundary: the launch falls back to the element path (no misaligned uint32 access)."""
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("src_shift, dst_shift", [(1, 0), (0, 2), (3, 6), (4, 0)])
+def test_gpu_word_path_buffers_off_alignment(src_shift, dst_shift, levels):
+    """A table that takes the word path, decoded from a src off an 8-byte boundary or into a dst
+    off a 4-byte one: the launch falls back to the element path, whose base loads are bytes
+    (no misaligned uint32 / int64 access)."""
     _gpu_ok()
     t = fill("student-t", (3, DEFAULT_TILE + 7), generator=torch.Generator().manual_seed(src_shift))
-    buf, table = encode_block([t])
-    assert table.words
+    buf, table = encode_block([t], levels=levels, k=2 if levels == 2 else None, k2=3 if levels == 2 else None)
+    assert table.words and table.two_level == (levels == 2)
     src = torch.zeros(buf.numel() + src_shift, dtype=torch.uint8, device="cuda")[src_shift:]
     src.copy_(buf.cuda())
     dst = torch.zeros(table.dst_nbytes + dst_shift, dtype=torch.uint8, device="cuda")[dst_shift:]
