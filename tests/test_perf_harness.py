@@ -479,3 +479,16 @@ def test_bench_graph_copy_cli():
     assert exit_info.value.code == 0
     if not torch.cuda.is_available():
         assert bgc.main(["--mb", "1"]) == 2
+
+
+def test_bench_coded_ring_cli():
+    """perf/bench_coded_ring.py parses its options on any machine and refuses to time without CUDA."""
+    from perf import bench_coded_ring as bcr
+
+    with pytest.raises(SystemExit) as exit_info:
+        bcr.main(["--help"])
+    assert exit_info.value.code == 0
+    with pytest.raises(SystemExit):
+        bcr.main(["--place", "nowhere"])
+    if not torch.cuda.is_available():
+        assert bcr.main(["--blocks", "2"]) == 2
