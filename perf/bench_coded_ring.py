@@ -1,6 +1,6 @@
 """The coded ring's stream pattern alone, eager vs from a CUDA graph, by where the decode runs.
 
-    python perf/bench_coded_ring.py [--blocks 24] [--mb 256] [--gemm-n 1] [--reps 5]
+    python perf/bench_coded_ring.py [--blocks 24] [--mb 256] [--gemm-n 1] [--memsets 0] [--reps 5]
 
 graphs-coded steps slower than layerwise-coded (flux 0.795x vs 0.746x the uncoded floor, call24)
 although a graph-captured pinned copy runs at full rate alone, beside GEMMs and beside decodes
@@ -38,7 +38,7 @@ PLACES = ("none", "side", "copy", "compute")
 class Ring:
     """Two coded buffers, two slots, copy / decode / compute streams and the events between them."""
 
-    def __init__(self, mb: int, gemm_n: int):
+    def __init__(self, mb: int, gemm_n: int, memsets: int = 0):
         from weightstream.kernels.codec import CodecSegment, DecodeTable, encode, read_header
 
         w = (torch.randn((mb << 20) // 2, device="cuda") * 0.02).to(torch.bfloat16)
@@ -52,7 +52,15 @@ class Ring:
         n = 8192
         self.a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty_like(self.a)
-        self.gemm_n = gemm_n
+        self.gemm_n, self.memsets = gemm_n, memsets
+        self.flag = torch.empty(1, dtype=torch.int32, device="cuda")  # zeroed by a memset node, as cuBLAS does
+        self._memset = None
+        if memsets:
+            import ctypes
+
+            fn = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async  # torch's zero_ is a kernel, not a memset
+            fn.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+            self._memset = lambda: fn(self.flag.data_ptr(), 0, 1, torch.cuda.current_stream().cuda_stream)
         self.copy_s, self.dec_s, self.comp_s = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
         ev = lambda: [torch.cuda.Event() for _ in range(2)]  # noqa: E731
         self.copied, self.read, self.ready, self.free = ev(), ev(), ev(), ev()
@@ -64,8 +72,11 @@ class Ring:
 
     def _compute(self, s: int) -> None:
         b = self.slots[s][: self.a.numel() * 2].view(torch.bfloat16).view_as(self.a)
-        for _ in range(self.gemm_n):
-            torch.mm(self.a, b, out=self.out)
+        for i in range(max(self.gemm_n, self.memsets)):
+            if i < self.memsets and self._memset() != 0:
+                raise RuntimeError("cuMemsetD32Async failed")
+            if i < self.gemm_n:
+                torch.mm(self.a, b, out=self.out)
 
     def step(self, origin, blocks: int, place: str) -> None:
         """One step's pattern forked off and joined back into ``origin``; every wait is on an event
@@ -131,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--mb", type=int, default=256, help="decoded MB per block (coded ~0.7 of it is copied)")
     p.add_argument("--gemm-n", type=int, default=1, help="8192^3 bf16 GEMMs per block (~1.5 ms each)")
+    p.add_argument("--memsets", type=int, default=0, help="4-byte memsets per block among its GEMMs (the flux "
+                   "graph has ~7 per block: cuBLAS zeroing its stream-K flags)")
     p.add_argument("--place", nargs="+", default=list(PLACES), choices=PLACES)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
@@ -138,17 +151,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_coded_ring needs a CUDA device", file=sys.stderr)
         return 2
-    ring = Ring(args.mb, args.gemm_n)
+    ring = Ring(args.mb, args.gemm_n, args.memsets)
     modes = {}
     for place in args.place:
         r = measure(ring, args.blocks, place, args.reps)
-        modes[place] = {**r, "blocks": args.blocks, "coded_mb": round(ring.nbytes / 2**20, 1), "gemm_n": args.gemm_n}
+        modes[place] = {**r, "blocks": args.blocks, "coded_mb": round(ring.nbytes / 2**20, 1), "gemm_n": args.gemm_n,
+                       "memsets": args.memsets}
         print(f"  [{place}] eager {r['eager_ms']:.2f} ms ({r['eager_gbps']:.2f} GB/s), graph {r['graph_ms']:.2f} ms "
               f"({r['graph_gbps']:.2f} GB/s)", flush=True)
     res = {"gpu": torch.cuda.get_device_name(0), "commit": short_commit(), "torch": torch.__version__,
            "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(), "modes": modes}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"codedring-{gpu_slug(res['gpu'])}-{res['commit']}.json"
+    path = args.out / f"codedring-{gpu_slug(res['gpu'])}-{res['commit']}-m{args.memsets}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
