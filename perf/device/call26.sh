@@ -4,6 +4,6 @@
 source perf/device/prefix.sh || exit $?
 T0=$SECONDS
 for m in 0 8; do
-  timeout ${RING_TIMEOUT:-60} python3 perf/bench_coded_ring.py --gemm-n 2 --memsets $m --out "$OUT" > "$OUT/ring-m$m.log" 2>&1
+  timeout ${RING_TIMEOUT:-60} python3 perf/bench_coded_ring.py --mb 512 --gemm-n 2 --memsets $m --out "$OUT" > "$OUT/ring-m$m.log" 2>&1
   echo "ring memsets=$m rc=$? at $((SECONDS-T0)) s"; grep -E "^\s+\[|Error|error" "$OUT/ring-m$m.log" | tail -8
 done
