@@ -304,29 +304,14 @@ def _decode_kernel(
     dst_ptr,
     table_ptr,
     num_segments,
-    num_tiles,
     TILE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     DST_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
     LEVEL2: tl.constexpr,
     WORDS: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    if PERSISTENT:  # a grid smaller than the tiles: each program decodes every num_programs-th tile
-        first = tl.program_id(0).to(tl.int64)
-        stride = tl.num_programs(0)
-        for i in range(tl.cdiv(num_tiles - tl.program_id(0), stride)):
-            _decode_one(src_ptr, dst_ptr, table_ptr, num_segments, first + i * stride, TILE, SEARCH_STEPS,
-                        DST_ALIGN, GATHER, LEVEL2, WORDS)
-    else:  # one program per tile
-        _decode_one(src_ptr, dst_ptr, table_ptr, num_segments, tl.program_id(0).to(tl.int64), TILE, SEARCH_STEPS,
-                    DST_ALIGN, GATHER, LEVEL2, WORDS)
-
-
-@triton.jit
-def _decode_one(src_ptr, dst_ptr, table_ptr, num_segments, pid, TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                DST_ALIGN: tl.constexpr, GATHER: tl.constexpr, LEVEL2: tl.constexpr, WORDS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
     lo = pid * 0
     hi = lo + num_segments

@@ -855,10 +855,7 @@ class DecodeTable(PackedTable):
     All non-empty segments must share one tile size; destination ranges must
     not overlap. num_warps and gather_planes (each element loads its own code
     plane bytes instead of a load-once-and-reshape) are launch options that do
-    not change the result, and so is ctas (None: one program per tile; an int
-    smaller than the tiles: that many programs, each looping over every ctas-th
-    tile, so a decode beside compute holds only a few SMs' worth of CTAs at a
-    time). Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
+    not change the result. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
     (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1)].
@@ -866,7 +863,7 @@ class DecodeTable(PackedTable):
 
     def __init__(
         self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        words: bool = True, ctas: int | None = None,
+        words: bool = True,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -881,9 +878,6 @@ class DecodeTable(PackedTable):
         self.gather_planes = gather_planes
         if not isinstance(words, bool):
             raise TypeError(f"words must be a bool, got {words!r}")
-        if ctas is not None:
-            _check_int("ctas", ctas, 1)
-        self.ctas = ctas
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -911,8 +905,7 @@ class DecodeTable(PackedTable):
 
     def options(self) -> dict:
         """The launch options (they never change the decoded bytes), to build a table alike."""
-        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "words": self._words_option,
-                "ctas": self.ctas}
+        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "words": self._words_option}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -975,20 +968,17 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         return 0
     from ._codec_kernels import _decode_kernel  # triton is imported only when launching
 
-    persistent = table.ctas is not None and table.ctas < table.num_tiles
-    _decode_kernel[(table.ctas if persistent else table.num_tiles,)](
+    _decode_kernel[(table.num_tiles,)](
         src,
         dst[: table.dst_nbytes].view(torch.int16),
         tab,
         table.num_segments,
-        table.num_tiles,
         TILE=table.tile,
         SEARCH_STEPS=table.search_steps,
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
         WORDS=_words_for(src, dst, table),
-        PERSISTENT=persistent,
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes

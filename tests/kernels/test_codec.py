@@ -505,29 +505,6 @@ def test_word_path_two_levels(words):
         assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(t))
 
 
-@pytest.mark.parametrize("ctas", [1, 3, 64])
-def test_persistent_grid_matches_the_reference(ctas):
-    """DecodeTable(ctas=N): N programs loop over the tiles (each every N-th); one program, a
-    count that does not divide the tiles, and more programs than tiles (one per tile) all
-    write the reference bytes, for one and two levels, word and element paths, partial tiles."""
-    v1 = [encode(t, k=k, table=tab, tile=SMALL_TILE) for t, k, tab in _word_cases(SMALL_TILE)[:3]]
-    v2 = [encode(t, tile=SMALL_TILE, levels=2, k=k, k2=k2) for t, k, k2 in _word_v2_cases(SMALL_TILE)[-2:]]
-    odd = [encode(_random_bits(2 * SMALL_TILE + 3, 9), tile=SMALL_TILE)]  # not a window: element path
-    buf, table = _coded_run(v1 + v2 + odd, ctas=ctas)
-    assert table.ctas == ctas and table.options()["ctas"] == ctas and table.num_tiles > 3
-    _kernel_vs_reference(buf, table)
-
-
-def test_persistent_grid_option_is_checked():
-    buf, table = _coded_run([encode(_random_bits(SMALL_TILE, 1), tile=SMALL_TILE)])
-    for bad in (0, -2):
-        with pytest.raises(ValueError, match="ctas must be >= 1"):
-            DecodeTable(table.segments, ctas=bad)
-    with pytest.raises(TypeError, match="ctas must be an int"):
-        DecodeTable(table.segments, ctas=2.0)
-    assert DecodeTable(table.segments).ctas is None
-
-
 # -- GPU -------------------------------------------------------------------
 
 
@@ -634,20 +611,6 @@ def test_gpu_word_path_buffers_off_alignment(src_shift, dst_shift, levels):
     decode(src, dst, table)
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), t.reshape(-1).view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctas", [1, 132])
-def test_gpu_persistent_grid_matches_reference_and_graph(ctas):
-    """The persistent grid on CUDA (one program; one per SM of an H200), eager and in a graph."""
-    _gpu_ok()
-    cases = _word_cases(DEFAULT_TILE)
-    blobs = [encode(t, k=k, table=tab) for t, k, tab in cases]
-    blobs += [encode(t, levels=2, k=k, k2=k2) for t, k, k2 in _word_v2_cases(DEFAULT_TILE)[-2:]]
-    buf, table = _coded_run(blobs, ctas=ctas)
-    ref = torch.zeros(table.dst_nbytes, dtype=torch.uint8)
-    decode_torch(buf, ref, table)
-    _gpu_decode_eager_and_graph(buf, table, ref)
 
 
 def _recode_same_layout(tensors, table: DecodeTable) -> torch.Tensor:
