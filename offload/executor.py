@@ -297,7 +297,9 @@ class LayerwiseExecutor:
             if rec is not None:
                 rec.start = self.log.mark(cs)
             done = self.source.load(k, load.slot, position=load.position, after=after, tag=self.capture_tag)
-            if done is None or done is cs:
+            if getattr(self.source, "writes_at_use", False):
+                pass  # the source writes the slot in before_use (a decode issued at use) and notes it there
+            elif done is None or done is cs:
                 done = cs
                 self.streams.access("write", load.slot, load.block)
             else:
@@ -421,6 +423,7 @@ class LayerwiseExecutor:
             cs = self.streams.current_stream(self.device)
             if self._load_tag[slot] == self.capture_tag:
                 cs.wait_event(self.loaded[slot])
+            self.source.before_use(self.k_of[block], slot, cs, tag=self.capture_tag)
             self._compute_stream = cs
             self.streams.access("read_begin", slot, block)
         self._bind(self.k_of[block], slot)

@@ -68,6 +68,11 @@ class WeightSource(Protocol):
         stream on which they complete (None: synchronous, CPU). ``tag``: the capture
         the load belongs to (None: eager)."""
 
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """Called by the executor just before block ``k`` computes from ``slots[slot]``, with
+        ``stream`` (the compute stream) current and ordered after the load: a source that
+        finishes a load there (a decode issued at use) does it now; others do nothing."""
+
     def check(self) -> None:
         """Raise a named error when the source cannot serve loads (a changed checkpoint)."""
 

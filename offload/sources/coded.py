@@ -70,6 +70,7 @@ __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source
 CODECS = ("exp-k", "exp-k2")
 CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2}  # weight_codec -> encode(levels=...)
 ENCODE_ON = ("cpu", "device")  # where CodedSource codes its blocks
+DECODE_AT = ("load", "use")  # when CodedSource issues a block's decode (see CodedSource.__init__)
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
 _NEVER = object()  # capture tag of an event never recorded
@@ -101,10 +102,14 @@ def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     cfg = req.config
     codec_levels(cfg.weight_codec)
     budget = cfg.pinned_memory_budget_gb
+    # EXPERIMENT (ninth session, device A/B of where graphs-coded decodes; removed or made a config key after)
+    decode_at = os.environ.get("WEIGHTSTREAM_EXPERIMENT_DECODE_AT", "load")
+    decode_stream = os.environ.get("WEIGHTSTREAM_EXPERIMENT_DECODE_STREAM", "1") == "1"
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec,
+        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, decode_at=decode_at,
+        decode_stream=decode_stream,
     )
 
 
@@ -367,11 +372,17 @@ class CodedSource:
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
-                 encoded=None, encode_on: str = "cpu", codec: str = "exp-k"):
+                 encoded=None, encode_on: str = "cpu", codec: str = "exp-k", decode_at: str = "load"):
         """``encode_on``: "cpu" (worker threads) or "device" (a CUDA ``device``: each block is
         copied there and coded with the same integer ops, the coded bytes copied back: the
         same bytes; not measured on the H200 yet, so not the default). ``codec``: one of
-        :data:`CODECS` (blocks built and re-encoded with it)."""
+        :data:`CODECS` (blocks built and re-encoded with it). ``decode_at``: "load" (the decode
+        is issued with the copy) or "use" (the executor issues it just before the block's
+        compute, :meth:`before_use`: on the decode stream, or with ``decode_stream=False`` on
+        the compute stream; the next block's copy is then issued before this decode)."""
+        if decode_at not in DECODE_AT:
+            raise ValueError(f"decode_at={decode_at!r} is not allowed; choose from: {', '.join(DECODE_AT)}")
+        self.decode_at = decode_at
         self.levels = codec_levels(codec)
         self.codec, self.name = codec, f"coded-{codec}{self.name_suffix}"
         if encode_on not in ENCODE_ON:
@@ -551,11 +562,14 @@ class CodedSource:
         self._slots, self._streams, self.device = slots, streams, canonical_device(device)
         self._alloc_buffers()
         self._dev_tables = [t.upload(self.device) if t.num_tiles else None for t in self.tables]
-        if streams is not None and self.decode_stream:
-            self._dstream = streams.new_stream(self.device)
+        if streams is not None and (self.decode_stream or self.decode_at == "use"):
+            if self.decode_stream:
+                self._dstream = streams.new_stream(self.device)
             self._copied = [streams.new_event() for _ in slots]  # H2D into coded[s] done
             self._read = [streams.new_event() for _ in slots]  # decode from coded[s] done
             self._read_tag: list = [_NEVER] * len(slots)  # capture context each _read was recorded in
+            self._copied_tag: list = [_NEVER] * len(slots)  # capture context each _copied was recorded in
+            self._free: list = [None] * len(slots)  # decode_at="use": the slot-free event its load got
 
     def _alloc_buffers(self) -> None:
         size = max(self.copy_bytes)
@@ -578,7 +592,54 @@ class CodedSource:
         if tag is not None:
             self._captured = True
         self._copy_stream = st.current_stream(self.device)
+        if self.decode_at == "use":
+            return self._copy(k, slot, tag, after)
         return self._issue(k, slot, tag, after)
+
+    def _copy(self, k: int, slot: int, tag, after):
+        """decode_at="use": the H2D alone, after the last decode that read the coded buffer (or,
+        when that decode was recorded in another capture context, after the slot's release)."""
+        n, st, cs = self.copy_bytes[k], self._streams, self._copy_stream
+        if self._read_tag[slot] == tag:
+            cs.wait_event(self._read[slot])
+        elif after is not None:
+            cs.wait_event(after)
+        copy_from_image(self._buffers[slot][:n], self.region(k)[:n])
+        st.access("write", ("coded", slot), self.layouts[k].index)
+        self._copied[slot].record(cs)
+        self._copied_tag[slot], self._free[slot] = tag, after
+        return cs
+
+    @property
+    def writes_at_use(self) -> bool:
+        """The slot is written at :meth:`before_use`, not by the load (the executor notes no write then)."""
+        return self.decode_at == "use" and self._streams is not None
+
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """decode_at="use": decode block ``k`` from the slot's coded buffer into ``slots[slot]``;
+        ``stream`` (the compute stream) has waited for the copy. On the decode stream (ordered
+        after the copy and the slot's release; ``stream`` waits for the decode), else on
+        ``stream``. Every use decodes (a block run again after an exception decodes again: its
+        coded buffer is not reloaded before the block's post-hook)."""
+        if self.decode_at != "use" or self._streams is None:
+            return
+        st, ds, key, what = self._streams, self._dstream, ("coded", slot), self.layouts[k].index
+        if ds is not None:
+            if self._copied_tag[slot] == tag:
+                ds.wait_event(self._copied[slot])
+                if self._free[slot] is not None:
+                    ds.wait_event(self._free[slot])
+            else:  # copied in another capture context: ``stream`` is ordered after it (step start)
+                ds.wait_stream(stream)
+        with st.stream(ds if ds is not None else stream):
+            st.access("read_begin", key, what)
+            self._decode(self._buffers[slot][: self.copy_bytes[k]], self._slots[slot], k)
+            st.access("read_end", key, what)
+            st.access("write", slot, what)  # the slot's write (the executor notes none at load)
+            self._read[slot].record(ds if ds is not None else stream)
+            self._read_tag[slot] = tag
+        if ds is not None:
+            stream.wait_event(self._read[slot])
 
     def _issue(self, k: int, slot: int, tag=None, after=None):
         """``after``: the slot-free event (None: the slot is free already); the H2D into the

@@ -230,6 +230,9 @@ class ShardSource:
     def side_streams(self) -> list:
         return [self.comm_stream] if self.streams is not None else []
 
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """Nothing to do: a load is complete when the stream it returned is."""
+
     @staticmethod
     def gather_mode(dlo, timeout_s: float, device: torch.device) -> str:
         """"tensor" (all_gather_into_tensor) or "list" (all_gather into views of the

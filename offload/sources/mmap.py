@@ -180,6 +180,9 @@ class MmapSource:
     def side_streams(self) -> list:
         return []  # every load runs on the executor's copy stream
 
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """Nothing to do: a load is complete when the stream it returned is."""
+
     def load(self, k: int, slot: int, *, position: int, after=None, tag=None):
         """Direct blocks: copies straight from the mapping (plus one materialise launch
         for kernel transforms). Staged blocks: wait for the packer thread's buffer

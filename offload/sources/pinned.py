@@ -143,6 +143,9 @@ class PinnedSource:
     def side_streams(self) -> list:
         return []
 
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """Nothing to do: a load is complete when the stream it returned is."""
+
     def load(self, k: int, slot: int, *, position: int, after, tag):
         if self.staged[k]:
             return self._load_staged(k, slot, position)
