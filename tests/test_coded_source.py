@@ -526,3 +526,20 @@ def test_encode_on_is_validated():
     with pytest.raises(ValueError, match="weight_codec='exp-k3' is not allowed here; choose from: exp-k, exp-k2"):
         CodedSource(layouts, objs, device="cpu", pin=False, codec="exp-k3")
     assert all(t.numel() for t in objs[0])  # refused before anything was dropped
+
+
+def test_decode_placement_by_config():
+    """Graphs decode at use on the compute stream (their copies ran slower when each decode was
+    captured right after its copy); eager decodes at load on the decode stream; stats() says which."""
+    from weightstream.offload.sources.coded import decode_placement
+
+    assert decode_placement(OffloadConfig.layerwise(weight_codec="exp-k")) == {"decode_at": "load",
+                                                                                "decode_stream": True}
+    assert decode_placement(OffloadConfig.layerwise(weight_codec="exp-k", cuda_graphs="on")) == {
+        "decode_at": "use", "decode_stream": False}
+    src = _source(tiny_flux(dtype=torch.bfloat16))[0]
+    assert src.stats()["decode"] == "at load, on the decode stream"
+    use = _source(tiny_flux(dtype=torch.bfloat16), decode_at="use", decode_stream=False)[0]
+    assert use.stats()["decode"] == "at use, on the compute stream"
+    with pytest.raises(ValueError, match="decode_at='later' is not allowed; choose from: load, use"):
+        _source(tiny_flux(dtype=torch.bfloat16), decode_at="later")

@@ -24,7 +24,10 @@ Triton decode launch from it into the slot on the source's decode stream
 decode; events order the decode after its copy and the next copy into the
 same coded buffer after the decode that read it; only the decode waits for
 the slot's release, so copies run ahead of compute by a ring turn), or on the
-copy stream itself (``decode_stream=False``: copy and decode serialised). The decode tables go to
+copy stream itself (``decode_stream=False``: copy and decode serialised). With CUDA graphs the
+decode is issued at use instead (``decode_at="use"``, :func:`decode_placement`): the executor
+calls :meth:`CodedSource.before_use` just before the block computes, and the decode runs on the
+compute stream, after the next block's copy was issued. The decode tables go to
 the device at ``attach`` and never move: a re-encoded block (``write``,
 edited host views) updates its table in place, so captured CUDA graphs keep
 reading the current weights. Each block copies a fixed byte count (its coded
@@ -65,7 +68,7 @@ from ..misuse import OffloadMisuseError
 from ..progress import Progress
 
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
-           "CODEC_LEVELS", "codec_levels"]
+           "CODEC_LEVELS", "codec_levels", "decode_placement"]
 
 CODECS = ("exp-k", "exp-k2")
 CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2}  # weight_codec -> encode(levels=...)
@@ -102,15 +105,24 @@ def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     cfg = req.config
     codec_levels(cfg.weight_codec)
     budget = cfg.pinned_memory_budget_gb
-    # EXPERIMENT (ninth session, device A/B of where graphs-coded decodes; removed or made a config key after)
-    decode_at = os.environ.get("WEIGHTSTREAM_EXPERIMENT_DECODE_AT", "load")
-    decode_stream = os.environ.get("WEIGHTSTREAM_EXPERIMENT_DECODE_STREAM", "1") == "1"
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, decode_at=decode_at,
-        decode_stream=decode_stream,
+        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, **decode_placement(cfg),
     )
+
+
+def decode_placement(cfg) -> dict:
+    """Where the coded sources decode, by config (``decode_at`` and ``decode_stream`` of
+    :class:`CodedSource`). Eager: at load, on the decode stream. CUDA graphs: at use, on the
+    compute stream. Captured at load, each block's decode became the first dependant of its
+    copy, and the step graph's copies ran at ~50 GB/s instead of 55 (flux graphs-coded 0.806x
+    the uncoded floor, call28); issued at use, after the next block's copy, 0.713x (0.732x on
+    the decode stream). Eager, decoding at load stays the faster (flux 0.746-0.753x vs 0.757x
+    at use on the decode stream). Outputs are the same bytes either way."""
+    if cfg.cuda_graphs == "on":
+        return {"decode_at": "use", "decode_stream": False}
+    return {"decode_at": "load", "decode_stream": True}
 
 
 # -- encoding one block (pure, CPU, runs on worker threads) --------------------
@@ -428,11 +440,10 @@ class CodedSource:
             self.offsets.append(off)
             off += cap
         self._map = mmap.mmap(-1, max(off, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # as the HostStore: copies from huge pages (EXPERIMENT call24)
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # pragma: no cover - kernel without THP
-                pass
+        # no MADV_HUGEPAGE (unlike the HostStore): on the H200 it changed neither the coded copies'
+        # rate eager (9aef8fd: 322.3 ms vs 320.4) nor with graphs (41d75b8: 338.7 vs 339.4-342.6; a
+        # graph-captured copy runs 55.5 GB/s from 4 KB and from huge registered pages alike), and each
+        # region's partly written last huge page costs up to 2 MB
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
             self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -874,6 +885,8 @@ class CodedSource:
             "bits_per_weight": _bits_per_weight(self.tables),
             "encode_s": self.encode_s,
             "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
+            "decode": f"at {self.decode_at}, on the " + ("decode" if self.decode_stream else
+                                                           "copy" if self.decode_at == "load" else "compute") + " stream",
         }
 
     def close(self) -> None:

@@ -59,7 +59,8 @@ from ..checkpoint import (
 )
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
-from .coded import CODECS, CodedRegion, CodedSource, _capacity, codec_levels, encode_image, in_order
+from .coded import (CODECS, CodedRegion, CodedSource, _capacity, codec_levels, decode_placement, encode_image,
+                    in_order)
 from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
@@ -371,7 +372,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     budget = cfg.pinned_memory_budget_gb
     src = MmapCodedSource(layouts, tensors, device=device, pin=cfg.pin_memory, progress=cfg.progress,
                           budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded,
-                          codec=cfg.weight_codec)
+                          codec=cfg.weight_codec, **decode_placement(cfg))
     load_s = time.perf_counter() - t0
     try:
         ckpt.check_unchanged()  # resident weights and packed blocks were read from the mapping
