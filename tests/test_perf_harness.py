@@ -492,3 +492,17 @@ def test_bench_coded_ring_cli():
         bcr.main(["--place", "nowhere"])
     if not torch.cuda.is_available():
         assert bcr.main(["--blocks", "2"]) == 2
+
+
+def test_bench_decode_steal_cli():
+    """perf/bench_decode_steal.py parses its options on any machine, refuses warps that are not a
+    power of two, and refuses to time without CUDA."""
+    from perf import bench_decode_steal as bds
+
+    with pytest.raises(SystemExit) as exit_info:
+        bds.main(["--help"])
+    assert exit_info.value.code == 0
+    with pytest.raises(SystemExit):
+        bds.main(["--num-warps", "3"])
+    if not torch.cuda.is_available():
+        assert bds.main(["--mb", "1"]) == 2
