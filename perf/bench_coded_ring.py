@@ -17,8 +17,6 @@ Results: ``perf/results/codedring-<gpu>-<commit>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,8 +26,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from perf.common import short_commit  # noqa: E402
-from perf.results import gpu_slug  # noqa: E402
+from perf.common import save_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACES = ("none", "side", "copy", "compute")
@@ -159,12 +156,7 @@ def main(argv=None) -> int:
                        "memsets": args.memsets}
         print(f"  [{place}] eager {r['eager_ms']:.2f} ms ({r['eager_gbps']:.2f} GB/s), graph {r['graph_ms']:.2f} ms "
               f"({r['graph_gbps']:.2f} GB/s)", flush=True)
-    res = {"gpu": torch.cuda.get_device_name(0), "commit": short_commit(), "torch": torch.__version__,
-           "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(), "modes": modes}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"codedring-{gpu_slug(res['gpu'])}-{res['commit']}-m{args.memsets}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_result(args.out, "codedring", {"modes": modes}, suffix=f"-m{args.memsets}")
     return 0
 
 

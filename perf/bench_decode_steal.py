@@ -14,8 +14,6 @@ Results: ``perf/results/decodesteal-<gpu>-<commit>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,8 +23,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from perf.common import short_commit  # noqa: E402
-from perf.results import gpu_slug  # noqa: E402
+from perf.common import save_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,13 +103,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode_steal needs a CUDA device", file=sys.stderr)
         return 2
-    res = {"gpu": torch.cuda.get_device_name(0), "commit": short_commit(), "torch": torch.__version__,
-           "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-           **measure(args.mb, args.gemm_ms, options, args.reps)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decodesteal-{gpu_slug(res['gpu'])}-{res['commit']}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_result(args.out, "decodesteal", measure(args.mb, args.gemm_ms, options, args.reps))
     return 0
 
 

@@ -19,8 +19,6 @@ Results: ``perf/results/graphcopy-<gpu>-<commit>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import mmap
 import statistics
 import sys
@@ -31,8 +29,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from perf.common import short_commit  # noqa: E402
-from perf.results import gpu_slug  # noqa: E402
+from perf.common import save_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,12 +192,7 @@ def main(argv=None) -> int:
             for m, gbps in measure(args.mb, c, args.reps, args.gemm_n, host).items():
                 modes[f"{host}-{m}-c{c}"] = {"h2d_gbps": gbps, "mb": args.mb, "chunks": c, "host": host}
                 print(f"  [{host}-{m}-c{c}] {gbps:.2f} GB/s", flush=True)
-    res = {"gpu": torch.cuda.get_device_name(0), "commit": short_commit(), "torch": torch.__version__,
-           "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(), "modes": modes}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"graphcopy-{gpu_slug(res['gpu'])}-{res['commit']}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_result(args.out, "graphcopy", {"modes": modes})
     return 0
 
 

@@ -57,6 +57,19 @@ def result_meta(gpus: int | None = None) -> dict:
             "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")}
 
 
+def save_result(out: Path, kind: str, body: dict, suffix: str = "") -> Path:
+    """Write ``result_meta()`` + ``body`` to ``out/<kind>-<gpu slug>-<short commit><suffix>.json``
+    (the small benches' one result file); print and return its path."""
+    import json
+
+    res = {**result_meta(), **body}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}-{gpu_slug(res['gpu'])}-{short_commit()}{suffix}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def measure_h2d_gbps(device, nbytes: int = 1 << 30, reps: int = 7, barrier=None) -> tuple[float, list[float]]:
     """(best, all) pinned host -> device GB/s of ``nbytes`` copies. The best is the
     floor's bandwidth: the link can do at least that. ``barrier`` (a callable)

@@ -62,6 +62,14 @@ def _assert_clean(case, min_reads, waive=()):
 def test_coded_schedules_are_ordered(slots, resident, mode):
     """Skipped blocks, a weight update and an edit of a state_dict() tensor between forwards."""
     case = CodedCase(slots=slots, resident=resident, mode=mode)
+    _exercise(case)
+    _assert_clean(case, min_reads=3 * (7 - resident))
+    assert case.wrapped.stats()["source"].startswith("coded")
+
+
+def _exercise(case) -> None:
+    """Forwards with skipped blocks, a weight update and an edit of a state_dict() tensor between
+    them, no warning (no re-prime); every output bit-exact."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for skip in SKIPS[:6]:
@@ -74,8 +82,6 @@ def test_coded_schedules_are_ordered(slots, resident, mode):
             case.ref.state_dict()[key].mul_(0.5)
         case.forward()
         case.forward(skip=(6,))
-    _assert_clean(case, min_reads=3 * (7 - resident))
-    assert case.wrapped.stats()["source"].startswith("coded")
 
 
 CODED_MUTATIONS = {
@@ -85,6 +91,14 @@ CODED_MUTATIONS = {
     # block's slot is freed without anyone waiting for its decode)
     "copy-no-wait-read": ("cs.wait_event(self._read[slot])", {"no_concurrent_write"}, "ring"),
 }
+
+
+def _broken_rules(case) -> set:
+    """Run every skip pattern (the outputs must still equal the resident model's); the rules broken."""
+    for skip in SKIPS:
+        case.forward(skip=skip)
+    v = case.violations()
+    return {r for r in RULES if v[r]}
 
 
 # decode_at="use": (method, line, rules broken, decode_stream)
@@ -104,18 +118,12 @@ USE_MUTATIONS = {
 def test_decode_at_use_is_ordered(decode_stream, slots, resident, mode):
     """decode_at="use" (the decode issued by the executor just before the block computes, on the
     decode stream or the compute stream): every schedule stays ordered and bit-exact, skipped
-    blocks and a weight update included. The ``overlap`` rule (no read waits for a write issued
+    blocks, a weight update and a state_dict() edit included. The ``overlap`` rule (no read waits for a write issued
     after the write it reads) is waived: issued at use, a block's decode is queued behind the
     previous block's decode (or compute), which were issued after its H2D -- the order the
     blocks are used in, by design."""
     case = CodedCase(slots=slots, resident=resident, mode=mode, decode_at="use", decode_stream=decode_stream)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for skip in SKIPS[:6]:
-            case.forward(skip=skip)
-        case.wrapped.update_weights(case.ref.state_dict())
-        case.forward()
-        case.forward(skip=(6,))
+    _exercise(case)
     _assert_clean(case, min_reads=3 * (7 - resident), waive=("overlap",))
 
 
@@ -123,10 +131,7 @@ def test_decode_at_use_is_ordered(decode_stream, slots, resident, mode):
 def test_decode_at_use_mutation_is_caught(name):
     method, line, rules, decode_stream = USE_MUTATIONS[name]
     case = CodedCase(source_cls=mutant(CodedSource, method, line), decode_at="use", decode_stream=decode_stream)
-    for skip in SKIPS:
-        case.forward(skip=skip)  # outputs still equal the resident model's
-    v = case.violations()
-    broken = {r for r in RULES if v[r]}
+    broken = _broken_rules(case)
     assert rules <= broken, f"{name}: expected {sorted(rules)} broken, got {sorted(broken)}"
 
 
@@ -142,10 +147,7 @@ def test_decode_at_use_needs_the_executor_call():
 def test_coded_mutation_is_caught(name):
     line, rules, mode = CODED_MUTATIONS[name]
     case = CodedCase(mode=mode, source_cls=mutant(CodedSource, "_issue", line))
-    for skip in SKIPS:
-        case.forward(skip=skip)  # outputs still equal the resident model's
-    v = case.violations()
-    broken = {r for r in RULES if v[r]}
+    broken = _broken_rules(case)
     assert rules <= broken, f"{name}: expected {sorted(rules)} broken, got {sorted(broken)}"
 
 

@@ -470,39 +470,31 @@ def test_auto_modes_parse_and_compare_with_the_best_fixed_count_that_fits():
     assert out["ratio_to_predicted"] == pytest.approx(180 / 175, rel=1e-3)
 
 
-def test_bench_graph_copy_cli():
-    """perf/bench_graph_copy.py parses its options on any machine and refuses to time without CUDA."""
-    from perf import bench_graph_copy as bgc
+@pytest.mark.parametrize("bench, bad", [
+    ("bench_graph_copy", ["--host", "tmpfs"]),
+    ("bench_coded_ring", ["--place", "nowhere"]),
+    ("bench_decode_steal", ["--num-warps", "3"]),
+])
+def test_small_bench_cli(bench, bad):
+    """The small device benches parse their options on any machine, refuse a bad value, and refuse
+    to time without CUDA."""
+    import importlib
 
+    mod = importlib.import_module(f"perf.{bench}")
     with pytest.raises(SystemExit) as exit_info:
-        bgc.main(["--help"])
-    assert exit_info.value.code == 0
-    if not torch.cuda.is_available():
-        assert bgc.main(["--mb", "1"]) == 2
-
-
-def test_bench_coded_ring_cli():
-    """perf/bench_coded_ring.py parses its options on any machine and refuses to time without CUDA."""
-    from perf import bench_coded_ring as bcr
-
-    with pytest.raises(SystemExit) as exit_info:
-        bcr.main(["--help"])
+        mod.main(["--help"])
     assert exit_info.value.code == 0
     with pytest.raises(SystemExit):
-        bcr.main(["--place", "nowhere"])
+        mod.main(bad)
     if not torch.cuda.is_available():
-        assert bcr.main(["--blocks", "2"]) == 2
+        assert mod.main(["--reps", "1"]) == 2
 
 
-def test_bench_decode_steal_cli():
-    """perf/bench_decode_steal.py parses its options on any machine, refuses warps that are not a
-    power of two, and refuses to time without CUDA."""
-    from perf import bench_decode_steal as bds
+def test_save_result_writes_meta_and_body(tmp_path, capsys):
+    from perf.common import save_result
 
-    with pytest.raises(SystemExit) as exit_info:
-        bds.main(["--help"])
-    assert exit_info.value.code == 0
-    with pytest.raises(SystemExit):
-        bds.main(["--num-warps", "3"])
-    if not torch.cuda.is_available():
-        assert bds.main(["--mb", "1"]) == 2
+    path = save_result(tmp_path / "r", "kind", {"modes": {"a": 1}}, suffix="-x")
+    assert path.parent == tmp_path / "r" and path.name.startswith("kind-") and path.name.endswith("-x.json")
+    got = json.loads(path.read_text())
+    assert got["modes"] == {"a": 1} and {"gpu", "commit", "torch", "date"} <= set(got)
+    assert f"wrote {path}" in capsys.readouterr().out
