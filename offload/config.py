@@ -250,7 +250,9 @@ class OffloadConfig:
         block images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
-        slot on the copy stream (offload/sources/coded.py). "exp-k2" codes the
+        slot: eagerly on a decode stream beside the copies, with cuda_graphs="on"
+        on the compute stream just before the block runs (offload/sources/coded.py,
+        decode_placement). "exp-k2" codes the
         escapes again at a second level (about 0.69 instead of 0.71 of the
         bytes on Student-t bf16 weights; a tensor it does not shrink keeps the
         "exp-k" bytes); it works wherever "exp-k" does. With DLO AllGather
