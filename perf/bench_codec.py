@@ -18,7 +18,7 @@ single-stream block of ~283 MB, a double-stream block of ~680 MB):
   Each decode is checked byte for byte against the original tensors first.
 
 - build path (``--build``, on by default): the coded source's encode as setup runs it
-  (`offload.sources.coded.encoded_in_order`: one block per worker thread, torch's
+  (`offload.sources.coded_encode.encoded_in_order`: one block per worker thread, torch's
   intra-op threads at 1) over ``--build-blocks`` blocks of the first size, at
   1..N workers (``--build-workers``, default powers of two up to the usable
   cores, and the cores): raw GB/s in aggregate and per worker (modes
@@ -123,7 +123,7 @@ def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k"
 
 
 def usable_cores() -> int:
-    from weightstream.offload.sources.coded import encode_workers
+    from weightstream.offload.sources.coded_encode import encode_workers
 
     return encode_workers()
 
@@ -148,7 +148,8 @@ def _build_blocks(tensors, blocks: int):
 def build_figures(tensors, blocks: int, workers: list[int], reps: int = 1) -> dict:
     """Build-path encode rates (modes ``triton-build-w<W>`` and ``triton-build-source``), each the
     median of ``reps`` runs; every run's coded bytes are checked equal to the first run's."""
-    from weightstream.offload.sources.coded import CodedSource, encoded_in_order
+    from weightstream.offload.sources.coded import CodedSource
+    from weightstream.offload.sources.coded_encode import encoded_in_order
 
     layouts, objs = _build_blocks(tensors, blocks)
     raw = blocks * sum(t.numel() * t.element_size() for t in tensors)

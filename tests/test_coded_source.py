@@ -417,7 +417,8 @@ def _big_blocks(n=5, seed=0):
 @pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
 def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
     """Coded images are the same bytes whatever the worker count and intra-op threads."""
-    from weightstream.offload.sources.coded import CODEC_LEVELS, encoded_in_order
+    from weightstream.offload.sources.coded import CODEC_LEVELS
+    from weightstream.offload.sources.coded_encode import encoded_in_order
 
     tensors, layouts = _big_blocks()
     objs = [[t for _, _, t in ts] for ts in tensors]
@@ -446,7 +447,7 @@ def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
 
 
 def test_build_runs_one_intra_op_thread_per_worker_and_restores():
-    from weightstream.offload.sources.coded import encode_workers, in_order
+    from weightstream.offload.sources.coded_encode import encode_workers, in_order
 
     outer = torch.get_num_threads()
     torch.set_num_threads(3)  # not 1, whatever the machine: a restore must show
@@ -488,7 +489,7 @@ def _check_threads_restored(in_order, before):
 def test_tensor_parallel_encode_gives_the_same_bytes(levels):
     """Few large blocks (module offload's components) encode their tensors on worker threads:
     the region and the decode table equal the one-thread-per-block encoder's."""
-    from weightstream.offload.sources.coded import _capacity, encode_into, encode_tensors_into
+    from weightstream.offload.sources.coded_encode import _capacity, encode_into, encode_tensors_into
 
     tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
     for lay, ts in zip(layouts, tensors):
@@ -505,7 +506,7 @@ def test_tensor_parallel_encode_gives_the_same_bytes(levels):
 def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
     """Fewer blocks than encode workers (one here, on any machine with 2+ cores) take the
     tensor-parallel encoder inside CodedSource: the stored image decodes bit for bit."""
-    from weightstream.offload.sources.coded import encode_workers
+    from weightstream.offload.sources.coded_encode import encode_workers
 
     tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
     raw = _raw_images(tensors[:1], layouts[:1])

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-import weightstream.offload.sources.coded as coded_mod
+import weightstream.offload.sources.coded_encode as coded_mod
 from weightstream import OffloadConfig
 from weightstream.offload.mmap_source import (
     CheckpointChangedError, CodedSidecarError, meta_from_pretrained, offload_from_safetensors, on_meta,

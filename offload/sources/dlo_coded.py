@@ -42,7 +42,8 @@ from ...kernels.codec import DecodeTable, decode, decode_tensor, decode_torch
 from ..dlo_control import ShardPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
-from .coded import CodedCaptureStaleError, _slack, codec_levels, encode_image, encoded_in_order
+from .coded import CodedCaptureStaleError, codec_levels
+from .coded_encode import _slack, encode_image, encoded_in_order
 from .dlo import ShardedHostViews, ShardSource
 from .pinned import SourceRequest, drop_storage
 

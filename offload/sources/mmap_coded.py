@@ -59,8 +59,8 @@ from ..checkpoint import (
 )
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
-from .coded import (CODECS, CodedRegion, CodedSource, _capacity, codec_levels, decode_placement, encode_image,
-                    in_order)
+from .coded import CODECS, CodedRegion, CodedSource, codec_levels, decode_placement
+from .coded_encode import _capacity, encode_image, in_order
 from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
