@@ -32,7 +32,7 @@ CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 # "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py);
 # "exp-k2": the same with its escapes coded at a second level (codec version 2)
-WEIGHT_CODECS = ("none", "exp-k", "exp-k2")
+WEIGHT_CODECS = ("none", "exp-k", "exp-k2", "auto")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
@@ -246,7 +246,7 @@ class OffloadConfig:
     dlo_verify_weights: bool, default true. DLO: at setup compare a sampled
         digest of every block's weights across the ranks (one collective; a
         few KB read per block); a mismatch names the block and the ranks.
-    weight_codec: "none" (default) | "exp-k" | "exp-k2". "exp-k" stores streamed
+    weight_codec: "none" (default) | "exp-k" | "exp-k2" | "auto". "exp-k" stores streamed
         block images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
@@ -260,8 +260,16 @@ class OffloadConfig:
         bytes (offload/sources/dlo_coded.py); rank-local DLO streams full coded
         blocks per rank. In mode='module' each offloaded component's image is
         stored coded; an arrival copies the coded bytes H2D and decodes them
-        into the component's device buffer (VAEs once, at setup). Not with the
-        mmap source (offload_from_safetensors) of layer mode.
+        into the component's device buffer (VAEs once, at setup). The mmap source
+        (offload_from_safetensors) codes with "exp-k" / "exp-k2" and can keep a
+        coded sidecar file. "auto" (offload/auto_codec.py) stores the streamed
+        blocks raw, measures the first eager step (with cuda_graphs="on": the
+        warm-up step, before any capture), then codes the blocks a plan predicts
+        faster to code, with the codec predicted fastest (offload/codec_plan.py:
+        a transfer-bound step codes every block, a compute-bound one none);
+        planned once, printed, in stats()["codec_plan"]. Host memory stays that
+        of the raw images. In mode='module' "auto" is "exp-k2" (an arrival is a
+        bare transfer). Not with resident_layers="auto", DLO, or the mmap source.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -347,6 +355,17 @@ class OffloadConfig:
             raise _reject("weight_codec", self.weight_codec,
                           f"coded weights need mode in {list(CODEC_MODES)} (got mode={self.mode!r}); "
                           "choose from: none")
+        dlo = [c for c, o in self.layer_options.items() if o.weight_transfer is not None]
+        if self.weight_codec == "auto" and dlo:
+            raise _reject("weight_codec", "auto",
+                          f"it is planned per process from a measured step, not across the ranks of distributed "
+                          f"layerwise offload (layer_options.{dlo[0]}.weight_transfer="
+                          f"{self.layer_options[dlo[0]].weight_transfer!r}); choose from: exp-k, exp-k2, none")
+        if self.weight_codec == "auto" and any(o.resident_layers == RESIDENT_AUTO for o in self.layer_options.values()):
+            raise _reject("weight_codec", "auto",
+                          "it is planned from the same first step as resident_layers='auto', which moves the blocks "
+                          "it would code; give one of them explicitly (weight_codec='exp-k' / 'exp-k2', or "
+                          "resident_layers=<int>)")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

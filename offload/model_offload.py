@@ -87,7 +87,7 @@ from .discovery import resolve_path
 from .host_store import HostStore, Progress
 from .host_store import copy_from_image as _copy_from_image
 from .layout import block_tensors, build_layout
-from .sources.coded import CodedSource
+from .sources.coded import CodedSource, module_codec
 from .streamed import HostStateDictHook, resolve_device
 
 __all__ = [
@@ -558,7 +558,7 @@ class ModuleOffload:
         self.coded = CodedSource(
             layouts, [u.tensors for u in self.units.values()], device=self.device,
             pin=self.config.pin_memory and self.cuda, budget_bytes=budget, progress=self.config.progress,
-            drop=drop, decode_stream=False, codec=self.config.weight_codec,
+            drop=drop, decode_stream=False, codec=module_codec(self.config.weight_codec),
         )
         # an arrival also holds the unit's coded bytes on the device until its decode ran
         self.peak_device_bytes += max(self.coded.copy_bytes)

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB, ConfigTypeError
 
-__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms", "AutoPlan", "plan_from_events",
+__all__ = ["PlanInputs", "Placement", "plan", "evaluate", "step_ms", "ring_ms", "AutoPlan", "plan_from_events",
            "compute_from_events", "h2d_from_events", "auto_budget_bytes", "describe"]
 
 _MAX_STEPS = 64  # steps simulated before giving up on exact periodicity
@@ -195,7 +195,17 @@ def _simulate(inputs: PlanInputs, res: set, num_slots: int) -> float:
               for i, c in enumerate(inputs.compute_ms)]
     s = min(num_slots, inputs.num_blocks - len(res))
     separate = inputs.decode_gbps is not None and not inputs.decode_on_copy_stream
-    if inputs.step_local and res:
+    return ring_ms(blocks, s, separate_decode=separate, step_local=inputs.step_local and bool(res))
+
+
+def ring_ms(blocks, num_slots: int, *, separate_decode: bool, step_local: bool = False) -> float:
+    """Steady-state step (ms) of the ring over ``blocks``: per block in execution order
+    ``(compute_ms, None)`` (resident) or ``(compute_ms, (load_ms, decode_ms))`` (streamed),
+    ``num_slots`` slots (at most the streamed count), decodes on the copy stream or, with
+    ``separate_decode``, on their own; ``step_local``: the CUDA-graph schedule with resident
+    blocks (the module doc's model; also the codec planner's)."""
+    s, separate = num_slots, separate_decode
+    if step_local:
         return _simulate_step_local(blocks, s, separate)
     t = copy_free = dec_free = 0.0
     done_at: list[float] = []  # compute end per streamed position

@@ -133,6 +133,13 @@ class StreamedBlocks:
             self.placement = AutoPlacement(self)
             self._root_hooks.append(self.placement)
             self._stats_extra.append(self.placement.stats)
+        self.codec_planner = None
+        if config.weight_codec == "auto":
+            from .auto_codec import AutoCodec
+
+            self.codec_planner = AutoCodec(self)
+            self._root_hooks.append(self.codec_planner)
+            self._stats_extra.append(self.codec_planner.stats)
         self.setup_s = time.perf_counter() - t0
 
     def _schedule(self, num_blocks: int, resident: int) -> Schedule:

@@ -23,12 +23,14 @@ class CodedCase:
     """A wrapped SkippingToyDiT (7 blocks, fp32 and bf16) streamed from coded images, traced."""
 
     def __init__(self, *, slots=2, resident=0, mode="ring", source_cls=CodedSource, decode_at="load",
-                 decode_stream=True):
+                 decode_stream=True, coded=None):
+        """``coded``: weight_codec="auto" with these streamed blocks coded (exp-k), the rest raw."""
         self.rec = RecordingStreams()
         model = SkippingToyDiT()
         self.ref = copy.deepcopy(model)
         self.x = toy_inputs()
-        cfg = OffloadConfig.layerwise(resident_layers=resident, weight_codec="exp-k", progress=False)
+        codec = "exp-k" if coded is None else "auto"
+        cfg = OffloadConfig.layerwise(resident_layers=resident, weight_codec=codec, progress=False)
         cls = _traced(StreamedBlocks, self.rec, slots, mode)
 
         def factory(req):
@@ -39,6 +41,9 @@ class CodedCase:
 
         streamed = cls(model, cfg, DEV, None, source=factory)
         self.wrapped = OffloadedTransformer(streamed.module, cfg, device=DEV, streamed=streamed)
+        if coded is not None:
+            streamed.codec_planner.remove()  # the test picks the coded blocks
+            streamed.source.code_blocks(coded, "exp-k")
 
     def forward(self, skip=()):
         with torch.no_grad():
@@ -137,8 +142,8 @@ def test_decode_at_use_mutation_is_caught(name):
 
 def test_decode_at_use_needs_the_executor_call():
     """A source whose before_use does nothing leaves the slots coded: the outputs differ."""
-    case = CodedCase(source_cls=mutant(CodedSource, "before_use", 'if self.decode_at != "use" or self._streams is None:',
-                                       "if True:"), decode_at="use")
+    line = 'if self.decode_at != "use" or self._streams is None or self.raw[k]:'
+    case = CodedCase(source_cls=mutant(CodedSource, "before_use", line, "if True:"), decode_at="use")
     with pytest.raises(AssertionError):
         case.forward()
 
@@ -157,3 +162,30 @@ def test_coded_unmutated_twin_is_clean():
     for skip in SKIPS:
         case.forward(skip=skip)
     _assert_clean(case, min_reads=3 * 7)
+
+
+# weight_codec="auto": raw blocks (copied straight into the slot) between coded ones
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("slots,resident", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("decode_at,decode_stream", [("load", True), ("load", False), ("use", True), ("use", False)])
+def test_mixed_raw_and_coded_blocks_are_ordered(decode_at, decode_stream, slots, resident, mode):
+    case = CodedCase(slots=slots, resident=resident, mode=mode, decode_at=decode_at, decode_stream=decode_stream,
+                     coded=(0, 2, 3))
+    assert case.wrapped._streamed.source.raw.count(False) == 3
+    _exercise(case)
+    _assert_clean(case, min_reads=3 * (7 - resident), waive=("overlap",) if decode_at == "use" else ())
+
+
+RAW_MUTATIONS = {
+    # a raw block's copy into the slot does not wait for the slot's release
+    "raw-no-wait-free": ("cs.wait_event(after)", "use"),
+    # ... nor for the decode a skipped coded block left running into the same slot
+    "raw-no-wait-decode": ("cs.wait_stream(self._dstream)", "load"),
+}
+
+
+@pytest.mark.parametrize("name", list(RAW_MUTATIONS))
+def test_raw_load_mutation_is_caught(name):
+    line, decode_at = RAW_MUTATIONS[name]
+    case = CodedCase(source_cls=mutant(CodedSource, "_load_raw", line), decode_at=decode_at, coded=(0, 2, 3))
+    assert "no_concurrent_write" in _broken_rules(case)

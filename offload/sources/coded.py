@@ -64,14 +64,15 @@ from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
-from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
-                           encoded_in_order, in_order)
+from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_image, encode_into, encode_tensors_into,
+                           encode_workers, encoded_in_order, in_order)
 
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
-           "CODEC_LEVELS", "codec_levels", "decode_placement"]
+           "CODEC_LEVELS", "codec_levels", "decode_placement", "module_codec", "AUTO"]
 
 CODECS = ("exp-k", "exp-k2")
 CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2}  # weight_codec -> encode(levels=...)
+AUTO = "auto"  # weight_codec planned from a measured step (offload/auto_codec.py)
 ENCODE_ON = ("cpu", "device")  # where CodedSource codes its blocks
 DECODE_AT = ("load", "use")  # when CodedSource issues a block's decode (see CodedSource.__init__)
 _NEVER = object()  # capture tag of an event never recorded
@@ -90,8 +91,24 @@ def check_codec_supported(config, where: str) -> None:
             "there yet (only the pinned host source of layer mode decodes them); choose from: none")
 
 
+MODULE_AUTO = "exp-k2"  # weight_codec="auto" in mode='module' (see module_codec)
+
+
+def module_codec(codec: str) -> str:
+    """The codec mode='module' stores with: ``codec``, or for "auto" :data:`MODULE_AUTO`. An
+    arrival is a bare transfer (nothing computes beside it), so coding pays whenever a decode
+    outruns the link by more than the bytes saved: measured on the H200, arrivals took 0.694-0.698x
+    the uncoded floor with exp-k2, 0.716-0.718x with exp-k (bench_module: call23 for exp-k2, call12 for exp-k)."""
+    return MODULE_AUTO if codec == AUTO else codec
+
+
 def codec_levels(codec: str) -> int:
     """``encode``'s ``levels`` for the codec named ``codec`` (ValueError naming the codecs)."""
+    if codec == AUTO:
+        raise ValueError(
+            "weight_codec='auto' is not allowed here: it plans which blocks to code from a measured step, "
+            "for the pinned host images of layer mode (OffloadedTransformer, one process) and for mode='module'; "
+            f"with this source (the mmap source, DLO) choose from: {', '.join(CODECS)}")
     if codec not in CODEC_LEVELS:
         raise ValueError(f"weight_codec={codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
     return CODEC_LEVELS[codec]
@@ -101,7 +118,8 @@ def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``
     (``encode_on``: see :class:`CodedSource`)."""
     cfg = req.config
-    codec_levels(cfg.weight_codec)
+    if cfg.weight_codec != AUTO:
+        codec_levels(cfg.weight_codec)
     budget = cfg.pinned_memory_budget_gb
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
@@ -236,12 +254,15 @@ class CodedSource:
         :data:`CODECS` (blocks built and re-encoded with it). ``decode_at``: "load" (the decode
         is issued with the copy) or "use" (the executor issues it just before the block's
         compute, :meth:`before_use`: on the decode stream, or with ``decode_stream=False`` on
-        the compute stream; the next block's copy is then issued before this decode)."""
+        the compute stream; the next block's copy is then issued before this decode).
+        ``codec="auto"``: every block is stored raw (its plain image, copied straight into the
+        slot, no decode) until :meth:`code_blocks` codes the ones a plan chose."""
         if decode_at not in DECODE_AT:
             raise ValueError(f"decode_at={decode_at!r} is not allowed; choose from: {', '.join(DECODE_AT)}")
         self.decode_at = decode_at
-        self.levels = codec_levels(codec)
+        self.levels = None if codec == AUTO else codec_levels(codec)
         self.codec, self.name = codec, f"coded-{codec}{self.name_suffix}"
+        self.raw = [codec == AUTO] * len(layouts)  # block k stored as its plain image (weight_codec="auto")
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
         if encode_on == "device" and canonical_device(device).type != "cuda":
@@ -280,7 +301,7 @@ class CodedSource:
     # -- build -------------------------------------------------------------------
     def _init_arena(self) -> None:
         self.offsets, off = [], 0
-        self.capacity = [_capacity(lay) for lay in self.layouts]
+        self.capacity = [max(_capacity(lay), align_up(lay.nbytes, PAGE)) for lay in self.layouts]
         for cap in self.capacity:
             self.offsets.append(off)
             off += cap
@@ -327,7 +348,11 @@ class CodedSource:
             dropping(k)
 
         try:
-            if encoded is None and self.encode_on == "device":
+            if encoded is None and any(self.raw):
+                for k in range(n):  # weight_codec="auto": plain images first (code_blocks codes some later)
+                    self._store_raw(k, objs[k])
+                    stored(k)
+            elif encoded is None and self.encode_on == "device":
                 for k in range(n):  # one block at a time on the GPU (H2D, code, D2H into the region)
                     dev = [t.detach().to(self.device) for t in objs[k]]
                     self._commit(k, *encode_into(self.region(k), self.layouts[k], dev, levels=self.levels), grow=True)
@@ -364,6 +389,15 @@ class CodedSource:
                 for t, spec in zip(objs[k], self.layouts[k].tensors):
                     t.data = spec.view_of(image).clone()
         self.close()
+
+    def _store_raw(self, k: int, tensors) -> None:
+        """Block ``k``'s plain image (its layout, as the pinned store holds it) into its region."""
+        region, lay = self.region(k), self.layouts[k]
+        with torch.no_grad():
+            for spec, t in zip(lay.tensors, tensors):
+                if spec.nbytes:
+                    spec.view_of(region).copy_(t.detach())
+        self.coded[k], self.tables[k], self.copy_bytes[k] = lay.nbytes, None, lay.nbytes
 
     def _adopt(self, k: int, item: CodedRegion) -> None:
         if not item.coded <= item.data.numel() <= self.capacity[k]:
@@ -417,7 +451,7 @@ class CodedSource:
         inside a capture)."""
         self._slots, self._streams, self.device = slots, streams, canonical_device(device)
         self._alloc_buffers()
-        self._dev_tables = [t.upload(self.device) if t.num_tiles else None for t in self.tables]
+        self._dev_tables = [t.upload(self.device) if t is not None and t.num_tiles else None for t in self.tables]
         if streams is not None and (self.decode_stream or self.decode_at == "use"):
             if self.decode_stream:
                 self._dstream = streams.new_stream(self.device)
@@ -427,8 +461,12 @@ class CodedSource:
             self._copied_tag: list = [_NEVER] * len(slots)  # capture context each _copied was recorded in
             self._free: list = [None] * len(slots)  # decode_at="use": the slot-free event its load got
 
+    def _buffer_bytes(self) -> int:
+        """Bytes of a slot's coded buffer: the largest coded copy (raw blocks copy into the slot)."""
+        return max((c for c, raw in zip(self.copy_bytes, self.raw) if not raw), default=0)
+
     def _alloc_buffers(self) -> None:
-        size = max(self.copy_bytes)
+        size = self._buffer_bytes()
         self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self._slots]
 
     def side_streams(self) -> list:
@@ -442,15 +480,35 @@ class CodedSource:
         if self._dirty:
             self._fold()
         st = self._streams
+        if tag is not None:
+            self._captured = True
+        if self.raw[k]:
+            return self._load_raw(k, slot, after, tag)
         if st is None:  # CPU, no streams: decode straight from the host region, synchronously
             self._decode(self.region(k)[: self.copy_bytes[k]], self._slots[slot], k)
             return None
-        if tag is not None:
-            self._captured = True
         self._copy_stream = st.current_stream(self.device)
         if self.decode_at == "use":
             return self._copy(k, slot, tag, after)
         return self._issue(k, slot, tag, after)
+
+    def _load_raw(self, k: int, slot: int, after, tag):
+        """A raw block (weight_codec="auto", not coded): one H2D of its plain image straight into
+        the slot, after the slot's release and the last decode into it; no decode
+        (:meth:`before_use` does nothing for it)."""
+        n, dst, src, st = self.layouts[k].nbytes, self._slots[slot], self.region(k), self._streams
+        if st is None:
+            dst[:n].copy_(src[:n])
+            return None
+        cs = self._copy_stream = st.current_stream(self.device)
+        if self._dstream is not None and self._read_tag[slot] == tag:
+            cs.wait_stream(self._dstream)  # a skipped coded block's decode may still write the slot
+        if after is not None:
+            cs.wait_event(after)
+        copy_from_image(dst[:n], src[:n])
+        if self.writes_at_use:  # the executor notes no load-time write for this source: noted here
+            st.access("write", slot, self.layouts[k].index)
+        return cs
 
     def _copy(self, k: int, slot: int, tag, after):
         """decode_at="use": the H2D alone, after the last decode that read the coded buffer (or,
@@ -477,7 +535,7 @@ class CodedSource:
         after the copy and the slot's release; ``stream`` waits for the decode), else on
         ``stream``. Every use decodes (a block run again after an exception decodes again: its
         coded buffer is not reloaded before the block's post-hook)."""
-        if self.decode_at != "use" or self._streams is None:
+        if self.decode_at != "use" or self._streams is None or self.raw[k]:
             return
         st, ds, key, what = self._streams, self._dstream, ("coded", slot), self.layouts[k].index
         if ds is not None:
@@ -644,6 +702,11 @@ class CodedSource:
                     "coded weights changed while a CUDA graph was being captured; call the model again")
             torch.cuda.synchronize(self.device)  # in-flight copies may read the regions
         grown = False
+        for k in [k for k in self._dirty if self.raw[k]]:  # raw blocks: the edited image as it is
+            d = self._decoded[k]
+            self.region(k)[: self.layouts[k].nbytes].copy_(d.image)
+            d.version = d.image._version
+            self._dirty.discard(k)
         dirty = sorted(self._dirty)
         images = [[s.view_of(self._decoded[k].image) for s in self.layouts[k].tensors] for k in dirty]
         with contextlib.closing(encoded_in_order([self.layouts[k] for k in dirty], images,
@@ -659,6 +722,61 @@ class CodedSource:
         if grown:
             self._grew()
 
+    def sample(self, k: int, codec: str) -> tuple[int, torch.Tensor, DecodeTable]:
+        """Raw block ``k`` encoded with ``codec`` aside (nothing stored): its coded bytes, the
+        coded tensor (one buffer) and its table; the codec planner's sample of a layout."""
+        if not self.raw[k]:
+            raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
+        image, lay = self.region(k), self.layouts[k]
+        blobs, table = encode_image(lay, [s.view_of(image) for s in lay.tensors], levels=codec_levels(codec))
+        data = torch.cat([b.reshape(-1) for b in blobs]) if blobs else torch.empty(0, dtype=torch.uint8)
+        return data.numel(), data, table
+
+    def code_blocks(self, ks, codec: str, *, progress: bool = False) -> None:
+        """weight_codec="auto": code the raw blocks ``ks`` with ``codec`` where they lie (each
+        region now holds its coded bytes, re-pinned at their size, its table on the device).
+        Between steps only: waits for the device first. Slots already loaded are re-copied at
+        the next step start (``host_version`` moves). Host copies handed out (``state_dict()``)
+        stay what they are: edits made in them are kept."""
+        ks = sorted(set(ks))
+        if not ks:
+            return
+        bad = [k for k in ks if not 0 <= k < len(self.layouts) or not self.raw[k]]
+        if bad:
+            raise ValueError(f"code_blocks: blocks {bad} are not raw blocks of this source; allowed: indices of "
+                             f"raw blocks ({[k for k, r in enumerate(self.raw) if r]})")
+        levels = codec_levels(codec)
+        if self.levels is not None and levels != self.levels:
+            raise ValueError(f"code_blocks: codec={codec!r}, but this source codes with {self.codec!r}; one codec "
+                             "per source")
+        if self._captured:
+            raise CodedCaptureStaleError("code_blocks: CUDA graphs were captured over the raw blocks' loads; "
+                                         "disable() the model and wrap it again")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # in-flight copies may read the regions
+        if self._decoded:
+            self._sweep()  # edits of handed-out host copies reach the regions before they are coded
+        if self._dirty:
+            self._fold()
+        self.levels, self.codec = levels, codec
+        self.name = f"coded-auto({codec}){self.name_suffix}"
+        bar = Progress(f"coding {len(ks)} blocks in host memory", sum(self.layouts[k].nbytes for k in ks), progress)
+        images = [[s.view_of(self.region(k)) for s in self.layouts[k].tensors] for k in ks]
+        try:
+            with contextlib.closing(encoded_in_order([self.layouts[k] for k in ks], images, levels=levels)) as coded:
+                for k, (blobs, table) in zip(ks, coded):
+                    self._store(k, blobs, table, grow=True)  # the blobs are apart: the raw image was read
+                    self.raw[k] = False
+                    self._pin(k)
+                    if self._dev_tables:
+                        self._dev_tables[k] = table.upload(self.device) if table.num_tiles else None
+                    bar.update(self.layouts[k].nbytes)
+        finally:
+            bar.close()
+            if self._slots and self._buffer_bytes() > (self._buffers[0].numel() if self._buffers else 0):
+                self._alloc_buffers()
+            self._host_edits += 1  # the executor re-copies the slots loaded raw
+
     def _retable(self, k: int) -> None:
         """Block ``k``'s new table into its device tensor, in place (graphs read it at replay)."""
         if not self._dev_tables or self._dev_tables[k] is None:
@@ -670,7 +788,7 @@ class CodedSource:
     def _grew(self) -> None:
         if not self._slots:  # not attached, or the executor was torn down
             return
-        if max(self.copy_bytes) > self._buffers[0].numel():
+        if self._buffer_bytes() > self._buffers[0].numel():
             self._alloc_buffers()
         if self._captured:
             self._stale = (
@@ -689,11 +807,15 @@ class CodedSource:
         return self._decode_to(k, self.device)
 
     def _decode_host(self, k: int) -> torch.Tensor:
+        if self.raw[k]:
+            return self.region(k)[: self.layouts[k].nbytes].clone()
         if self.device.type == "cuda" and self.tables[k].num_tiles:
             return self._decode_to(k, self.device).cpu()
         return self._decode_to(k, torch.device("cpu"))
 
     def _decode_to(self, k: int, device: torch.device) -> torch.Tensor:
+        if self.raw[k]:
+            return self.region(k)[: self.layouts[k].nbytes].to(device, copy=True)
         out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=device)
         n = self.copy_bytes[k]
         src = self.region(k)[:n]
@@ -729,6 +851,7 @@ class CodedSource:
             "coded_ratio": sum(self.coded) / raw if raw else 0.0,
             "bits_per_weight": _bits_per_weight(self.tables),
             "encode_s": self.encode_s,
+            "coded_blocks": len(self.raw) - sum(self.raw),
             "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
             "decode": f"at {self.decode_at}, on the " + ("decode" if self.decode_stream else
                                                            "copy" if self.decode_at == "load" else "compute") + " stream",

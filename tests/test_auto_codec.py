@@ -1,0 +1,210 @@
+"""weight_codec="auto" (offload/auto_codec.py): raw first, a measured step, then the planned blocks coded.
+
+On the CPU the measured link and decode rates are noise, so the tests that need
+a given plan set them (``h2d_gbps``, ``decode_gbps``) the way a slow or a fast
+link would measure; every output is compared with the unwrapped model bit for bit.
+"""
+import copy
+
+import pytest
+import torch
+
+from layerwise_cases import first
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
+from weightstream.offload.model_offload import offload_pipeline
+from weightstream.offload.sources.coded import CodedCaptureStaleError, codec_levels
+
+DEV = "cpu"
+FAST_DECODE = {"exp-k": 1e3, "exp-k2": 1e3}
+
+
+@pytest.fixture(autouse=True)
+def torch_decode(monkeypatch):
+    """decode_torch on the CPU (the interpreted Triton decode is slow; tests/test_coded_source.py
+    runs it); on CUDA the kernel runs whatever this says."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _wide(name, device=DEV):
+    """Blocks of a few MB (the tiny models' tens of kB code to no gain once the copy slack is added):
+    (model on the CPU, resident reference on ``device``, inputs), bf16."""
+    if name == "flux":
+        model = tiny_flux(dtype=torch.bfloat16, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24))
+        x = flux_inputs(model, device=device)
+    elif name == "wan":
+        model = tiny_wan(dtype=torch.bfloat16, attention_head_dim=64, num_attention_heads=4, ffn_dim=1024)
+        x = wan_inputs(model, device=device)
+    else:
+        model = ToyDiT(width=256).to(torch.bfloat16)
+        x = {k: v.to(device, torch.bfloat16) if v.is_floating_point() else v.to(device)
+             for k, v in toy_inputs().items()}
+    return model, copy.deepcopy(model).to(device), x
+
+
+def _auto(model, *, h2d_gbps=None, device=DEV, **kw):
+    cfg = OffloadConfig.layerwise(weight_codec="auto", progress=False, **kw)
+    wrapped = OffloadedTransformer(model, cfg, device=device)
+    planner = wrapped._streamed.codec_planner
+    if h2d_gbps is not None:  # what a slow (transfer-bound) or fast (compute-bound) link would measure
+        planner.h2d_gbps, planner.decode_gbps = h2d_gbps, FAST_DECODE
+    return wrapped
+
+
+@pytest.mark.parametrize("name", ["flux", "wan", "toy"])
+def test_transfer_bound_codes_every_block_bit_exact(name):
+    model, ref, x = _wide(name)
+    wrapped = _auto(model, h2d_gbps=1e-6)
+    assert wrapped.stats()["coded_blocks"] == 0 and "codec_plan" not in wrapped.stats()
+    with torch.no_grad():
+        want = first(ref(**x))
+        outs = [first(wrapped(**x)) for _ in range(4)]
+    assert all(torch.equal(o, want) for o in outs)
+    s = wrapped.stats()
+    plan = s["codec_plan"]
+    assert plan["codec"] == "exp-k2"  # equal decode rates: the smaller bytes win
+    assert s["coded_blocks"] == s["blocks_streamed"] == len(plan["coded_blocks"])
+    assert s["coded_bytes"] < s["raw_bytes"] and s["source"] == "coded-auto(exp-k2)"
+    assert "code " in plan["describe"] and plan["plan_s"] > 0
+    sd = wrapped.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    back = wrapped.disable()
+    with torch.no_grad():
+        assert torch.equal(first(back(**x)), want)
+
+
+def test_compute_bound_codes_nothing_and_streams_raw():
+    model, ref, x = _wide("flux")
+    wrapped = _auto(model, h2d_gbps=1e6)
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert all(torch.equal(first(wrapped(**x)), want) for _ in range(3))
+    s = wrapped.stats()
+    assert s["codec_plan"]["codec"] is None and s["coded_blocks"] == 0
+    assert s["coded_bytes"] == s["raw_bytes"] and s["h2d_bytes_per_step"] == s["raw_bytes"]
+    assert "nothing coded" in repr(wrapped._streamed.codec_planner)
+
+
+def test_measured_rates_plan_without_overrides():
+    """The real path: copy and compute records of the first step, sampled encodes, timed decodes."""
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+    plan = wrapped.stats()["codec_plan"]
+    assert plan["h2d_gbps"] > 0 and all(g > 0 for g in plan["decode_gbps"].values())
+    assert len(plan["candidates"]) == 2 and len(plan["coded_blocks"]) == wrapped.stats()["coded_blocks"]
+
+
+def test_edits_and_updates_across_the_switch_are_kept():
+    """A state_dict() edit and an update_weights while raw, then the plan codes every block: the
+    edits stream coded; an update after it re-encodes; outputs follow the reference throughout."""
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model, h2d_gbps=1e-6)
+    key = "single_blocks.4.up.weight"
+    with torch.no_grad():
+        new = {k: (v * 1.5 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
+        wrapped.update_weights(new)
+        ref.load_state_dict(new)
+        wrapped.state_dict()[key].mul_(-2.0)  # held by the caller across the switch
+        ref.state_dict()[key].mul_(-2.0)
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))  # measured step: raw
+        assert wrapped.stats()["coded_blocks"] > 0
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))  # coded
+        newer = {k: (v + 0.25 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
+        wrapped.update_weights(newer)
+        ref.load_state_dict(newer)
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+    sd = wrapped.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+
+
+def test_planned_once_and_not_after_a_failed_step():
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model, h2d_gbps=1e-6)
+    planner = wrapped._streamed.codec_planner
+
+    def boom(module, args):
+        raise RuntimeError("injected failure in a block")
+
+    h = model.single_blocks[2].register_forward_pre_hook(boom)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        wrapped(**x)
+    h.remove()
+    assert planner.plan is None and wrapped.stats()["coded_blocks"] == 0
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+        plan = planner.plan
+        assert plan is not None
+        two = {k: torch.cat([v, v]) for k, v in x.items()}  # a new input signature (batch 2)
+        assert torch.equal(first(wrapped(**two)), first(ref(**two)))
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+    assert planner.plan is plan  # never re-planned
+
+
+def test_code_blocks_mixes_raw_and_coded_blocks():
+    """Blocks 0, 2 and 5 coded, the rest raw: the ring copies raw ones straight into the slot."""
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model)
+    src = wrapped._streamed.source
+    wrapped._streamed.codec_planner.remove()  # no plan: the test picks the blocks
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+        src.code_blocks([0, 2, 5], "exp-k")
+        assert src.raw == [k not in (0, 2, 5) for k in range(len(src.raw))]
+        for _ in range(3):
+            assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+        src.code_blocks([1], "exp-k")
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+    with pytest.raises(ValueError, match=r"blocks \[0\] are not raw"):
+        src.code_blocks([0], "exp-k")
+    with pytest.raises(ValueError, match="one codec per source"):
+        src.code_blocks([3], "exp-k2")
+    with pytest.raises(ValueError, match="weight_codec='nope'"):
+        src.code_blocks([3], "nope")
+    src._captured = True
+    with pytest.raises(CodedCaptureStaleError, match="CUDA graphs were captured"):
+        src.code_blocks([3], "exp-k")
+
+
+def test_rules_are_named():
+    with pytest.raises(ValueError, match="resident_layers='auto'"):
+        OffloadConfig.layerwise(weight_codec="auto", resident_layers="auto")
+    with pytest.raises(ValueError, match="weight_transfer='allgather'"):
+        OffloadConfig.layerwise(weight_codec="auto", weight_transfer="allgather")
+    with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
+        codec_levels("auto")
+    OffloadConfig.layerwise(weight_codec="auto", cuda_graphs="on")  # planned at the warm-up step
+
+
+def test_module_mode_auto_stores_exp_k2():
+    from test_module_coded import _flux_case, _versions, cfg  # noqa: PLC0415
+
+    pipe, ids, kw, _, expected = _flux_case()
+    handle = offload_pipeline(pipe, cfg(codec="auto"), device=DEV)
+    assert 2 in _versions(handle)  # two-level tensors: exp-k2
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(pipe.run(ids, kw), expected))
+    assert handle.stats()["weight_codec"] == "auto" and handle.coded.codec == "exp-k2"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_auto_codec_on_cuda_equals_resident(graphs):
+    """On the H200: the measured plan (a tiny Flux: compute-bound or not, whatever it says), then a
+    forced transfer-bound plan; with graphs the plan lands before the capture and replays bit-exact."""
+    for h2d in (None, 1e-6):
+        model, ref, x = _wide("flux", "cuda")
+        wrapped = _auto(model, h2d_gbps=h2d, device="cuda", cuda_graphs=graphs)
+        with torch.no_grad():
+            want = first(ref(**x))
+            outs = [first(wrapped(**x)).clone() for _ in range(4)]
+        assert all(torch.equal(o, want) for o in outs)
+        s = wrapped.stats()
+        assert s["codec_plan"]["decode_gbps"]["exp-k"] > 0
+        if h2d is not None:
+            assert s["coded_blocks"] == s["blocks_streamed"]
+        if graphs == "on":
+            assert wrapped.graphs.counts["replay"] >= 2, wrapped.graphs.counts
+        wrapped.disable()
