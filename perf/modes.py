@@ -19,7 +19,9 @@
   below 1.0 beats what any uncoded stream can do. `coded_bytes` and
   `bits_per_weight` come from the source's stats. `layerwise-coded2`,
   `graphs-coded2` (`-coded2` combines like `-coded`): the same with
-  `weight_codec="exp-k2"` (the two-level code).
+  `weight_codec="exp-k2"` (the two-level code). `-codedauto`: `weight_codec="auto"`
+  (raw first; after the first step the planner codes the blocks it predicts
+  faster coded: `coded_blocks` and `codec_plan` in the figures).
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -53,8 +55,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|sidecar|encgpu)$")
-CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2"}  # mode variant -> weight_codec
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedauto|sidecar|encgpu)$")
+CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -105,7 +107,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
-                                 "coded2 (weight_codec='exp-k2'), "
+                                 "coded2 (weight_codec='exp-k2'), codedauto (weight_codec='auto'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
                                  "encgpu (with coded: encode the blocks on the GPU)")
             if m.group(2) is not None:
@@ -368,7 +370,7 @@ def _notes(spec: ModeSpec, cfg) -> dict:
 
 def coded_figures(stats: dict) -> dict:
     """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
-    keys = ("coded_bytes", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
+    keys = ("coded_bytes", "coded_blocks", "codec_plan", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
             "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb")
     return {k: stats[k] for k in keys if stats.get(k) is not None}
 

@@ -33,6 +33,8 @@ def test_coded_modes_parse():
         parse_mode("layerwise-encgpu", flux)
     with pytest.raises(ValueError, match="coded"):
         parse_mode("layerwise-zip", flux)
+    auto = parse_mode("graphs-codedauto", flux)  # weight_codec="auto": planned after the first step
+    assert auto.config_kw == {"cuda_graphs": "on", "weight_codec": "auto"} and auto.weight_fill == "student-t"
 
 
 def test_coded_floor_counts_raw_bytes():
@@ -72,7 +74,8 @@ def test_harness_coded_tiny_cpu(tmp_path):
     """resident and layerwise-coded in fresh workers: the coded mode carries coded_bytes,
     bits_per_weight, a floor from the RAW bytes, and no output comparison with resident
     (other weights)."""
-    result, path, ok = run("flux-12b-1024", ["resident", "resident-tfill", "layerwise-coded", "layerwise-coded2"],
+    result, path, ok = run("flux-12b-1024", ["resident", "resident-tfill", "layerwise-coded", "layerwise-coded2",
+                                             "layerwise-codedauto"],
                            steps=2, warmup=1, out_dir=tmp_path, tiny=True, device="cpu", touch_gb=0, mode_timeout=300)
     assert ok, result and result.get("failed")
     on_disk = json.loads(path.read_text())
@@ -90,6 +93,10 @@ def test_harness_coded_tiny_cpu(tmp_path):
     assert on_disk["modes"]["resident-tfill"]["output_sha1"] != on_disk["modes"]["resident"]["output_sha1"]
     assert f["ratio_to_floor"] == pytest.approx(f["step_ms"] / f["floor_ms"], rel=1e-3)
     assert "ratio_to_resident" in f
+    a = on_disk["modes"]["layerwise-codedauto"]  # planned after the warm-up step, whatever it chose
+    assert a["output_equals_resident"] is True and a["codec_plan"]["describe"]
+    assert a["coded_blocks"] == len(a["codec_plan"]["coded_blocks"])
+    assert a["streamed_gb"] == f["streamed_gb"]  # the floor counts the raw bytes, coded or not
 
 
 def test_harness_mmap_coded_writes_then_loads_the_sidecar_tiny_cpu(tmp_path):
