@@ -64,8 +64,8 @@ from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
-from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_image, encode_into, encode_tensors_into,
-                           encode_workers, encoded_in_order, in_order)
+from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
+                           encoded_in_order, in_order)
 
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
            "CODEC_LEVELS", "codec_levels", "decode_placement", "module_codec", "AUTO"]
@@ -728,9 +728,10 @@ class CodedSource:
         if not self.raw[k]:
             raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
         image, lay = self.region(k), self.layouts[k]
-        blobs, table = encode_image(lay, [s.view_of(image) for s in lay.tensors], levels=codec_levels(codec))
-        data = torch.cat([b.reshape(-1) for b in blobs]) if blobs else torch.empty(0, dtype=torch.uint8)
-        return data.numel(), data, table
+        scratch = torch.empty(self.capacity[k], dtype=torch.uint8)
+        coded, table = encode_tensors_into(scratch, lay, [s.view_of(image) for s in lay.tensors],
+                                           levels=codec_levels(codec))  # tensors in parallel
+        return coded, scratch[:coded], table
 
     def code_blocks(self, ks, codec: str, *, progress: bool = False) -> None:
         """weight_codec="auto": code the raw blocks ``ks`` with ``codec`` where they lie (each
@@ -768,6 +769,7 @@ class CodedSource:
                     self._store(k, blobs, table, grow=True)  # the blobs are apart: the raw image was read
                     self.raw[k] = False
                     self._pin(k)
+                    self._release_tail(k)
                     if self._dev_tables:
                         self._dev_tables[k] = table.upload(self.device) if table.num_tiles else None
                     bar.update(self.layouts[k].nbytes)
@@ -776,6 +778,16 @@ class CodedSource:
             if self._slots and self._buffer_bytes() > (self._buffers[0].numel() if self._buffers else 0):
                 self._alloc_buffers()
             self._host_edits += 1  # the executor re-copies the slots loaded raw
+
+    def _release_tail(self, k: int) -> None:
+        """Give the pages of block ``k``'s region past its copied bytes back to the OS (the raw
+        image written there before it was coded); they read as zeros if touched again."""
+        if self._backing[k] is not None:
+            return
+        start = self.offsets[k] + align_up(self.copy_bytes[k], PAGE)
+        end = self.offsets[k] + self.capacity[k]
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)  # Linux (as the arena)
 
     def _retable(self, k: int) -> None:
         """Block ``k``'s new table into its device tensor, in place (graphs read it at replay)."""
