@@ -291,8 +291,9 @@ class LayerwiseExecutor:
                 rec.end = self.log.mark()
             return
         cs = self.copy_stream
-        if after is not None and not self.source.waits_for_free:
-            cs.wait_event(after)
+        waits_of = getattr(self.source, "waits_for_free_of", None)  # per block (a coded source's raw blocks)
+        if after is not None and not (waits_of(k) if waits_of is not None else self.source.waits_for_free):
+            cs.wait_event(after)  # before the copy record starts: it times the copy, not the wait
         with self.streams.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)

@@ -177,15 +177,15 @@ def test_mixed_raw_and_coded_blocks_are_ordered(decode_at, decode_stream, slots,
 
 
 RAW_MUTATIONS = {
-    # a raw block's copy into the slot does not wait for the slot's release
-    "raw-no-wait-free": ("cs.wait_event(after)", "use"),
-    # ... nor for the decode a skipped coded block left running into the same slot
-    "raw-no-wait-decode": ("cs.wait_stream(self._dstream)", "load"),
+    # nobody waits for the slot's release before a raw block's copy into it (the source claims it does)
+    "raw-no-wait-free": ("waits_for_free_of", "return not self.raw[k]", "return True", "use"),
+    # the copy does not wait for the decode a skipped coded block left running into the same slot
+    "raw-no-wait-decode": ("_load_raw", "cs.wait_stream(self._dstream)", "pass", "load"),
 }
 
 
 @pytest.mark.parametrize("name", list(RAW_MUTATIONS))
 def test_raw_load_mutation_is_caught(name):
-    line, decode_at = RAW_MUTATIONS[name]
-    case = CodedCase(source_cls=mutant(CodedSource, "_load_raw", line), decode_at=decode_at, coded=(0, 2, 3))
+    method, line, replacement, decode_at = RAW_MUTATIONS[name]
+    case = CodedCase(source_cls=mutant(CodedSource, method, line, replacement), decode_at=decode_at, coded=(0, 2, 3))
     assert "no_concurrent_write" in _broken_rules(case)

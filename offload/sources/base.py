@@ -55,6 +55,7 @@ class WeightSource(Protocol):
     slot_bytes: int  # bytes one device slot needs (a gathered image, a decoded image)
     collective: bool  # loads are collectives: every rank issues the same loads in the same order
     waits_for_free: bool  # load() orders its slot writes after ``after`` itself
+    # optional: waits_for_free_of(k) -> bool, the same per block (the executor prefers it)
 
     def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
         """Allocate per-slot side buffers and side streams (called once by the executor,

@@ -492,10 +492,17 @@ class CodedSource:
             return self._copy(k, slot, tag, after)
         return self._issue(k, slot, tag, after)
 
+    def waits_for_free_of(self, k: int) -> bool:
+        """Whether load(k) orders its slot write after ``after`` itself: a coded block's H2D runs
+        ahead into its own buffer (the decode waits); a raw block's copy writes the slot, so the
+        executor waits before it (and its copy record times the copy alone: the link rate
+        weight_codec="auto" plans with; measured with the wait inside, Wan's read 9.2 GB/s, call34)."""
+        return not self.raw[k]
+
     def _load_raw(self, k: int, slot: int, after, tag):
         """A raw block (weight_codec="auto", not coded): one H2D of its plain image straight into
-        the slot, after the slot's release and the last decode into it; no decode
-        (:meth:`before_use` does nothing for it)."""
+        the slot, after the last decode into it (the executor waited for the slot's release, see
+        :meth:`waits_for_free_of`); no decode (:meth:`before_use` does nothing for it)."""
         n, dst, src, st = self.layouts[k].nbytes, self._slots[slot], self.region(k), self._streams
         if st is None:
             dst[:n].copy_(src[:n])
@@ -503,9 +510,7 @@ class CodedSource:
         cs = self._copy_stream = st.current_stream(self.device)
         if self._dstream is not None and self._read_tag[slot] == tag:
             cs.wait_stream(self._dstream)  # a skipped coded block's decode may still write the slot
-        if after is not None:
-            cs.wait_event(after)
-        copy_from_image(dst[:n], src[:n])
+        copy_from_image(dst[:n], src[:n])  # after the slot's release: the executor waited (waits_for_free_of)
         if self.writes_at_use:  # the executor notes no load-time write for this source: noted here
             st.access("write", slot, self.layouts[k].index)
         return cs
