@@ -73,6 +73,18 @@ def test_transfer_bound_codes_every_block_bit_exact(name):
         assert torch.equal(first(back(**x)), want)
 
 
+def test_with_resident_blocks_only_streamed_ones_are_planned():
+    model, ref, x = _wide("flux")
+    wrapped = _auto(model, h2d_gbps=1e-6, resident_layers=2)
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert all(torch.equal(first(wrapped(**x)), want) for _ in range(3))
+    s = wrapped.stats()
+    plan = s["codec_plan"]
+    assert s["blocks_resident"] == 2 and s["coded_blocks"] == s["blocks_streamed"] == 3
+    assert plan["coded_blocks"] == [2, 3, 4]  # execution-order indices of the streamed blocks
+
+
 def test_compute_bound_codes_nothing_and_streams_raw():
     model, ref, x = _wide("flux")
     wrapped = _auto(model, h2d_gbps=1e6)
