@@ -7,8 +7,10 @@ graphs: the warm-up step, before any capture) is measured through the
 executor's event log: per-block compute and the link rate. One block of each
 layout is then encoded with each codec (its coded bytes) and decoded on the
 device (its decode rate); :func:`codec_plan.plan_codec` picks the codec and the
-blocks, and :meth:`CodedSource.code_blocks` codes them in place, between
-steps. Planned once: later input signatures keep the choice (graphs captured
+blocks, and :meth:`CodedSource.code_blocks` codes them in place: eager, on a
+background thread while the steps keep streaming raw blocks (each step start
+stores the blocks finished by then); with CUDA graphs at once, before the
+capture. Planned once: later input signatures keep the choice (graphs captured
 after it stay valid). The plan and its prediction are printed once and kept in
 ``stats()["codec_plan"]``. Outputs are the same bytes whatever is coded.
 """
@@ -122,7 +124,12 @@ class AutoCodec:
             return
         sb = self.streamed
         sb.executor.synchronize()
-        sb.source.code_blocks([sb.executor.k_of[i] for i in plan.coded], plan.codec, progress=sb.config.progress)
+        background = sb.config.cuda_graphs != "on"  # graphs are captured next: coded before them
+        if background and sb.config.progress:
+            print(f"weightstream auto codec: coding {len(plan.coded)} blocks with {plan.codec} in the background; "
+                  "the steps stream them raw until each is coded", file=sys.stderr)
+        sb.source.code_blocks([sb.executor.k_of[i] for i in plan.coded], plan.codec,
+                              progress=sb.config.progress, background=background)
 
     def stats(self) -> dict:
         if self.plan is None:

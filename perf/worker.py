@@ -199,6 +199,8 @@ def run_mode(args, prefix: str) -> dict:
                     f"{lanes.get('window_ms')} ms")
     if prepared.refresh is not None:
         prepared.refresh()
+        if prepared.stats and prepared.stats.get("pinned_bytes") is not None:
+            pinned = prepared.stats["pinned_bytes"]  # after the steps: weight_codec="auto" re-pins what it coded
     y = first_output(out)
     finite = bool(torch.isfinite(y).all().item())
     digest = hashlib.sha1(y.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

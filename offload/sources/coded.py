@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import mmap
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -64,6 +65,7 @@ from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
+from .coded_background import BackgroundCoding
 from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
                            encoded_in_order, in_order)
 
@@ -263,6 +265,9 @@ class CodedSource:
         self.levels = None if codec == AUTO else codec_levels(codec)
         self.codec, self.name = codec, f"coded-{codec}{self.name_suffix}"
         self.raw = [codec == AUTO] * len(layouts)  # block k stored as its plain image (weight_codec="auto")
+        self._raw_version = [0] * len(layouts)  # writes of a raw block's region (stale background encodes)
+        self._coding: BackgroundCoding | None = None  # code_blocks(background=True) in flight
+        self._coding_progress = False
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
         if encode_on == "device" and canonical_device(device).type != "cuda":
@@ -632,6 +637,8 @@ class CodedSource:
             raise CodedCaptureStaleError(self._stale)
         if self._decoded:
             self._sweep()
+        if self._coding is not None:
+            self._take_coded()
 
     def slot_bytes_of(self, ks) -> int:
         """Slot bytes for a ring that streams only blocks ``ks`` (auto placement): their largest image."""
@@ -710,6 +717,7 @@ class CodedSource:
         for k in [k for k in self._dirty if self.raw[k]]:  # raw blocks: the edited image as it is
             d = self._decoded[k]
             self.region(k)[: self.layouts[k].nbytes].copy_(d.image)
+            self._raw_version[k] += 1
             d.version = d.image._version
             self._dirty.discard(k)
         dirty = sorted(self._dirty)
@@ -732,18 +740,18 @@ class CodedSource:
         coded tensor (one buffer) and its table; the codec planner's sample of a layout."""
         if not self.raw[k]:
             raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
-        image, lay = self.region(k), self.layouts[k]
-        scratch = torch.empty(self.capacity[k], dtype=torch.uint8)
-        coded, table = encode_tensors_into(scratch, lay, [s.view_of(image) for s in lay.tensors],
-                                           levels=codec_levels(codec))  # tensors in parallel
-        return coded, scratch[:coded], table
+        (blob,), table = self._encode_now(k, codec_levels(codec))
+        return blob.numel(), blob, table
 
-    def code_blocks(self, ks, codec: str, *, progress: bool = False) -> None:
+    def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
         """weight_codec="auto": code the raw blocks ``ks`` with ``codec`` where they lie (each
-        region now holds its coded bytes, re-pinned at their size, its table on the device).
-        Between steps only: waits for the device first. Slots already loaded are re-copied at
-        the next step start (``host_version`` moves). Host copies handed out (``state_dict()``)
-        stay what they are: edits made in them are kept."""
+        region then holds its coded bytes, re-pinned at their size, its table on the device, the
+        raw tail's pages given back). Between steps only: waits for the device first. Slots
+        already loaded are re-copied at the next step start (``host_version`` moves). Host copies
+        handed out (``state_dict()``) stay what they are: edits made in them are kept.
+        ``background``: encode on a thread and return at once; each step start stores the blocks
+        finished by then (:meth:`check`), the others keep streaming raw (eager only: graphs
+        captured over raw loads would go stale)."""
         ks = sorted(set(ks))
         if not ks:
             return
@@ -758,6 +766,8 @@ class CodedSource:
         if self._captured:
             raise CodedCaptureStaleError("code_blocks: CUDA graphs were captured over the raw blocks' loads; "
                                          "disable() the model and wrap it again")
+        if self._coding is not None:
+            raise ValueError("code_blocks: a background coding job is still running; let the steps finish it")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # in-flight copies may read the regions
         if self._decoded:
@@ -766,23 +776,70 @@ class CodedSource:
             self._fold()
         self.levels, self.codec = levels, codec
         self.name = f"coded-auto({codec}){self.name_suffix}"
-        bar = Progress(f"coding {len(ks)} blocks in host memory", sum(self.layouts[k].nbytes for k in ks), progress)
         images = [[s.view_of(self.region(k)) for s in self.layouts[k].tensors] for k in ks]
+        if background:
+            self._coding_progress = progress
+            self._coding = BackgroundCoding(ks, [self.layouts[k] for k in ks], images,
+                                            [self._raw_version[k] for k in ks], levels=levels, codec=codec)
+            return
+        bar = Progress(f"coding {len(ks)} blocks in host memory", sum(self.layouts[k].nbytes for k in ks), progress)
         try:
             with contextlib.closing(encoded_in_order([self.layouts[k] for k in ks], images, levels=levels)) as coded:
                 for k, (blobs, table) in zip(ks, coded):
-                    self._store(k, blobs, table, grow=True)  # the blobs are apart: the raw image was read
-                    self.raw[k] = False
-                    self._pin(k)
-                    self._release_tail(k)
-                    if self._dev_tables:
-                        self._dev_tables[k] = table.upload(self.device) if table.num_tiles else None
+                    self._apply_coded(k, blobs, table)
                     bar.update(self.layouts[k].nbytes)
         finally:
             bar.close()
-            if self._slots and self._buffer_bytes() > (self._buffers[0].numel() if self._buffers else 0):
-                self._alloc_buffers()
-            self._host_edits += 1  # the executor re-copies the slots loaded raw
+            self._coded_since()
+
+    def _apply_coded(self, k: int, blobs, table: DecodeTable) -> None:
+        """Raw block ``k`` becomes coded: ``blobs`` (encoded apart from its region) stored there."""
+        self._store(k, blobs, table, grow=True)
+        self.raw[k] = False
+        self._pin(k)
+        self._release_tail(k)
+        if self._dev_tables:
+            self._dev_tables[k] = table.upload(self.device) if table.num_tiles else None
+
+    def _coded_since(self) -> None:
+        """After blocks became coded: coded buffers large enough; the slots loaded raw re-copied."""
+        if self._slots and self._buffer_bytes() > (self._buffers[0].numel() if self._buffers else 0):
+            self._alloc_buffers()
+        self._host_edits += 1
+
+    def _take_coded(self) -> None:
+        """Step start: store the blocks the background job finished (after the copy stream's raw
+        copies, which read the regions); a block written since the job started is encoded again
+        here. A failed job leaves its blocks raw, with a warning."""
+        job = self._coding
+        finished = not job.running  # before take(): a finished thread appends nothing more
+        try:
+            done = job.take()
+        except RuntimeError as e:
+            self._coding = None
+            warnings.warn(f"{e}: {e.__cause__!r}", stacklevel=3)
+            return
+        if done:
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()
+            for k, version, blobs, table in done:
+                if version != self._raw_version[k]:  # written after the job read it
+                    blobs, table = self._encode_now(k)
+                self._apply_coded(k, blobs, table)
+            self._coded_since()
+        if finished and not any(self.raw[k] for k in job.ks):
+            self._coding = None
+            if self._coding_progress:
+                print(f"weightstream auto codec: coded {len(job.ks)} blocks with {job.codec} in the background "
+                      f"({job.elapsed_s:.1f} s)", file=sys.stderr)
+
+    def _encode_now(self, k: int, levels: int | None = None) -> tuple[list, DecodeTable]:
+        """Raw block ``k`` encoded apart from its region (its tensors on worker threads): one blob."""
+        lay = self.layouts[k]
+        scratch = torch.empty(self.capacity[k], dtype=torch.uint8)
+        n, table = encode_tensors_into(scratch, lay, [s.view_of(self.region(k)) for s in lay.tensors],
+                                       levels=self.levels if levels is None else levels)
+        return [scratch[:n]], table
 
     def _release_tail(self, k: int) -> None:
         """Give the pages of block ``k``'s region past its copied bytes back to the OS (the raw
@@ -869,6 +926,7 @@ class CodedSource:
             "bits_per_weight": _bits_per_weight(self.tables),
             "encode_s": self.encode_s,
             "coded_blocks": len(self.raw) - sum(self.raw),
+            "coding_in_background": None if self._coding is None else sum(self.raw[k] for k in self._coding.ks),
             "coded_buffer_bytes": sum(b.numel() for b in self._buffers),
             "decode": f"at {self.decode_at}, on the " + ("decode" if self.decode_stream else
                                                            "copy" if self.decode_at == "load" else "compute") + " stream",
@@ -876,6 +934,9 @@ class CodedSource:
 
     def close(self) -> None:
         """Unregister the regions; drop decoded copies and device buffers."""
+        if self._coding is not None:
+            self._coding.stop()
+            self._coding = None
         self._finalizer()
         self._decoded.clear()
         self._runs.clear()
