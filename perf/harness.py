@@ -32,7 +32,7 @@ MODE_KEYS = (
     "h2d_gbps", "streamed_gb", "output_finite", "output_sha1", "record_events", "stats", "notes", "trace",
     "model_gb", "setup_peak_rss_gb", "setup_peak_rss_ratio", "target_setup_peak_rss_ratio",
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
-    "coded_bytes", "coded_blocks", "codec_plan", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
+    "coded_bytes", "coded_blocks", "codec_plan", "coding_step_ms_all", "coding_s", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
     "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb",
 )
 

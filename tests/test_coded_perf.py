@@ -97,6 +97,7 @@ def test_harness_coded_tiny_cpu(tmp_path):
     assert a["output_equals_resident"] is True and a["codec_plan"]["describe"]
     assert a["coded_blocks"] == len(a["codec_plan"]["coded_blocks"])
     assert a["streamed_gb"] == f["streamed_gb"]  # the floor counts the raw bytes, coded or not
+    assert len(a["coding_step_ms_all"]) >= 1 and a["first_step_ms"] == a["coding_step_ms_all"][0]
 
 
 def test_harness_mmap_coded_writes_then_loads_the_sidecar_tiny_cpu(tmp_path):
