@@ -231,6 +231,7 @@ def test_auto_codec_on_cuda_equals_resident(graphs):
             want = first(ref(**x))
             outs = [first(wrapped(**x)).clone() for _ in range(6)]
         assert all(torch.equal(o, want) for o in outs)
+        _until_coded(wrapped, x, want)  # eager: coded in the background (graphs: before the capture)
         s = wrapped.stats()
         assert s["codec_plan"]["decode_gbps"]["exp-k"] > 0
         if h2d is not None:

@@ -65,7 +65,7 @@ from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..misuse import OffloadMisuseError
 from ..progress import Progress
-from .coded_background import BackgroundCoding
+from .coded_background import STORE_PER_STEP, BackgroundCoding
 from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
                            encoded_in_order, in_order)
 
@@ -808,13 +808,13 @@ class CodedSource:
         self._host_edits += 1
 
     def _take_coded(self) -> None:
-        """Step start: store the blocks the background job finished (after the copy stream's raw
-        copies, which read the regions); a block written since the job started is encoded again
-        here. A failed job leaves its blocks raw, with a warning."""
+        """Step start: store up to ``STORE_PER_STEP`` blocks the background job finished (after
+        the copy stream's raw copies, which read the regions); a block written since the job
+        started is encoded again here. A failed job leaves its blocks raw, with a warning."""
         job = self._coding
         finished = not job.running  # before take(): a finished thread appends nothing more
         try:
-            done = job.take()
+            done = job.take(STORE_PER_STEP)
         except RuntimeError as e:
             self._coding = None
             warnings.warn(f"{e}: {e.__cause__!r}", stacklevel=3)
