@@ -7,7 +7,9 @@ step start (:meth:`CodedSource.check`), where it stores them over the raw images
 between steps. Each result carries the region's write version seen when the job
 started: a block written since (an edit of a ``state_dict()`` tensor, an
 ``update_weights``) is stale and the source encodes it again itself. Nothing here
-writes a region.
+writes a region. While the job runs torch's intra-op threads are set to one
+(:func:`coded_encode.in_order`: the encoders' small ops), which slows a model
+stepping on the CPU meanwhile; on CUDA the step's host work is launches.
 """
 from __future__ import annotations
 
