@@ -77,7 +77,7 @@ class AutoCodec:
     # -- planning ----------------------------------------------------------------------
     def _plan(self, events) -> CodecPlan:
         sb = self.streamed
-        src, ex = sb.source, sb.executor
+        src = sb.source
         n = len(sb.blocks)
         raw: list[int | None] = [None] * n
         for lay in src.layouts:
