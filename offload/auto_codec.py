@@ -23,6 +23,7 @@ import time
 import torch
 
 from . import planner
+from .hooks import RemovableHooks
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from .layout import align_up
 from .sources.coded import CODECS, CodedSource
@@ -33,7 +34,7 @@ log = logging.getLogger("weightstream")
 _DECODE_REPS = 3  # timed decodes of a sampled block (after one untimed: the kernel compiles)
 
 
-class AutoCodec:
+class AutoCodec(RemovableHooks):
     """Named, removable hooks on the DiT that plan the coded blocks after the first step."""
 
     def __init__(self, streamed):
@@ -136,18 +137,12 @@ class AutoCodec:
             return {}
         return {"codec_plan": {**self.plan.stats(), "plan_s": self.plan_s}}
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
     def __repr__(self) -> str:
-        state = "active" if self._handles else "removed"
         if self.plan is None:
             what = "not planned yet"
         else:
             what = f"{len(self.plan.coded)} blocks coded with {self.plan.codec}" if self.plan.codec else "nothing coded"
-        return f"AutoCodec({self.name}, {what}, {state})"
+        return f"AutoCodec({self.name}, {what}, {self.state})"
 
 
 def _layout_key(lay) -> tuple:

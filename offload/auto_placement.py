@@ -28,6 +28,7 @@ import sys
 import torch
 
 from . import planner
+from .hooks import RemovableHooks
 from .config import AUTO_DEVICE_MARGIN_GB
 
 log = logging.getLogger("weightstream")
@@ -44,7 +45,7 @@ def signature(args, kwargs) -> tuple:
     return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
 
 
-class AutoPlacement:
+class AutoPlacement(RemovableHooks):
     """Named, removable hooks on the DiT that re-plan the resident set per input signature."""
 
     def __init__(self, streamed):
@@ -157,12 +158,6 @@ class AutoPlacement:
     def stats(self) -> dict:
         return {} if self.current is None else {"placement": self.current.stats()}
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
     def __repr__(self) -> str:
-        state = "active" if self._handles else "removed"
         res = sorted(self.current.placement.resident) if self.current is not None else "not planned yet"
-        return f"AutoPlacement({self.name}, resident {res}, {len(self.plans)} signature(s), {state})"
+        return f"AutoPlacement({self.name}, resident {res}, {len(self.plans)} signature(s), {self.state})"

@@ -20,7 +20,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from .executor import LayerwiseExecutor
 
 
-class BlockHook:
+class RemovableHooks:
+    """The torch hook handles of a named hook set (``self._handles``): ``remove()`` takes them
+    all out, ``state`` says whether they are still in."""
+
+    _handles: list
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def state(self) -> str:
+        return "active" if self._handles else "removed"
+
+
+class BlockHook(RemovableHooks):
     """Named, removable pre/post forward hook of one streamed block."""
 
     def __init__(self, executor: "LayerwiseExecutor", block: Block):
@@ -45,17 +61,11 @@ class BlockHook:
         if torch.is_grad_enabled():  # one call per block; the guard itself only with grad on
             guard_backward(output, self.block.name)
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
     def __repr__(self) -> str:
-        state = "active" if self._handles else "removed"
-        return f"BlockHook({self.name}, {state})"
+        return f"BlockHook({self.name}, {self.state})"
 
 
-class StepHook:
+class StepHook(RemovableHooks):
     """Named, removable hooks on the DiT itself: its forward holds the model for
     the calling thread (see :meth:`LayerwiseExecutor.acquire`), and starts a step
     of a schedule with step-start loads (the step's first loads, behind the
@@ -85,13 +95,8 @@ class StepHook:
     def post_forward(self, module, args, output):
         self.executor.release()
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
     def __repr__(self) -> str:
-        return f"StepHook({self.name}, {'active' if self._handles else 'removed'})"
+        return f"StepHook({self.name}, {self.state})"
 
 
 def guard_backward(output, block: str) -> None:

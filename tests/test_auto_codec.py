@@ -179,6 +179,7 @@ def test_code_blocks_mixes_raw_and_coded_blocks():
     wrapped = _auto(model)
     src = wrapped._streamed.source
     wrapped._streamed.codec_planner.remove()  # no plan: the test picks the blocks
+    assert repr(wrapped._streamed.codec_planner).endswith("not planned yet, removed)")
     with torch.no_grad():
         assert torch.equal(first(wrapped(**x)), first(ref(**x)))
         src.code_blocks([0, 2, 5], "exp-k")
