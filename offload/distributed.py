@@ -117,6 +117,10 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
+    if config.weight_codec == "auto":
+        raise ValueError("weight_codec='auto' is not allowed with distributed layerwise offload (parallel=...): it "
+                         "plans per process from a measured step, not across the ranks; choose from: exp-k, exp-k2, "
+                         "none")
     coded = config.weight_codec != "none"
     if source_cls is None:
         source_cls = CodedShardSource if coded else ShardSource

@@ -497,6 +497,10 @@ def offload_from_safetensors(
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
+    if cfg.weight_codec == "auto":
+        raise ValueError("weight_codec='auto' is not allowed with the mmap source (offload_from_safetensors): it "
+                         "plans from the pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2 "
+                         "(with a coded sidecar), none")
     check_sidecar_mode(coded_sidecar, cfg.weight_codec)
     if cfg.weight_codec != "none" and (copy_path != "auto" or staging_threads is not None):
         key, val = ("copy_path", copy_path) if copy_path != "auto" else ("staging_threads", staging_threads)
