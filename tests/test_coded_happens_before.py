@@ -189,3 +189,26 @@ def test_raw_load_mutation_is_caught(name):
     method, line, replacement, decode_at = RAW_MUTATIONS[name]
     case = CodedCase(source_cls=mutant(CodedSource, method, line, replacement), decode_at=decode_at, coded=(0, 2, 3))
     assert "no_concurrent_write" in _broken_rules(case)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_background_coding_switch_is_ordered(mode):
+    """Blocks coded in the background and stored at step starts (the slots loaded raw re-copied
+    coded): every step bit-exact and ordered, skipped blocks included."""
+    import time  # noqa: PLC0415
+
+    case = CodedCase(slots=2, mode=mode, coded=())
+    src = case.wrapped._streamed.source
+    case.forward()
+    src.code_blocks(range(len(src.raw)), "exp-k", background=True)
+    t0 = time.monotonic()
+    for i in range(400):
+        case.forward(skip=SKIPS[i % len(SKIPS)])
+        if src._coding is None:
+            break
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.01)
+    assert not any(src.raw)
+    for skip in SKIPS[:4]:
+        case.forward(skip=skip)
+    _assert_clean(case, min_reads=3 * 7)
