@@ -10,8 +10,10 @@ device (its decode rate); :func:`codec_plan.plan_codec` picks the codec and the
 blocks, and :meth:`CodedSource.code_blocks` codes them in place: eager, on a
 background thread while the steps keep streaming raw blocks (each step start
 stores the blocks finished by then); with CUDA graphs at once, before the
-capture. Planned once: later input signatures keep the choice (graphs captured
-after it stay valid). The plan and its prediction are printed once and kept in
+capture. A new input signature (another resolution) is measured and planned
+again, eager only: a later plan only adds coded blocks, with the codec already
+chosen (the blocks coded stay coded); with CUDA graphs the first plan holds (graphs
+captured after it stay valid). Each plan and its prediction are printed; the latest is in
 ``stats()["codec_plan"]``. Outputs are the same bytes whatever is coded.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 
 from . import planner
+from .auto_placement import signature
 from .hooks import RemovableHooks
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from .layout import align_up
@@ -45,29 +48,42 @@ class AutoCodec(RemovableHooks):
                              f"{', '.join(CODECS)}, none")
         self.streamed = streamed
         self.name = f"weightstream.auto_codec[{type(streamed.module).__name__}]"
-        self.plan: CodecPlan | None = None
+        self.plan: CodecPlan | None = None  # the latest plan
+        self.plans: dict[tuple, CodecPlan] = {}  # input signature -> its plan
         self.h2d_gbps: float | None = None  # link rate to plan with (None: measured from the event log)
         self.decode_gbps: dict[str, float] | None = None  # codec -> rate (None: measured on sampled blocks)
-        self.plan_s: float | None = None  # seconds spent planning and coding
-        self._pending = False
+        self.plan_s: float | None = None  # seconds the latest planning took (sampling included)
+        self._samples: dict[tuple, int] = {}  # (codec, layout) -> link bytes of one coded block
+        self._pending: tuple | None = None  # signature whose first step is measuring now
         m = streamed.module
         self._handles = [m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
                          m.register_forward_hook(self.post_forward, always_call=True)]
 
     # -- hooks ---------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
-        if self.plan is None:
-            self._pending = True  # measured by this step; planned after it
+        sig = signature(args, kwargs)
+        if sig not in self.plans and self._can_plan():
+            self._pending = sig  # measured by this step; planned after it
             self.streamed.executor.log_next_step()
         return None
 
+    def _can_plan(self) -> bool:
+        """A first plan always; later ones (a new input signature) only eager, with raw blocks left
+        and no background coding running: a plan only adds coded blocks, and CUDA graphs captured
+        after the first plan hold its loads."""
+        if self.plan is None:
+            return True
+        src = self.streamed.source
+        return self.streamed.config.cuda_graphs != "on" and not src.coding_active and any(src.raw)
+
     def post_forward(self, module, args, output):
-        pending, self._pending = self._pending, False
+        sig, self._pending = self._pending, None
         ex = self.streamed.executor
-        if not pending or sys.exc_info()[1] is not None or ex.mid_step:
+        if sig is None or sys.exc_info()[1] is not None or ex.mid_step:
             return  # a failed or cut-short step measures nothing; the next call does
         t0 = time.perf_counter()
         plan = self._plan(ex.take_events())
+        self.plans[sig] = plan
         text = plan.describe()
         log.info("weightstream auto codec: %s", text)
         if self.streamed.config.progress:
@@ -85,57 +101,60 @@ class AutoCodec(RemovableHooks):
             raw[lay.index] = lay.nbytes
         sizes = [r if r is not None else max(1, _module_bytes(sb.blocks[i].module)) for i, r in enumerate(raw)]
         compute, _ = planner.compute_from_events(events, sizes, cold_outliers=True)
-        h2d = self.h2d_gbps or planner.h2d_from_events(events, [r or 1 for r in raw])
-        options = tuple(self._option(codec, raw) for codec in CODECS)
+        fixed = tuple(sorted(lay.index for k, lay in enumerate(src.layouts) if not src.raw[k]))
+        link = [r or 1 for r in raw]
+        for k, lay in enumerate(src.layouts):
+            link[lay.index] = src.link_bytes(k)  # coded blocks (an earlier plan) copy their coded bytes
+        h2d = self.h2d_gbps or planner.h2d_from_events(events, link)
+        codecs = (src.codec,) if fixed else CODECS  # blocks coded already fix the codec
+        options = tuple(self._option(codec, raw) for codec in codecs)
         on_compute = src.decode_at == "use" and not src.decode_stream
         inputs = CodecPlanInputs(compute_ms=compute, raw_bytes=tuple(raw), h2d_gbps=h2d,
                                  num_slots=sb.schedule.ring_slots, options=options,
                                  decode_on="compute" if on_compute else "side",
-                                 step_local=sb.schedule.step_local)
+                                 step_local=sb.schedule.step_local, fixed=fixed)
         return plan_codec(inputs)
 
     def _option(self, codec: str, raw) -> CodecOption:
-        """``codec``'s link bytes per block (one sampled block per layout) and decode rate."""
+        """``codec``'s link bytes per block (coded blocks: theirs; raw ones: one sampled block per
+        layout, cached) and decode rate (given, an earlier plan's, or timed on the samples)."""
         src: CodedSource = self.streamed.source
-        groups: dict[tuple, list[int]] = {}
-        for k, lay in enumerate(src.layouts):
-            if src.raw[k]:
-                groups.setdefault(_layout_key(lay), []).append(k)
+        known = self.decode_gbps or (self.plan.decode_gbps if self.plan is not None else {})
         link = list(raw)
         decoded_bytes, decode_ms = 0, 0.0
-        for ks in groups.values():
-            lay = src.layouts[ks[0]]
-            coded, data, table = src.sample(ks[0], codec)
-            size = min(src.capacity[ks[0]], align_up(coded + _slack(lay), _ALIGN))
-            for k in ks:
-                link[src.layouts[k].index] = size
-            if self.decode_gbps is None:
-                decoded_bytes += lay.nbytes
-                decode_ms += _decode_ms(data, table, lay.nbytes, src.device)
-        if self.decode_gbps is not None:
-            rate = self.decode_gbps[codec]
-        else:
-            rate = decoded_bytes / (max(decode_ms, 1e-6) * 1e6)
+        for k, lay in enumerate(src.layouts):
+            if not src.raw[k]:
+                link[lay.index] = src.link_bytes(k)
+                continue
+            key = (codec, _layout_key(lay))
+            if key not in self._samples:
+                coded, data, table = src.sample(k, codec)
+                self._samples[key] = min(src.capacity[k], align_up(coded + _slack(lay), _ALIGN))
+                if codec not in known:
+                    decoded_bytes += lay.nbytes
+                    decode_ms += _decode_ms(data, table, lay.nbytes, src.device)
+            link[lay.index] = self._samples[key]
+        rate = known[codec] if codec in known else decoded_bytes / (max(decode_ms, 1e-6) * 1e6)
         return CodecOption(codec, tuple(link), rate)
 
     # -- applying ------------------------------------------------------------------------
     def apply(self, plan: CodecPlan) -> None:
         self.plan = plan
-        if plan.codec is None:
+        if not plan.added:
             return
         sb = self.streamed
         sb.executor.synchronize()
         background = sb.config.cuda_graphs != "on"  # graphs are captured next: coded before them
         if background and sb.config.progress:
-            print(f"weightstream auto codec: coding {len(plan.coded)} blocks with {plan.codec} in the background; "
+            print(f"weightstream auto codec: coding {len(plan.added)} blocks with {plan.codec} in the background; "
                   "the steps stream them raw until each is coded", file=sys.stderr)
-        sb.source.code_blocks([sb.executor.k_of[i] for i in plan.coded], plan.codec,
+        sb.source.code_blocks([sb.executor.k_of[i] for i in plan.added], plan.codec,
                               progress=sb.config.progress, background=background)
 
     def stats(self) -> dict:
         if self.plan is None:
             return {}
-        return {"codec_plan": {**self.plan.stats(), "plan_s": self.plan_s}}
+        return {"codec_plan": {**self.plan.stats(), "plan_s": self.plan_s, "signatures": len(self.plans)}}
 
     def __repr__(self) -> str:
         if self.plan is None:

@@ -79,6 +79,7 @@ class CodecPlanInputs:
     h2d_gbps: the measured link rate. num_slots: the ring's slots.
     options: the codecs to choose from. decode_on: "side" (eager) or "compute" (graphs).
     step_local: the CUDA-graph schedule with resident blocks (:mod:`.planner`).
+    fixed: blocks coded already (an earlier plan), with the one option given; the plan adds to them.
     """
 
     compute_ms: tuple
@@ -90,6 +91,7 @@ class CodecPlanInputs:
     step_local: bool = False
     steal: float = DECODE_STEAL
     min_gain: float = MIN_GAIN
+    fixed: tuple = ()
 
     def __post_init__(self):
         comp = tuple(_positive(f"compute_ms[{i}]", v, zero=True) for i, v in enumerate(self.compute_ms))
@@ -113,6 +115,12 @@ class CodecPlanInputs:
             raise ValueError(f"decode_on={self.decode_on!r} is not allowed; choose from: {', '.join(DECODE_ON)}")
         if not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool) or self.num_slots < 1:
             raise ValueError(f"num_slots={self.num_slots!r} is not allowed; allowed: an int >= 1")
+        fixed = tuple(sorted(set(self.fixed)))
+        if fixed and (len(self.options) != 1 or any(not isinstance(i, int) or isinstance(i, bool) or
+                                                    not 0 <= i < len(raw) or raw[i] is None for i in fixed)):
+            raise ValueError(f"fixed={self.fixed!r} is not allowed; allowed: streamed block indices, with exactly "
+                             "one option (the codec they are coded with)")
+        object.__setattr__(self, "fixed", fixed)
         object.__setattr__(self, "compute_ms", comp)
         object.__setattr__(self, "raw_bytes", raw)
         object.__setattr__(self, "options", tuple(self.options))
@@ -130,7 +138,7 @@ class CodecPlan:
     """The choice: ``codec`` (None: nothing coded) for blocks ``coded`` (execution order)."""
 
     codec: str | None
-    coded: tuple[int, ...]
+    coded: tuple[int, ...]  # every coded block, those coded before this plan included
     predicted_ms: float
     uncoded_ms: float  # the same model with nothing coded
     compute_ms: float  # the step's compute, summed
@@ -138,20 +146,27 @@ class CodecPlan:
     h2d_gbps: float
     decode_gbps: dict  # codec -> measured decode rate
     decode_on: str
-
+    added: tuple[int, ...] = ()  # the blocks this plan codes (the others of ``coded`` were already)
+    current_ms: float | None = None  # predicted with the blocks coded before this plan only
     def describe(self) -> str:
         n = sum(1 for _ in self.coded)
         rates = ", ".join(f"{c} decodes {g:.3g} GB/s" for c, g in self.decode_gbps.items())
         tried = "; ".join(f"{c}: {k} coded -> {ms:.1f} ms" for c, (k, ms) in self.candidates.items())
-        head = (f"code {n} block{'s' if n != 1 else ''} with {self.codec}" if self.codec else
-                "code no block (the raw stream is predicted as fast: coding would only add decode work)")
+        before = n - len(self.added)
+        if before:
+            head = (f"{before} blocks coded already with {self.codec}; code {len(self.added)} more"
+                    if self.added else f"{before} blocks coded already with {self.codec}; code no more")
+        else:
+            head = (f"code {n} block{'s' if n != 1 else ''} with {self.codec}" if self.codec else
+                    "code no block (the raw stream is predicted as fast: coding would only add decode work)")
         return (f"{head}. Predicted step {self.predicted_ms:.1f} ms, uncoded {self.uncoded_ms:.1f} ms, compute "
                 f"{self.compute_ms:.1f} ms; H2D {self.h2d_gbps:.1f} GB/s measured, {rates} (decode on the "
                 f"{'compute' if self.decode_on == 'compute' else 'decode'} stream). Best per codec: {tried}.")
 
     def stats(self) -> dict:
-        return {"codec": self.codec, "coded_blocks": list(self.coded), "predicted_ms": self.predicted_ms,
-                "uncoded_ms": self.uncoded_ms, "compute_ms": self.compute_ms, "h2d_gbps": self.h2d_gbps,
+        return {"codec": self.codec, "coded_blocks": list(self.coded), "added_blocks": list(self.added),
+                "predicted_ms": self.predicted_ms,
+                "uncoded_ms": self.uncoded_ms, "current_ms": self.current_ms, "compute_ms": self.compute_ms, "h2d_gbps": self.h2d_gbps,
                 "decode_gbps": dict(self.decode_gbps), "decode_on": self.decode_on,
                 "candidates": {c: list(v) for c, v in self.candidates.items()}, "describe": self.describe()}
 
@@ -195,23 +210,27 @@ def _order(inputs: CodecPlanInputs, option: CodecOption) -> list[int]:
 
 
 def plan_codec(inputs: CodecPlanInputs) -> CodecPlan:
-    """The coded set and codec with the lowest predicted step (module doc)."""
+    """The coded set and codec with the lowest predicted step (module doc); with ``inputs.fixed``
+    the blocks to add to those (their codec, the one option)."""
+    fixed = inputs.fixed
     uncoded = predict_ms(inputs, None, ())
-    best = (uncoded, 0, None, ())
+    current = predict_ms(inputs, inputs.options[0], fixed) if fixed else uncoded
+    best = (current, 0, inputs.options[0].name if fixed else None, fixed)
     candidates = {}
     for opt in inputs.options:
-        order = _order(inputs, opt)
-        top = (uncoded, 0)
+        order = [i for i in _order(inputs, opt) if i not in fixed]
+        top = (current, 0)
         for n in range(1, len(order) + 1):
-            ms = predict_ms(inputs, opt, order[:n])
+            ms = predict_ms(inputs, opt, fixed + tuple(order[:n]))
             if ms < top[0] * (1 - 1e-9):
                 top = (ms, n)
-        candidates[opt.name] = (top[1], top[0])
+        candidates[opt.name] = (len(fixed) + top[1], top[0])
         if top[1] and top[0] < best[0] * (1 - 1e-9):
-            best = (top[0], top[1], opt.name, tuple(sorted(order[: top[1]])))
-    ms, _, codec, coded = best
-    if codec is not None and ms > uncoded * (1 - inputs.min_gain):
-        ms, codec, coded = uncoded, None, ()
+            best = (top[0], top[1], opt.name, tuple(sorted(fixed + tuple(order[: top[1]]))))
+    ms, added, codec, coded = best
+    if added and ms > current * (1 - inputs.min_gain):
+        ms, codec, coded = current, (inputs.options[0].name if fixed else None), fixed
     return CodecPlan(codec=codec, coded=coded, predicted_ms=ms, uncoded_ms=uncoded,
                      compute_ms=sum(inputs.compute_ms), candidates=candidates, h2d_gbps=inputs.h2d_gbps,
-                     decode_gbps={o.name: o.decode_gbps for o in inputs.options}, decode_on=inputs.decode_on)
+                     decode_gbps={o.name: o.decode_gbps for o in inputs.options}, decode_on=inputs.decode_on,
+                     added=tuple(i for i in coded if i not in fixed), current_ms=current)

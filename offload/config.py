@@ -267,8 +267,9 @@ class OffloadConfig:
         warm-up step, before any capture), then codes the blocks a plan predicts
         faster to code, with the codec predicted fastest (offload/codec_plan.py:
         a transfer-bound step codes every block, a compute-bound one none);
-        planned once, printed, in stats()["codec_plan"]; eager, the blocks are
-        coded in the background while steps stream them raw. Host memory stays that
+        printed, in stats()["codec_plan"]; eager, the blocks are coded in the
+        background while steps stream them raw, and a new input signature is
+        planned again (adding coded blocks only). Host memory stays that
         of the raw images. In mode='module' "auto" is "exp-k2" (an arrival is a
         bare transfer). Not with resident_layers="auto", DLO, or the mmap source.
 

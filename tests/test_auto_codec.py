@@ -150,7 +150,7 @@ def test_edits_and_updates_across_the_switch_are_kept():
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
 
 
-def test_planned_once_and_not_after_a_failed_step():
+def test_not_planned_after_a_failed_step():
     model, ref, x = _wide("toy")
     wrapped = _auto(model, h2d_gbps=1e-6)
     planner = wrapped._streamed.codec_planner
@@ -165,12 +165,31 @@ def test_planned_once_and_not_after_a_failed_step():
     assert planner.plan is None and wrapped.stats()["coded_blocks"] == 0
     with torch.no_grad():
         assert torch.equal(first(wrapped(**x)), first(ref(**x)))
-        plan = planner.plan
-        assert plan is not None
-        two = {k: torch.cat([v, v]) for k, v in x.items()}  # a new input signature (batch 2)
-        assert torch.equal(first(wrapped(**two)), first(ref(**two)))
-        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
-    assert planner.plan is plan  # never re-planned
+    assert planner.plan is not None and len(planner.plans) == 1
+
+
+def test_a_new_signature_plans_again_and_only_adds():
+    """Compute-bound at the first input signature (nothing coded), transfer-bound at a second (every
+    block coded); back at the first, no new plan; a third signature with no raw block left plans
+    nothing. Outputs equal the reference at every signature."""
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model, h2d_gbps=1e6)
+    planner = wrapped._streamed.codec_planner
+    two = {k: torch.cat([v, v]) for k, v in x.items()}
+    three = {k: torch.cat([v, v, v]) for k, v in x.items()}
+    with torch.no_grad():
+        want = {n: first(ref(**i)) for n, i in (("x", x), ("two", two), ("three", three))}
+        assert torch.equal(first(wrapped(**x)), want["x"])
+        assert planner.plan.codec is None and wrapped.stats()["coded_blocks"] == 0
+        planner.h2d_gbps = 1e-6  # the second signature measures a slow link
+        assert torch.equal(first(wrapped(**two)), want["two"])
+        assert len(planner.plans) == 2 and planner.plan.added == planner.plan.coded != ()
+        _until_coded(wrapped, two, want["two"])
+        assert torch.equal(first(wrapped(**x)), want["x"])
+        assert torch.equal(first(wrapped(**three)), want["three"])
+    s = wrapped.stats()
+    assert s["coded_blocks"] == s["blocks_streamed"] and s["codec_plan"]["signatures"] == 2
+    assert len(planner.plans) == 2  # nothing raw left: the third signature is not measured
 
 
 def test_code_blocks_mixes_raw_and_coded_blocks():
@@ -336,3 +355,19 @@ def test_a_failed_background_job_leaves_blocks_raw_with_a_warning(monkeypatch):
         assert torch.equal(first(wrapped(**x)), want)
     s = wrapped.stats()
     assert s["coded_blocks"] == 0 and s["coding_in_background"] is None
+
+
+def test_a_plan_adds_to_blocks_coded_before_with_their_codec():
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model, h2d_gbps=1e-6)
+    src = wrapped._streamed.source
+    src.code_blocks([0, 2], "exp-k")  # coded before any plan (as an earlier signature's plan would)
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), want)
+    plan = wrapped._streamed.codec_planner.plan
+    idx = [lay.index for lay in src.layouts]
+    assert plan.codec == "exp-k" and set(plan.coded) - set(plan.added) == {idx[0], idx[2]}
+    assert list(plan.candidates) == ["exp-k"]  # the codec in use: the only option
+    _until_coded(wrapped, x, want)
+    assert not any(src.raw) and src.levels == 1

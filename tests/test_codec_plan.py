@@ -111,6 +111,22 @@ def test_resident_blocks_are_never_coded_and_step_local_is_modelled():
     assert predict_ms(local, None, ()) > predict_ms(ring, None, ())  # nothing crosses the step boundary
 
 
+def test_a_later_plan_adds_to_the_blocks_coded_already():
+    """A new input signature (another resolution) plans with the blocks coded before fixed: a
+    transfer-bound one codes more of them with the same codec, a compute-bound one none."""
+    base = _flux_like(172.0)
+    one = (base.options[0],)  # exp-k, the codec in use
+    half = tuple(range(0, 57, 2))
+    p = plan_codec(CodecPlanInputs(base.compute_ms, base.raw_bytes, 55.0, 2, one, fixed=half))
+    assert p.codec == "exp-k" and p.coded == tuple(range(57)) and set(p.added) == set(range(1, 57, 2))
+    assert p.predicted_ms < p.current_ms < p.uncoded_ms
+    assert "29 blocks coded already with exp-k; code 28 more" in p.describe()
+    slow = _flux_like(3150.0)
+    q = plan_codec(CodecPlanInputs(slow.compute_ms, slow.raw_bytes, 55.0, 2, one, fixed=half))
+    assert q.codec == "exp-k" and q.coded == half and q.added == () and q.predicted_ms == q.current_ms
+    assert "code no more" in q.describe()
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(raw_bytes=[1000]), "one per block"),
     (dict(raw_bytes=[None, None]), "no streamed block"),
@@ -120,6 +136,8 @@ def test_resident_blocks_are_never_coded_and_step_local_is_modelled():
     (dict(num_slots=0), "num_slots=0"),
     (dict(options=(CodecOption("x", [700, None], 1.0),)), "exactly where raw_bytes"),
     (dict(compute_ms=[1.0, float("nan")]), r"compute_ms\[1\]=nan"),
+    (dict(fixed=(0,)), r"fixed=\(0,\) is not allowed"),  # no option to say their codec
+    (dict(fixed=(2,), options=(CodecOption("x", [700, 700], 1.0),)), r"fixed=\(2,\)"),
 ])
 def test_bad_inputs_are_named(kw, match):
     base = dict(compute_ms=[1.0, 1.0], raw_bytes=[1000, 1000], h2d_gbps=1.0, num_slots=2, options=())

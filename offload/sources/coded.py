@@ -792,6 +792,11 @@ class CodedSource:
             bar.close()
             self._coded_since()
 
+    @property
+    def coding_active(self) -> bool:
+        """A background coding job (``code_blocks(background=True)``) has blocks left to store."""
+        return self._coding is not None
+
     def _apply_coded(self, k: int, blobs, table: DecodeTable) -> None:
         """Raw block ``k`` becomes coded: ``blobs`` (encoded apart from its region) stored there."""
         self._store(k, blobs, table, grow=True)
