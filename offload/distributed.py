@@ -117,15 +117,15 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
-    if config.weight_codec == "auto":
-        raise ValueError("weight_codec='auto' is not allowed with distributed layerwise offload (parallel=...): it "
-                         "plans per process from a measured step, not across the ranks; choose from: exp-k, exp-k2, "
-                         "none")
     coded = config.weight_codec != "none"
     if source_cls is None:
         source_cls = CodedShardSource if coded else ShardSource
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
+    if config.weight_codec == "auto" and dlo.transfer == "allgather":
+        raise ValueError("weight_codec='auto' is not allowed with DLO AllGather: it plans per process from a "
+                         "measured step, and the ranks' shards must be coded alike; choose from: exp-k, exp-k2, "
+                         "none (or weight_transfer='rank-local', where each rank plans its own stream)")
     if config.graph_boundary_loads == "next-step":
         # a DLO step keeps its boundary loads (gathers) inside the graph, as
         # verified on 2x H200; the next-step variant is not verified with collectives

@@ -226,15 +226,11 @@ def test_rules_are_named():
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
         codec_levels("auto")
     OffloadConfig.layerwise(weight_codec="auto", cuda_graphs="on")  # planned at the warm-up step
-    from weightstream.offload.dlo_topology import ParallelConfig  # noqa: PLC0415
-
     from weightstream.offload.mmap_source import offload_from_safetensors  # noqa: PLC0415
 
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed with the mmap source"):
         offload_from_safetensors(ToyDiT(), "/nonexistent", OffloadConfig.layerwise(weight_codec="auto"))
-    with pytest.raises(ValueError, match="weight_codec='auto' is not allowed with distributed"):
-        OffloadedTransformer(ToyDiT(), OffloadConfig.layerwise(weight_codec="auto", progress=False), device=DEV,
-                             parallel=ParallelConfig(dp=2))
+    # AllGather chosen by default (no weight_transfer) and rank-local with auto: tests/test_dlo_coded.py
 
 
 def test_module_mode_auto_stores_exp_k2():

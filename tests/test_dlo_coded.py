@@ -187,13 +187,15 @@ def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
         equal = [torch.equal(_first(om(**x)), want) for _ in range(forwards)]
     src = om._streamed.source
     stats = dict(src.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
-    stats["versions"] = sorted(_versions(src.store.tables if hasattr(src, "store") else src.tables))
+    plan = om.stats().get("codec_plan")
+    stats["versions"] = sorted(_versions([t for t in (src.store.tables if hasattr(src, "store") else src.tables)
+                                          if t is not None]))  # weight_codec="auto": raw blocks have none
     local = om.local_state_dict()
     plain = om.disable()
     with torch.no_grad():
         restored = torch.equal(_first(plain(**x)), want)
     back = all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
-    return dict(equal=equal, restored=restored, back=back, stats=stats, local=local,
+    return dict(equal=equal, restored=restored, back=back, stats=stats, local=local, plan=plan,
                 ref={k: v.cpu().clone() for k, v in ref.state_dict().items()})
 
 
@@ -304,6 +306,17 @@ def _codec_differs(parallel, rank, other=None):
     return None
 
 
+def _auto_allgather_refused(parallel, rank):
+    """weight_codec='auto' where DLO resolves to AllGather (no weight_transfer given): refused by name."""
+    model, _ = _model("toy")
+    try:
+        OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="auto", progress=False), device="cpu",
+                             parallel=parallel)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def scenario_two(rank, world):
     from test_distributed import Checks
 
@@ -315,6 +328,8 @@ def scenario_two(rank, world):
     c.run("codec_differs", _codec_differs, par, rank)
     c.run("equal_flux_k2", _rank_equal, "flux", par, rank, codec="exp-k2")
     c.run("rank_local_k2", _rank_equal, "flux", par, rank, transfer="rank-local", codec="exp-k2")
+    c.run("rank_local_auto", _rank_equal, "flux", par, rank, transfer="rank-local", codec="auto", forwards=3)
+    c.run("auto_allgather", _auto_allgather_refused, par, rank)
     c.run("codec_differs_k2", _codec_differs, par, rank, "exp-k2")
     c.run("weights", _rank_weights, par, rank)
     c.run("failure_one", _rank_failure_one, rank, world)
@@ -366,6 +381,24 @@ def test_two_ranks_rank_local_streams_full_coded_blocks(two, codec):
         assert (2 in r["stats"]["versions"]) == (codec == "exp-k2")
         assert r["stats"]["h2d_bytes_per_step"] >= r["stats"]["coded_bytes"]
         assert not any(isinstance(v, CodedPiece) for v in r["local"].values())
+
+
+def test_two_ranks_refuse_auto_with_allgather(two):
+    from test_distributed import get
+
+    for msg in get(two, "auto_allgather"):
+        assert msg is not None and "weight_codec='auto' is not allowed with DLO AllGather" in msg, msg
+
+
+def test_two_ranks_rank_local_auto_codec_plans_per_rank(two):
+    """weight_codec='auto' with rank-local DLO: each rank measures and plans its own stream (the
+    CPU's measured rates decide what it codes); every output bit-exact, disable() gives back."""
+    from test_distributed import get
+
+    for r in get(two, "rank_local_auto"):
+        assert r["equal"] == [True, True, True] and r["restored"] and r["back"]
+        assert r["stats"]["source"].startswith("coded-auto") and r["stats"]["transfer"] == "rank-local"
+        assert r["stats"]["coded_blocks"] >= 0 and r["plan"] is not None
 
 
 @pytest.mark.parametrize("case", ["codec_differs", "codec_differs_k2"])  # exp-k vs none / vs exp-k2
