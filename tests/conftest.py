@@ -20,6 +20,9 @@ if not _has_cuda():
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402, F401  (now, under that setting: tests that set TRITON_INTERPRET=0 for a while to
+# run decode_torch instead would otherwise leave triton imported with it -- diffusers imports triton --
+# and the interpreter of later tests fails: "Cannot call @triton.jit'd outside of the scope of a kernel")
 
 
 def pytest_runtest_setup(item):

@@ -23,7 +23,7 @@ FAST_DECODE = {"exp-k": 1e3, "exp-k2": 1e3}
 @pytest.fixture(autouse=True)
 def torch_decode(monkeypatch):
     """decode_torch on the CPU (the interpreted Triton decode is slow; tests/test_coded_source.py
-    runs it); on CUDA the kernel runs whatever this says."""
+    runs it); on CUDA the kernel runs whatever this says (tests/conftest.py imported triton first)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
