@@ -18,7 +18,6 @@ captured after it stay valid). Each plan and its prediction are printed; the lat
 """
 from __future__ import annotations
 
-import logging
 import sys
 import time
 
@@ -27,12 +26,12 @@ import torch
 from . import planner
 from .auto_placement import signature
 from .hooks import RemovableHooks
+from .progress import announce
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from .layout import align_up
 from .sources.coded import CODECS, CodedSource
 from .sources.coded_encode import _ALIGN, _slack
 
-log = logging.getLogger("weightstream")
 
 _DECODE_REPS = 3  # timed decodes of a sampled block (after one untimed: the kernel compiles)
 
@@ -84,10 +83,7 @@ class AutoCodec(RemovableHooks):
         t0 = time.perf_counter()
         plan = self._plan(ex.take_events())
         self.plans[sig] = plan
-        text = plan.describe()
-        log.info("weightstream auto codec: %s", text)
-        if self.streamed.config.progress:
-            print(f"weightstream auto codec: {text}", file=sys.stderr)
+        announce("auto codec", plan.describe(), self.streamed.config.progress)
         self.apply(plan)
         self.plan_s = time.perf_counter() - t0
 

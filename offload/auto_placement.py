@@ -22,16 +22,15 @@ with "auto" are refused by the config.
 """
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
 
 from . import planner
 from .hooks import RemovableHooks
+from .progress import announce
 from .config import AUTO_DEVICE_MARGIN_GB
 
-log = logging.getLogger("weightstream")
 
 
 def signature(args, kwargs) -> tuple:
@@ -80,10 +79,7 @@ class AutoPlacement(RemovableHooks):
         events = ex.take_events()
         plan = self._plan(events)
         self.plans[sig] = plan
-        text = plan.describe()
-        log.info("weightstream auto placement: %s", text)
-        if self.streamed.config.progress:
-            print(f"weightstream auto placement: {text}", file=sys.stderr)
+        announce("auto placement", plan.describe(), self.streamed.config.progress)
         self.apply(plan)
 
     # -- planning ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ one a second. Work under ``min_bytes`` shows nothing.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 log = logging.getLogger("weightstream")
@@ -49,3 +50,11 @@ class Progress:
             self._bar.close()
             self._bar = None
             log.info("%s: %.2f GB in %.1f s", self.what, self.done / 1e9, time.perf_counter() - self.t0)
+
+
+def announce(what: str, text: str, progress: bool) -> None:
+    """One planner's decision (``what``: "auto placement", "auto codec"): logged, and printed to
+    stderr with ``progress``."""
+    log.info("weightstream %s: %s", what, text)
+    if progress:
+        print(f"weightstream {what}: {text}", file=sys.stderr)
