@@ -25,7 +25,9 @@ like the resident set (:mod:`.planner`):
   cost (ties spread over the step), every prefix of that order evaluated; the
   fastest prediction wins, the fewest coded blocks among equals. Coding
   anything must be predicted ``min_gain`` (1%) faster than coding nothing, so
-  noise in a measurement never buys a decode.
+  noise in a measurement never buys a decode. A later plan (a new input
+  signature) keeps the blocks coded so far (``fixed``, their codec the one
+  option) and may add more.
 
 :class:`CodecPlan` states the choice and its prediction (printed once, kept in
 ``stats()["codec_plan"]``).
