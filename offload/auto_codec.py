@@ -27,6 +27,7 @@ from . import planner
 from .auto_placement import signature
 from .hooks import RemovableHooks
 from .progress import announce
+from .streamed import _all_tensors, tensor_bytes
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from .layout import align_up
 from .sources.coded import CODECS, CodedSource
@@ -95,7 +96,8 @@ class AutoCodec(RemovableHooks):
         raw: list[int | None] = [None] * n
         for lay in src.layouts:
             raw[lay.index] = lay.nbytes
-        sizes = [r if r is not None else max(1, _module_bytes(sb.blocks[i].module)) for i, r in enumerate(raw)]
+        sizes = [r if r is not None else max(1, sum(tensor_bytes(t) for t in _all_tensors(sb.blocks[i].module)))
+                 for i, r in enumerate(raw)]  # resident blocks: their tensors' bytes
         compute, _ = planner.compute_from_events(events, sizes, cold_outliers=True)
         fixed = tuple(sorted(lay.index for k, lay in enumerate(src.layouts) if not src.raw[k]))
         link = [r or 1 for r in raw]
@@ -164,12 +166,8 @@ def _layout_key(lay) -> tuple:
     return tuple((s.dtype, tuple(s.shape), s.nbytes) for s in lay.tensors)
 
 
-def _module_bytes(module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
 def _decode_ms(data: torch.Tensor, table, nbytes: int, device: torch.device) -> float:
-    """Milliseconds one decode of ``data`` takes on ``device`` (median of a few, after a warm-up)."""
+    """Milliseconds one decode of ``data`` takes on ``device`` (the mean of a few, after a warm-up)."""
     if device.type == "cuda":
         src = data.to(device)
         out = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -62,11 +62,6 @@ class BackgroundCoding:
         finally:
             self.elapsed_s = time.perf_counter() - self.t0
 
-    def pending(self) -> int:
-        """Finished blocks not taken yet."""
-        with self._lock:
-            return len(self._done)
-
     def take(self, limit: int | None = None) -> list:
         """The blocks finished since the last call, at most ``limit`` (oldest first):
         ``(k, version, blobs, table)`` each; raises the worker's error, if any, once everything
