@@ -53,6 +53,7 @@ class AutoCodec(RemovableHooks):
         self.h2d_gbps: float | None = None  # link rate to plan with (None: measured from the event log)
         self.decode_gbps: dict[str, float] | None = None  # codec -> rate (None: measured on sampled blocks)
         self.plan_s: float | None = None  # seconds the latest planning took (sampling included)
+        self.plan_parts: dict[str, float] = {}  # of plan_s: sampled encodes, timed decodes, coding start
         self._samples: dict[tuple, int] = {}  # (codec, layout) -> link bytes of one coded block
         self._pending: tuple | None = None  # signature whose first step is measuring now
         m = streamed.module
@@ -82,10 +83,13 @@ class AutoCodec(RemovableHooks):
         if sig is None or sys.exc_info()[1] is not None or ex.mid_step:
             return  # a failed or cut-short step measures nothing; the next call does
         t0 = time.perf_counter()
+        self.plan_parts = {"sample_s": 0.0, "decode_s": 0.0}
         plan = self._plan(ex.take_events())
         self.plans[sig] = plan
         announce("auto codec", plan.describe(), self.streamed.config.progress)
+        t1 = time.perf_counter()
         self.apply(plan)
+        self.plan_parts["apply_s"] = time.perf_counter() - t1
         self.plan_s = time.perf_counter() - t0
 
     # -- planning ----------------------------------------------------------------------
@@ -126,11 +130,15 @@ class AutoCodec(RemovableHooks):
                 continue
             key = (codec, _layout_key(lay))
             if key not in self._samples:
+                t0 = time.perf_counter()
                 coded, data, table = src.sample(k, codec)
+                t1 = time.perf_counter()
                 self._samples[key] = min(src.capacity[k], align_up(coded + _slack(lay), _ALIGN))
                 if codec not in known:
                     decoded_bytes += lay.nbytes
                     decode_ms += _decode_ms(data, table, lay.nbytes, src.device)
+                self.plan_parts["sample_s"] += t1 - t0
+                self.plan_parts["decode_s"] += time.perf_counter() - t1
             link[lay.index] = self._samples[key]
         rate = known[codec] if codec in known else decoded_bytes / (max(decode_ms, 1e-6) * 1e6)
         return CodecOption(codec, tuple(link), rate)
@@ -152,7 +160,8 @@ class AutoCodec(RemovableHooks):
     def stats(self) -> dict:
         if self.plan is None:
             return {}
-        return {"codec_plan": {**self.plan.stats(), "plan_s": self.plan_s, "signatures": len(self.plans)}}
+        return {"codec_plan": {**self.plan.stats(), "plan_s": self.plan_s,
+                               "plan_parts_s": dict(self.plan_parts), "signatures": len(self.plans)}}
 
     def __repr__(self) -> str:
         if self.plan is None:

@@ -80,6 +80,9 @@ def test_transfer_bound_codes_every_block_bit_exact(name):
     assert s["coded_blocks"] == s["blocks_streamed"] == len(plan["coded_blocks"])
     assert s["coded_bytes"] < s["raw_bytes"] and s["source"] == "coded-auto(exp-k2)"
     assert "code " in plan["describe"] and plan["plan_s"] > 0
+    parts = plan["plan_parts_s"]
+    assert set(parts) == {"sample_s", "decode_s", "apply_s"} and parts["sample_s"] > 0
+    assert sum(parts.values()) <= plan["plan_s"]
     sd = wrapped.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     back = wrapped.disable()
@@ -168,12 +171,14 @@ def test_not_planned_after_a_failed_step():
     assert planner.plan is not None and len(planner.plans) == 1
 
 
-def test_a_new_signature_plans_again_and_only_adds():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_new_signature_plans_again_and_only_adds(device):
     """Compute-bound at the first input signature (nothing coded), transfer-bound at a second (every
     block coded); back at the first, no new plan; a third signature with no raw block left plans
-    nothing. Outputs equal the reference at every signature."""
-    model, ref, x = _wide("toy")
-    wrapped = _auto(model, h2d_gbps=1e6)
+    nothing. Outputs equal the reference at every signature (on CUDA: the background job's blocks
+    stored between steps that stream the rest raw)."""
+    model, ref, x = _wide("toy", device)
+    wrapped = _auto(model, h2d_gbps=1e6, device=device)
     planner = wrapped._streamed.codec_planner
     two = {k: torch.cat([v, v]) for k, v in x.items()}
     three = {k: torch.cat([v, v, v]) for k, v in x.items()}
