@@ -131,12 +131,12 @@ class AutoCodec(RemovableHooks):
             key = (codec, _layout_key(lay))
             if key not in self._samples:
                 t0 = time.perf_counter()
-                coded, data, table = src.sample(k, codec)
+                coded, data, table, nbytes = src.sample(k, codec)
                 t1 = time.perf_counter()
                 self._samples[key] = min(src.capacity[k], align_up(coded + _slack(lay), _ALIGN))
                 if codec not in known:
-                    decoded_bytes += lay.nbytes
-                    decode_ms += _decode_ms(data, table, lay.nbytes, src.device)
+                    decoded_bytes += nbytes
+                    decode_ms += _decode_ms(data, table, nbytes, src.device)
                 self.plan_parts["sample_s"] += t1 - t0
                 self.plan_parts["decode_s"] += time.perf_counter() - t1
             link[lay.index] = self._samples[key]

@@ -57,6 +57,45 @@ class _Registration:
         self.bytes = 0
 
 
+class BlockRegistration:
+    """The cudaHostRegister ranges of one coded block's host bytes (chunks from its start; a copy
+    may not span two, see host_store.copy_from_image). ``release`` does not wait for copies:
+    its caller makes sure none reads the bytes (:func:`release_all` waits, at teardown)."""
+
+    def __init__(self):
+        self.ptrs: list[int] = []
+        self.bytes = 0
+
+    def register(self, base: int, size: int, flags=(0,)) -> str | None:
+        done = 0
+        while done < size:
+            n = min(REGISTER_CHUNK, size - done)
+            for f in flags:  # read-only mappings need cudaHostRegisterReadOnly; keep the first that works
+                err = _cuda_register(base + done, n, f)
+                if err is None:
+                    break
+            if err is not None:
+                self.release()
+                return err
+            self.ptrs.append(base + done)
+            self.bytes += n
+            done += n
+        return None
+
+    def release(self) -> None:
+        for p in self.ptrs:
+            _cuda_unregister(p)
+        self.ptrs.clear()
+        self.bytes = 0
+
+
+def release_all(regs: list[BlockRegistration]) -> None:
+    if any(r.ptrs for r in regs) and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # teardown only: copies may still read the pages
+    for r in regs:
+        r.release()
+
+
 # -- registration planning (pure) ----------------------------------------------
 
 

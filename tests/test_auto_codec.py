@@ -372,3 +372,64 @@ def test_a_plan_adds_to_blocks_coded_before_with_their_codec():
     assert list(plan.candidates) == ["exp-k"]  # the codec in use: the only option
     _until_coded(wrapped, x, want)
     assert not any(src.raw) and src.levels == 1
+
+
+def test_a_background_job_waits_while_its_blocks_are_not_taken(monkeypatch):
+    """No step comes: the job prepares at most MAX_WAITING blocks and waits (host memory stays
+    bounded); the next steps swap them in and let it go on; the raw regions go back to the OS."""
+    import weightstream.offload.sources.coded_background as bg  # noqa: PLC0415
+
+    monkeypatch.setattr(bg, "MAX_WAITING", 1)
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model)
+    wrapped._streamed.codec_planner.remove()  # the test starts the job
+    src = wrapped._streamed.source
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), want)
+        src.code_blocks(range(len(src.raw)), "exp-k", background=True)
+        job = src._coding
+        t0 = time.monotonic()
+        while not job._done:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.01)
+        time.sleep(0.3)  # time for several more blocks, were the job not waiting
+        assert len(job._done) == 1 and job.running and all(src.raw)
+        assert torch.equal(first(wrapped(**x)), want)  # swaps the one in, the job goes on
+        assert sum(src.raw) < len(src.raw)
+    assert _until_coded(wrapped, x, want) >= 1
+    assert not any(src.raw) and not job.running and not src._retiring
+    assert all(src.region(k).data_ptr() != src.arena[src.offsets[k]:].data_ptr() for k in range(len(src.raw)))
+
+
+@pytest.mark.parametrize("fill", ["init", "student-t"])
+def test_a_sampled_block_estimates_its_coded_bytes(monkeypatch, fill):
+    """sample() of a block larger than max_bytes encodes every m-th run of each tensor: its
+    estimate of the block's coded bytes is within 2% of the whole block's, and the sample itself
+    decodes to the sampled elements bit for bit."""
+    import weightstream.offload.sources.coded_auto as ca  # noqa: PLC0415
+
+    monkeypatch.setattr(ca, "SAMPLE_RUN", 4096)
+    model, _, _ = _wide("wan")
+    if fill == "student-t":
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == torch.bfloat16 and p.dim() == 2:
+                    t = torch.distributions.StudentT(4.0).sample(p.shape) * 0.02
+                    p.copy_(t.to(p.dtype))
+    wrapped = _auto(model)
+    src = wrapped._streamed.source
+    k = max(range(len(src.layouts)), key=lambda i: src.layouts[i].nbytes)
+    lay = src.layouts[k]
+    for codec in ("exp-k", "exp-k2"):
+        whole, *_ = src.sample(k, codec, max_bytes=None)
+        est, data, table, nbytes = src.sample(k, codec, max_bytes=lay.nbytes // 8)
+        assert lay.nbytes // 12 < nbytes < lay.nbytes // 4
+        assert abs(est - whole) <= 0.02 * whole, (codec, est, whole)
+        sub, tensors, _ = ca._sampled(lay, src.region(k), -(-lay.nbytes // (lay.nbytes // 8)))
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        src.decode_table(data, out, table)
+        for spec, t in zip(sub.tensors, tensors):
+            assert torch.equal(spec.view_of(out).view(torch.int16), t.reshape(-1).view(torch.int16))
+    wrapped.disable()

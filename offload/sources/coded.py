@@ -58,7 +58,7 @@ import torch
 
 from ...kernels.codec import DecodeTable, decode, decode_torch
 from ...kernels._buffers import canonical_device
-from ..host_memory import HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, _cuda_register, _cuda_unregister
+from ..host_memory import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
 from ..host_store import PAGE, copy_from_image
 from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
@@ -120,44 +120,6 @@ class CodedRegion:
     data: torch.Tensor
     table: DecodeTable
     coded: int
-
-
-class _BlockRegistration:
-    """The cudaHostRegister ranges of one block region (chunks from its start; a copy
-    may not span two, see copy_from_image)."""
-
-    def __init__(self):
-        self.ptrs: list[int] = []
-        self.bytes = 0
-
-    def register(self, base: int, size: int, flags=(0,)) -> str | None:
-        done = 0
-        while done < size:
-            n = min(REGISTER_CHUNK, size - done)
-            for f in flags:  # read-only mappings need cudaHostRegisterReadOnly; keep the first that works
-                err = _cuda_register(base + done, n, f)
-                if err is None:
-                    break
-            if err is not None:
-                self.release()
-                return err
-            self.ptrs.append(base + done)
-            self.bytes += n
-            done += n
-        return None
-
-    def release(self) -> None:
-        for p in self.ptrs:
-            _cuda_unregister(p)
-        self.ptrs.clear()
-        self.bytes = 0
-
-
-def _release_all(regs: list[_BlockRegistration]) -> None:
-    if any(r.ptrs for r in regs) and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # teardown only: copies may still read the pages
-    for r in regs:
-        r.release()
 
 
 @dataclasses.dataclass
@@ -237,6 +199,7 @@ class CodedSource(AutoCoding):
         self._raw_version = [0] * len(layouts)  # writes of a raw block's region (stale background encodes)
         self._coding = None  # a coded_background.BackgroundCoding while code_blocks(background=True) runs
         self._coding_progress = False
+        self._retiring: dict = {}  # block -> coded_auto._Retiring giving its raw region back (a swapped-in block)
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
         if encode_on == "device" and canonical_device(device).type != "cuda":
@@ -249,8 +212,8 @@ class CodedSource(AutoCoding):
         self._init_arena()
         self.want_pin = bool(pin) and self.device.type == "cuda" and torch.cuda.is_available()
         self.budget, self.pin_failure = budget_bytes, None
-        self._regs = [_BlockRegistration() for _ in self.layouts]
-        self._finalizer = weakref.finalize(self, _release_all, self._regs)
+        self._regs = [BlockRegistration() for _ in self.layouts]
+        self._finalizer = weakref.finalize(self, release_all, self._regs)
         self.tables: list[DecodeTable | None] = [None] * len(self.layouts)
         self.coded = [0] * len(self.layouts)  # coded bytes of block k
         self.copy_bytes = [0] * len(self.layouts)  # bytes every load of block k copies
@@ -384,6 +347,8 @@ class CodedSource(AutoCoding):
         """Write block ``k``'s coded tensors into its region; True when its copy size grew
         (or its copy source moved: a block re-encoded out of a read-only CodedRegion)."""
         moved = self._backing[k] is not None
+        if self._retiring:
+            self._settle(k)  # its raw region is being given back: written only after
         self._backing[k] = None
         return self._commit(k, _write(self.region(k), blobs), table, grow=grow, moved=moved)
 
@@ -788,8 +753,8 @@ class CodedSource(AutoCoding):
     def close(self) -> None:
         """Unregister the regions; drop decoded copies and device buffers."""
         if self._coding is not None:
-            self._coding.stop()
-            self._coding = None
+            self._end_job()
+        self._settle()
         self._finalizer()
         self._decoded.clear()
         self._runs.clear()

@@ -1,40 +1,103 @@
-"""weight_codec="auto" on the coded source: raw blocks coded in place, at once or in the background.
+"""weight_codec="auto" on the coded source: raw blocks coded, at once or in the background.
 
 :class:`AutoCoding` is a mixin of :class:`~.coded.CodedSource` (the planner's side of it: sample a
-block, code a set of raw blocks, store a background job's blocks at a step start, give the raw
-pages back). The raw blocks' loads live with the other load paths in :mod:`.coded`; the policy
-in :mod:`weightstream.offload.codec_plan`, the hooks in :mod:`weightstream.offload.auto_codec`.
+block, code a set of raw blocks, swap in a background job's blocks at a step start, give the raw
+pages back). At once (CUDA graphs come next), each block is coded in its region. In the
+background, the job's thread writes each coded block into a buffer of its own and pins it
+(:meth:`AutoCoding._prepare_coded`); a step start then only points the block at that buffer
+(:meth:`AutoCoding._swap_in`), and a thread of its own unpins the raw region and gives its pages
+back once the copies issued before the swap are done (:meth:`AutoCoding._retire`). The raw
+blocks' loads live with the other load paths in :mod:`.coded`; the policy in
+:mod:`weightstream.offload.codec_plan`, the hooks in :mod:`weightstream.offload.auto_codec`.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import sys
+import threading
 import warnings
 
 import torch
 
 from ...kernels.codec import DecodeTable
+from ..host_memory import BlockRegistration
 from ..host_store import PAGE
-from ..layout import align_up
+from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up
 from ..progress import Progress
 from .codec_names import CodedCaptureStaleError, codec_levels
-from .coded_background import STORE_PER_STEP, BackgroundCoding
-from .coded_encode import encode_tensors_into, encoded_in_order
+from .coded_background import MAX_WAITING, BackgroundCoding
+from .coded_encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
 
-__all__ = ["AutoCoding"]
+__all__ = ["AutoCoding", "SAMPLE_BYTES"]
+
+SAMPLE_BYTES = 64 << 20  # a sampled block (the codec planner's) is about this large at most
+SAMPLE_RUN = 1 << 16  # elements per sampled run (a whole number of codec tiles)
+
+
+def _sampled(lay: BlockLayout, region: torch.Tensor, every: int):
+    """Every ``every``-th run of :data:`SAMPLE_RUN` elements of each tensor of block image
+    ``region`` (a tensor of fewer than 2 x ``every`` runs whole, flat): the sample's layout, its
+    tensors and, per tensor's offset in the sample, how many elements each sampled one stands for."""
+    specs, tensors, scale, at = [], [], {}, 0
+    for spec in lay.tensors:
+        if not spec.nbytes:
+            continue
+        flat = spec.view_of(region).reshape(-1)
+        runs = flat.numel() // SAMPLE_RUN
+        part = flat[: runs * SAMPLE_RUN].view(runs, SAMPLE_RUN)[::every].reshape(-1) if runs >= 2 * every else flat
+        nbytes = part.numel() * part.element_size()
+        specs.append(TensorSpec(spec.name, spec.kind, spec.dtype, (part.numel(),), (1,), at, nbytes))
+        tensors.append(part)
+        scale[at] = flat.numel() / part.numel()
+        at = align_up(at + nbytes, TENSOR_ALIGN)
+    return BlockLayout(lay.index, f"{lay.name}[sample]", tuple(specs), max(at, TENSOR_ALIGN)), tensors, scale
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A block coded in the background, in a buffer of its own (``data``, page-aligned, pinned
+    by ``reg`` unless pinning was off or failed: ``pin_error``), ready to be swapped in."""
+
+    data: torch.Tensor
+    coded: int
+    copy_bytes: int
+    table: DecodeTable
+    reg: BlockRegistration
+    pin_error: str | None = None
+
+
+def _anonymous(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (whole pages) of fresh anonymous memory as a uint8 tensor (it keeps the map)."""
+    m = mmap.mmap(-1, max(align_up(nbytes, PAGE), PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
+        return torch.frombuffer(m, dtype=torch.uint8)
 
 
 class AutoCoding:
     """Raw blocks of a :class:`~.coded.CodedSource` (``self.raw[k]``) becoming coded."""
 
-    def sample(self, k: int, codec: str) -> tuple[int, torch.Tensor, DecodeTable]:
-        """Raw block ``k`` encoded with ``codec`` aside (nothing stored): its coded bytes, the
-        coded tensor (one buffer) and its table; the codec planner's sample of a layout."""
+    def sample(self, k: int, codec: str, max_bytes: int | None = SAMPLE_BYTES) -> tuple[int, torch.Tensor, DecodeTable, int]:
+        """Raw block ``k`` encoded with ``codec`` aside (nothing stored), or of a larger block a
+        sample of about ``max_bytes`` (every m-th run of :data:`SAMPLE_RUN` elements of each
+        tensor; tensors of fewer runs whole): the codec planner's sample of a layout. Returns the
+        whole block's coded bytes (the sample's, each tensor's scaled by how much of it was
+        taken), the coded sample (one buffer), its table and the bytes it decodes to."""
         if not self.raw[k]:
             raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
-        (blob,), table = self._encode_now(k, codec_levels(codec))
-        return blob.numel(), blob, table
+        lay, levels = self.layouts[k], codec_levels(codec)
+        if max_bytes is None or lay.nbytes <= max_bytes:
+            (blob,), table = self._encode_now(k, levels)
+            return blob.numel(), blob, table, lay.nbytes
+        sub, tensors, scale = _sampled(lay, self.region(k), -(-lay.nbytes // max_bytes))
+        scratch = torch.empty(_capacity(sub), dtype=torch.uint8)
+        n, table = encode_tensors_into(scratch, sub, tensors, levels=levels)
+        ends = [seg.src_offset for seg in table.segments[1:]] + [n]
+        coded = sum(round((end - seg.src_offset) * scale[seg.dst_offset])
+                    for seg, end in zip(table.segments, ends))
+        return coded, scratch[:n], table, sub.nbytes
 
     def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
         """weight_codec="auto": code the raw blocks ``ks`` with ``codec`` where they lie (each
@@ -72,8 +135,10 @@ class AutoCoding:
         images = [[s.view_of(self.region(k)) for s in self.layouts[k].tensors] for k in ks]
         if background:
             self._coding_progress = progress
+            pin = self.want_pin and self.pin_failure is None
             self._coding = BackgroundCoding(ks, [self.layouts[k] for k in ks], images,
-                                            [self._raw_version[k] for k in ks], levels=levels, codec=codec)
+                                            [self._raw_version[k] for k in ks], levels=levels, codec=codec,
+                                            prepare=lambda k, blobs, table: self._prepare_coded(k, blobs, table, pin))
             return
         bar = Progress(f"coding {len(ks)} blocks in host memory", sum(self.layouts[k].nbytes for k in ks), progress)
         try:
@@ -106,30 +171,95 @@ class AutoCoding:
         self._host_edits += 1
 
     def _take_coded(self) -> None:
-        """Step start: store up to ``STORE_PER_STEP`` blocks the background job finished (after
-        the copy stream's raw copies, which read the regions); a block written since the job
-        started is encoded again here. A failed job leaves its blocks raw, with a warning."""
+        """Step start: swap in the blocks the background job finished (:meth:`_swap_in`); a block
+        written since the job started is encoded again here and stored in its region. A failed
+        job leaves its blocks raw, with a warning."""
         job = self._coding
         finished = not job.running  # before take(): a finished thread appends nothing more
         try:
-            done = job.take(STORE_PER_STEP)
+            done = job.take(MAX_WAITING)
         except RuntimeError as e:
-            self._coding = None
+            self._end_job()
             warnings.warn(f"{e}: {e.__cause__!r}", stacklevel=3)
             return
         if done:
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()
-            for k, version, blobs, table in done:
-                if version != self._raw_version[k]:  # written after the job read it
-                    blobs, table = self._encode_now(k)
-                self._apply_coded(k, blobs, table)
+            swapped = []
+            for k, version, item in done:
+                if version == self._raw_version[k]:
+                    swapped.append((k, self._swap_in(k, item)))
+                    continue
+                item.reg.release()  # written after the job read it: never read by a copy
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()  # raw copies read the region rewritten now
+                self._apply_coded(k, *self._encode_now(k))
+            if swapped:
+                self._retire(swapped)
             self._coded_since()
         if finished and not any(self.raw[k] for k in job.ks):
-            self._coding = None
+            self._end_job()
             if self._coding_progress:
                 print(f"weightstream auto codec: coded {len(job.ks)} blocks with {job.codec} in the background "
                       f"({job.elapsed_s:.1f} s)", file=sys.stderr)
+
+    def _prepare_coded(self, k: int, blobs, table: DecodeTable, pin: bool) -> _Prepared:
+        """On the job's thread: block ``k``'s coded tensors written into a buffer of its own, as
+        many bytes as a load copies (its slack too), pinned when ``pin``."""
+        coded = sum(b.numel() for b in blobs)
+        copy_bytes = min(self.capacity[k], align_up(coded + _slack(self.layouts[k]), _ALIGN))
+        data = _anonymous(copy_bytes)
+        _write(data, blobs)
+        reg, err = BlockRegistration(), None
+        if pin:
+            err = reg.register(data.data_ptr(), data.numel())
+        return _Prepared(data, coded, copy_bytes, table, reg, err)
+
+    def _swap_in(self, k: int, item: _Prepared) -> BlockRegistration:
+        """Block ``k`` reads its coded bytes from ``item`` from now on (loads issued before keep
+        reading the raw region: retire it after them); returns the raw region's registration."""
+        old = self._regs[k]
+        self._backing[k] = item.data
+        self.coded[k], self.tables[k], self.copy_bytes[k] = item.coded, item.table, item.copy_bytes
+        self.raw[k] = False
+        total = sum(r.bytes for r in self._regs) - old.bytes
+        if item.pin_error is not None and self.pin_failure is None:
+            self.pin_failure = f"{item.pin_error} for block {self.layouts[k].name!r}; its coded bytes stay pageable"
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=4)
+        elif self.budget is not None and total + item.reg.bytes > self.budget:
+            item.reg.release()  # a block that was not pinned raw (budget) stays pageable coded
+        self._regs[k] = item.reg
+        if self._dev_tables:
+            self._dev_tables[k] = item.table.upload(self.device) if item.table.num_tiles else None
+        return old
+
+    def _retire(self, swapped) -> None:
+        """The raw regions of the blocks swapped in: unpinned and their pages given back on a
+        thread of their own, once the copies issued before now (which may read them) are done."""
+        event = None
+        if self._copy_stream is not None and self.device.type == "cuda":
+            event = self._streams.new_event()
+            event.record(self._copy_stream)
+        ranges = [(k, old, self.offsets[k], self.capacity[k]) for k, old in swapped]
+        job = _Retiring(event, ranges, self._map)
+        for k, *_ in ranges:
+            self._retiring[k] = job
+
+    def _settle(self, k: int | None = None) -> None:
+        """Wait until block ``k``'s raw region (every block's: ``k`` None) is retired: before its
+        region is written again, and at teardown; raises what a retirement raised."""
+        jobs = {self._retiring.pop(k, None)} if k is not None else set(self._retiring.values())
+        if k is None:
+            self._retiring.clear()
+        for job in jobs - {None}:
+            job.join()
+
+    def _end_job(self) -> None:
+        """The background job is over (done, failed or stopped): what it prepared and nobody
+        took is unpinned; the retirements it started are waited for."""
+        for _, _, item in self._coding.stop():
+            if hasattr(item, "reg"):
+                item.reg.release()
+        self._coding = None
+        self._settle()
 
     def _encode_now(self, k: int, levels: int | None = None) -> tuple[list, DecodeTable]:
         """Raw block ``k`` encoded apart from its region (its tensors on worker threads): one blob."""
@@ -148,3 +278,30 @@ class AutoCoding:
         end = self.offsets[k] + self.capacity[k]
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)  # Linux (as the arena)
+
+
+class _Retiring:
+    """A thread that waits for ``event`` (copies that may read the regions), then unpins each
+    raw region (``reg``) and gives its pages back to the OS (``MADV_DONTNEED`` on ``arena``)."""
+
+    def __init__(self, event, ranges, arena: mmap.mmap):
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(event, ranges, arena), daemon=True,
+                                        name="weightstream-retire")
+        self._thread.start()
+
+    def _run(self, event, ranges, arena) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            for _, reg, start, size in ranges:
+                reg.release()
+                arena.madvise(mmap.MADV_DONTNEED, start, size)  # Linux (as the arena)
+        except BaseException as e:  # raised by join() on the stepping thread
+            self.error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError("weightstream: giving a raw block region back after coding failed") from err

@@ -2,9 +2,12 @@
 
 :class:`BackgroundCoding` encodes raw block images (views of the coded source's
 regions) on worker threads (:func:`coded_encode.encoded_in_order`), fed by one
-daemon thread; finished blocks wait in a list until the source takes them at a
-step start (:meth:`CodedSource.check`), where it stores them over the raw images
-between steps. Each result carries the region's write version seen when the job
+daemon thread, which also prepares each finished block where the source will
+read it: ``prepare(k, blobs, table)`` (the source's: a buffer of the block's own,
+its coded bytes written there and pinned), so that a step start only swaps a
+block's host bytes (:meth:`CodedSource.check`). At most :data:`MAX_WAITING`
+prepared blocks wait for a step start (host memory stays bounded when no step
+comes). Each result carries the region's write version seen when the job
 started: a block written since (an edit of a ``state_dict()`` tensor, an
 ``update_weights``) is stale and the source encodes it again itself. Nothing here
 writes a region. While the job runs torch's intra-op threads are set to one
@@ -19,9 +22,9 @@ import time
 
 from .coded_encode import encode_workers, encoded_in_order
 
-__all__ = ["BackgroundCoding", "background_workers", "STORE_PER_STEP"]
+__all__ = ["BackgroundCoding", "background_workers", "MAX_WAITING"]
 
-STORE_PER_STEP = 2  # finished blocks a step start stores at most (bounds its pause; the rest wait)
+MAX_WAITING = 4  # prepared blocks waiting for a step start, at most (the job pauses meanwhile)
 
 
 def background_workers() -> int:
@@ -35,14 +38,17 @@ def background_workers() -> int:
 class BackgroundCoding:
     """Blocks ``ks`` encoded with ``levels`` on a thread; :meth:`take` hands over the finished ones."""
 
-    def __init__(self, ks, layouts, images, versions, *, levels: int, codec: str):
+    def __init__(self, ks, layouts, images, versions, *, levels: int, codec: str, prepare=None):
+        """``prepare(k, blobs, table)``: run on the job's thread for each finished block, its
+        result handed over by :meth:`take` in place of ``(blobs, table)`` (default: those)."""
         self.ks, self.codec, self.levels = list(ks), codec, levels
+        self.prepare = prepare or (lambda k, blobs, table: (blobs, table))
         self.versions = dict(zip(self.ks, versions))  # region write version when the job started
         self.t0 = time.perf_counter()
         self.elapsed_s: float | None = None
         self.error: BaseException | None = None
         self._done: list = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(layouts, images), daemon=True,
                                         name="weightstream-auto-codec")
@@ -53,10 +59,13 @@ class BackgroundCoding:
             with contextlib.closing(encoded_in_order(layouts, images, levels=self.levels,
                                                      workers=background_workers())) as coded:
                 for k, (blobs, table) in zip(self.ks, coded):
+                    with self._lock:  # bounded: wait for a step start to take some
+                        self._lock.wait_for(lambda: self._stop.is_set() or len(self._done) < MAX_WAITING)
                     if self._stop.is_set():
                         return
+                    item = self.prepare(k, blobs, table)
                     with self._lock:
-                        self._done.append((k, self.versions[k], blobs, table))
+                        self._done.append((k, self.versions[k], item))
         except BaseException as e:  # handed to the stepping thread at its next take()
             self.error = e
         finally:
@@ -64,11 +73,12 @@ class BackgroundCoding:
 
     def take(self, limit: int | None = None) -> list:
         """The blocks finished since the last call, at most ``limit`` (oldest first):
-        ``(k, version, blobs, table)`` each; raises the worker's error, if any, once everything
+        ``(k, version, prepared)`` each; raises the worker's error, if any, once everything
         before it was taken."""
         with self._lock:
             n = len(self._done) if limit is None else limit
             out, self._done = self._done[:n], self._done[n:]
+            self._lock.notify_all()
         if not out and self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError("weightstream: background coding of weight_codec='auto' failed; the blocks not "
@@ -79,9 +89,13 @@ class BackgroundCoding:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Stop after the block being encoded (waits for it); finished results are dropped."""
-        self._stop.set()
+    def stop(self) -> list:
+        """Stop after the block being encoded (waits for it); returns the finished results not
+        taken (their owner releases what ``prepare`` made)."""
+        with self._lock:
+            self._stop.set()
+            self._lock.notify_all()
         self._thread.join()
         with self._lock:
-            self._done = []
+            left, self._done = self._done, []
+        return left
