@@ -39,6 +39,7 @@ class Action(Enum):
     CAPTURE = "capture"
     REPLAY = "replay"
     EAGER_FALLBACK = "eager-fallback"
+    EAGER_SETTLING = "eager-settling"  # warmed up, but the weights are still being re-laid out: capture later
 
 
 class UnsupportedInput(ValueError):
@@ -137,7 +138,9 @@ class GraphPolicy:
         if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
             raise ValueError(f"max_graphs={self.max_graphs!r} must be an int >= 1")
 
-    def decide(self, sig, phase: int) -> Action:
+    def decide(self, sig, phase: int, settling: str | None = None) -> Action:
+        """What to do with a step of ``sig`` at ``phase``; ``settling`` (why the source's loads are
+        about to change, e.g. blocks coded in the background) holds back a capture, not a replay."""
         if sig in self.failed:
             return Action.EAGER_FALLBACK
         key = (sig, phase)
@@ -146,7 +149,7 @@ class GraphPolicy:
             return Action.REPLAY
         if sig not in self.warmed:
             return Action.EAGER_WARMUP
-        return Action.CAPTURE
+        return Action.EAGER_SETTLING if settling else Action.CAPTURE
 
     def warmed_up(self, sig) -> None:
         self.warmed.add(sig)

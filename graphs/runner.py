@@ -104,7 +104,7 @@ class GraphRunner:
         problem = autocast_problem(ex.device.type)
         if problem is not None:
             return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=problem)
-        action = self.policy.decide(sig, self._phase())
+        action = self.policy.decide(sig, self._phase(), settling=ex.capture_deferred())
         if action is Action.REPLAY:
             return self._replay(self.graphs[(sig, self._phase())], args, kwargs)
         if action is Action.CAPTURE:

@@ -7,10 +7,11 @@ graphs: the warm-up step, before any capture) is measured through the
 executor's event log: per-block compute and the link rate. One block of each
 layout is then encoded with each codec (its coded bytes) and decoded on the
 device (its decode rate); :func:`codec_plan.plan_codec` picks the codec and the
-blocks, and :meth:`CodedSource.code_blocks` codes them in place: eager, on a
-background thread while the steps keep streaming raw blocks (each step start
-stores the blocks finished by then); with CUDA graphs at once, before the
-capture. A new input signature (another resolution) is measured and planned
+blocks, and :meth:`CodedSource.code_blocks` codes them on a background thread
+while the steps keep streaming raw blocks (each step start swaps in the blocks
+finished by then); with CUDA graphs the steps run eager meanwhile and the
+capture waits for the job (DLO, whose ranks agree on each capture: at once,
+before the capture). A new input signature (another resolution) is measured and planned
 again, eager only: a later plan only adds coded blocks, with the codec already
 chosen (the blocks coded stay coded); with CUDA graphs the first plan holds (graphs
 captured after it stay valid). Each plan and its prediction are printed; the latest is in
@@ -150,7 +151,9 @@ class AutoCodec(RemovableHooks):
             return
         sb = self.streamed
         sb.executor.synchronize()
-        background = sb.config.cuda_graphs != "on"  # graphs are captured next: coded before them
+        # in the background; CUDA graphs capture once it is done (graphs.runner: eager-settling
+        # steps meanwhile), except where ranks must agree on each capture (DLO): coded at once
+        background = sb.config.cuda_graphs != "on" or sb.executor.guard is None
         if background and sb.config.progress:
             print(f"weightstream auto codec: coding {len(plan.added)} blocks with {plan.codec} in the background; "
                   "the steps stream them raw until each is coded", file=sys.stderr)

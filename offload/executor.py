@@ -570,6 +570,12 @@ class LayerwiseExecutor:
         if self._source_check is not None:
             self._source_check()
 
+    def capture_deferred(self) -> str | None:
+        """Why a capture should wait (the source's loads are about to change: blocks coded in the
+        background); None: capture now."""
+        why = getattr(self.source, "capture_deferred", None)
+        return why() if why is not None else None
+
     def uncapturable(self) -> str | None:
         """Why a CUDA graph cannot hold this source's loads (None: it can)."""
         why = getattr(self.source, "uncapturable", None)

@@ -184,3 +184,18 @@ def test_preconditions_are_named_and_lose_nothing():
         OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cpu")
     with torch.no_grad():
         assert torch.equal(model(**x), ref)  # weights given back
+
+
+def test_settling_holds_back_a_capture_not_a_warmup_or_replay():
+    """While the source's loads are about to change (blocks coded in the background) a warmed
+    signature runs eager; the warm-up and an existing graph are not held back."""
+    pol = GraphPolicy(max_graphs=4)
+    sig = signature((torch.zeros(1),), {})
+    why = "3 blocks are being coded in the background"
+    assert pol.decide(sig, 0, settling=why) is Action.EAGER_WARMUP
+    pol.warmed_up(sig)
+    assert pol.decide(sig, 0, settling=why) is Action.EAGER_SETTLING
+    assert pol.decide(sig, 0) is Action.CAPTURE
+    pol.captured(sig, 0)
+    assert pol.decide(sig, 0, settling=why) is Action.REPLAY
+    assert pol.decide(sig, 1, settling=why) is Action.EAGER_SETTLING

@@ -28,13 +28,14 @@ from ..layout import BlockLayout
 #   reload()            before the pending slots are re-copied (a ring reset)
 #   host_version()      an int that moves when the host views are edited in place (one read per step)
 #   uncapturable()      why a CUDA graph cannot hold its loads (None: it can)
+#   capture_deferred()  why a capture should wait: the loads are about to change (None: capture now)
 #   check_write(k, i)   refuse an update of tensor i of block k before anything is written
 #   slot_bytes_of(ks)   slot bytes for a ring that streams only blocks ks (auto placement)
 #   link_bytes(k)       bytes block k moves over the link when not its image size (coded images)
 #   remove()            executor teardown: stop threads (close() releases host memory)
 #   local_piece(name, k, i), ready_to_gather(what)   DLO shards: local_state_dict / gather checks
-OPTIONAL_HOOKS = ("check", "reload", "host_version", "uncapturable", "check_write", "slot_bytes_of", "link_bytes",
-                  "remove", "local_piece", "ready_to_gather")
+OPTIONAL_HOOKS = ("check", "reload", "host_version", "uncapturable", "capture_deferred", "check_write",
+                  "slot_bytes_of", "link_bytes", "remove", "local_piece", "ready_to_gather")
 
 # Every source's stats() carries these keys (perf/ and the dashboards read them; no guessing).
 STATS_KEYS = (

@@ -105,9 +105,9 @@ class AutoCoding:
         raw tail's pages given back). Between steps only: waits for the device first. Slots
         already loaded are re-copied at the next step start (``host_version`` moves). Host copies
         handed out (``state_dict()``) stay what they are: edits made in them are kept.
-        ``background``: encode on a thread and return at once; each step start stores the blocks
-        finished by then (:meth:`check`), the others keep streaming raw (eager only: graphs
-        captured over raw loads would go stale)."""
+        ``background``: encode on a thread and return at once; each step start swaps in the
+        blocks finished by then (:meth:`check`), the others keep streaming raw; CUDA graphs wait
+        for the job (:meth:`capture_deferred`): none may be captured over raw loads before."""
         ks = sorted(set(ks))
         if not ks:
             return
@@ -154,6 +154,12 @@ class AutoCoding:
     def coding_active(self) -> bool:
         """A background coding job (``code_blocks(background=True)``) has blocks left to store."""
         return self._coding is not None
+
+    def capture_deferred(self) -> str | None:
+        """While a background job runs, CUDA graphs wait (their loads would read the raw blocks)."""
+        if self._coding is None:
+            return None
+        return f"{sum(self.raw[k] for k in self._coding.ks)} blocks are being coded in the background"
 
     def _apply_coded(self, k: int, blobs, table: DecodeTable) -> None:
         """Raw block ``k`` becomes coded: ``blobs`` (encoded apart from its region) stored there."""
