@@ -446,3 +446,34 @@ def test_a_sampled_block_estimates_its_coded_bytes(monkeypatch, fill):
         for spec, t in zip(sub.tensors, tensors):
             assert torch.equal(spec.view_of(out).view(torch.int16), t.reshape(-1).view(torch.int16))
     wrapped.disable()
+
+
+@pytest.mark.gpu
+def test_a_block_the_job_cannot_pin_streams_pageable_with_a_warning(monkeypatch):
+    """cudaHostRegister fails for the buffers the background job prepares: each such block is
+    swapped in pageable (one warning naming the cause), the outputs stay bit-exact and the source
+    says why CUDA graphs could not hold its loads."""
+    import threading  # noqa: PLC0415
+
+    import weightstream.offload.host_memory as hm  # noqa: PLC0415
+
+    real = hm._cuda_register
+
+    def failing_on_the_job(ptr, size, flags=0):
+        if threading.current_thread().name == "weightstream-auto-codec":
+            return "injected: cudaHostRegister failed"
+        return real(ptr, size, flags)
+
+    monkeypatch.setattr(hm, "_cuda_register", failing_on_the_job)
+    model, ref, x = _wide("toy", "cuda")
+    wrapped = _auto(model, h2d_gbps=1e-6, device="cuda")
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), want)  # measured and planned: the job starts
+        with pytest.warns(UserWarning, match="injected: cudaHostRegister failed.*stay pageable"):
+            _until_coded(wrapped, x, want)
+        assert torch.equal(first(wrapped(**x)), want)
+    s, src = wrapped.stats(), wrapped._streamed.source
+    assert s["coded_blocks"] == s["blocks_streamed"] and not s["pinned"]
+    assert "injected" in src.uncapturable()
+    wrapped.disable()
