@@ -187,7 +187,27 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
         if "layerwise" in out and mode.endswith("-half"):  # layerwise-pinned-half / -pageable-half
             f["ratio_to_pinned"] = _sig(f["step_ms"] / out["layerwise"]["step_ms"])
     compare_placements(out)
+    compare_auto_codec(out)
     return out
+
+
+def compare_auto_codec(out: dict[str, dict]) -> None:
+    """weight_codec="auto" modes (``<base>-codedauto``) beside their uncoded mode ``<base>`` of the
+    same run: what the planning and coding steps cost over that many uncoded steps
+    (``auto_excess_s``; the uncoded mode's settled step, so its own first step's warm-up is not
+    credited: an upper bound) and the steps of one process after which auto is ahead
+    (``auto_payoff_steps``: the coding steps plus the excess over the per-step gain; None when
+    the coded step is not faster)."""
+    for mode, f in out.items():
+        base = mode[: -len("-codedauto")] if mode.endswith("-codedauto") else None
+        steps = f.get("coding_step_ms_all")
+        if base not in out or not steps or "step_ms" not in out[base]:
+            continue
+        raw = out[base]["step_ms"]
+        excess_ms = sum(steps) - len(steps) * raw
+        f["auto_excess_s"] = round(excess_ms / 1e3, 3)
+        gain = raw - f["step_ms"]
+        f["auto_payoff_steps"] = (len(steps) + max(0, math.ceil(excess_ms / gain))) if gain > 0 else None
 
 
 def placement_figures(stats: dict) -> dict:

@@ -113,3 +113,21 @@ def test_harness_mmap_coded_writes_then_loads_the_sidecar_tiny_cpu(tmp_path):
     assert read["coded_sidecar"] == "read" and read["sidecar_loaded"] is True and read["sidecar_s_per_gb"] > 0
     assert wrote["output_equals_resident"] is True and read["output_equals_resident"] is True
     assert read["coded_bytes"] == wrote["coded_bytes"]
+
+
+def test_auto_codec_excess_and_payoff_against_the_uncoded_mode():
+    """layerwise-codedauto beside layerwise: the coding steps' cost over as many uncoded steps and
+    the step count after which auto is ahead; no payoff when the coded step is not faster; no
+    figures without the uncoded mode of the same run."""
+    raw = {"resident": {"step_ms": 170.0}, "layerwise": {"step_ms": 430.0, "streamed_gb": 23.7},
+           "layerwise-codedauto": {"step_ms": 300.0, "streamed_gb": 16.3,
+                                   "coding_step_ms_all": [1800.0, 440.0, 420.0, 450.0]},
+           "graphs-codedauto": {"step_ms": 305.0, "streamed_gb": 16.3, "coding_step_ms_all": [900.0]}}
+    out = summarise(raw, h2d_gbps=55.0)
+    f = out["layerwise-codedauto"]
+    assert f["auto_excess_s"] == pytest.approx((1800 + 440 + 420 + 450 - 4 * 430) / 1e3)
+    assert f["auto_payoff_steps"] == 4 + 11  # 1390 ms over 130 ms a step: 10.7 -> 11 more steps
+    assert "auto_excess_s" not in out["graphs-codedauto"]  # no graphs mode in this run
+    slower = summarise({**raw, "layerwise-codedauto": {**raw["layerwise-codedauto"], "step_ms": 431.0}},
+                       h2d_gbps=55.0)["layerwise-codedauto"]
+    assert slower["auto_payoff_steps"] is None and slower["auto_excess_s"] > 0
