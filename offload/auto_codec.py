@@ -4,9 +4,10 @@ Policy lives in :mod:`.codec_plan` (pure); this is the mechanism. The coded
 source starts with every block raw (its plain image, copied straight into the
 slot: the pinned store's bytes and speed). The first eager step (with CUDA
 graphs: the warm-up step, before any capture) is measured through the
-executor's event log: per-block compute and the link rate. One block of each
-layout is then encoded with each codec (its coded bytes) and decoded on the
-device (its decode rate); :func:`codec_plan.plan_codec` picks the codec and the
+executor's event log: per-block compute and the link rate. A sample of one
+block of each layout (about 64 MB, :meth:`CodedSource.sample`) is then encoded
+with each codec (the block's coded bytes, scaled) and decoded on the device
+(its decode rate, timed from a CUDA graph); :func:`codec_plan.plan_codec` picks the codec and the
 blocks, and :meth:`CodedSource.code_blocks` codes them on a background thread
 while the steps keep streaming raw blocks (each step start swaps in the blocks
 finished by then); with CUDA graphs the steps run eager meanwhile and the
