@@ -477,3 +477,37 @@ def test_a_block_the_job_cannot_pin_streams_pageable_with_a_warning(monkeypatch)
     assert s["coded_blocks"] == s["blocks_streamed"] and not s["pinned"]
     assert "injected" in src.uncapturable()
     wrapped.disable()
+
+
+def test_a_raw_region_not_given_back_is_named_and_teardown_goes_on(monkeypatch):
+    """The thread giving swapped-in blocks' raw regions back fails: a warning names it (memory
+    stays in use, no weight changes), the steps go on exact, an update after it is kept, and
+    disable() hands back every weight bit for bit."""
+    import threading  # noqa: PLC0415
+
+    import weightstream.offload.host_memory as hm  # noqa: PLC0415
+
+    real = hm.BlockRegistration.release
+
+    def release(self):
+        if threading.current_thread().name == "weightstream-retire":
+            raise OSError("injected: cudaHostUnregister failed")
+        real(self)
+
+    monkeypatch.setattr(hm.BlockRegistration, "release", release)
+    model, ref, x = _wide("toy")
+    wrapped = _auto(model, h2d_gbps=1e-6)
+    with torch.no_grad():
+        want = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), want)
+        with pytest.warns(UserWarning, match="giving a raw block region back after coding failed.*injected"):
+            _until_coded(wrapped, x, want)  # the job's end waits for the retirements: it warns there
+        assert torch.equal(first(wrapped(**x)), want)
+        new = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in ref.state_dict().items()}
+        wrapped.update_weights(new)  # rewrites the regions whose retirement failed
+        ref.load_state_dict(new)
+        want = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), want)
+        back = wrapped.disable()
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))
+        assert torch.equal(first(back(**x)), want)

@@ -190,17 +190,19 @@ class AutoCoding:
             return
         if done:
             swapped = []
-            for k, version, item in done:
-                if version == self._raw_version[k]:
-                    swapped.append((k, self._swap_in(k, item)))
-                    continue
-                item.reg.release()  # written after the job read it: never read by a copy
-                if self._copy_stream is not None:
-                    self._copy_stream.synchronize()  # raw copies read the region rewritten now
-                self._apply_coded(k, *self._encode_now(k))
-            if swapped:
-                self._retire(swapped)
-            self._coded_since()
+            try:
+                for k, version, item in done:
+                    if version == self._raw_version[k]:
+                        swapped.append((k, self._swap_in(k, item)))
+                        continue
+                    item.reg.release()  # written after the job read it: never read by a copy
+                    if self._copy_stream is not None:
+                        self._copy_stream.synchronize()  # raw copies read the region rewritten now
+                    self._apply_coded(k, *self._encode_now(k))
+            finally:  # the blocks swapped in before an error give their raw regions back all the same
+                if swapped:
+                    self._retire(swapped)
+                self._coded_since()
         if finished and not any(self.raw[k] for k in job.ks):
             self._end_job()
             if self._coding_progress:
@@ -251,12 +253,16 @@ class AutoCoding:
 
     def _settle(self, k: int | None = None) -> None:
         """Wait until block ``k``'s raw region (every block's: ``k`` None) is retired: before its
-        region is written again, and at teardown; raises what a retirement raised."""
+        region is written again, and at teardown. A retirement that failed is named in a warning:
+        the region then stays mapped (and maybe pinned), which costs memory, never a weight."""
         jobs = {self._retiring.pop(k, None)} if k is not None else set(self._retiring.values())
         if k is None:
             self._retiring.clear()
         for job in jobs - {None}:
-            job.join()
+            err = job.join()
+            if err is not None:
+                warnings.warn(f"weightstream: giving a raw block region back after coding failed ({err!r}); "
+                              "its host memory stays in use, the weights are unchanged", stacklevel=3)
 
     def _end_job(self) -> None:
         """The background job is over (done, failed or stopped): what it prepared and nobody
@@ -303,11 +309,11 @@ class _Retiring:
             for _, reg, start, size in ranges:
                 reg.release()
                 arena.madvise(mmap.MADV_DONTNEED, start, size)  # Linux (as the arena)
-        except BaseException as e:  # raised by join() on the stepping thread
+        except BaseException as e:  # handed to the stepping thread by join()
             self.error = e
 
-    def join(self) -> None:
+    def join(self) -> BaseException | None:
+        """Wait for the thread; the error it met, once (None: the regions were given back)."""
         self._thread.join()
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise RuntimeError("weightstream: giving a raw block region back after coding failed") from err
+        err, self.error = self.error, None
+        return err
