@@ -14,6 +14,10 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
    rank the level-2 escapes with a second prefix sum plus the tile's level-2
    base and read those from the exception stream (`_level2`),
 5. joins symbol and raw byte into the 16-bit element and stores it.
+6. Version-3 tensors (record field 13 >= 0; that code is compiled only when the
+   table holds one, PATCHED) skip 4's ranks and loads: an escape is stored with
+   whatever its code gives, then, after a barrier, the tile's patch list (its
+   range from the base stream) rewrites those elements (`_patch`).
 
 Full tiles whose level-1 table is a window (record field 12 >= 0, `codec._word_window`)
 run steps 3-5 on uint32 words of four elements instead (`_decode_tile_words`, WORDS).
@@ -26,7 +30,8 @@ import triton
 import triton.language as tl
 
 # int64 fields per segment record; must match `codec._pack_records`.
-_NUM_FIELDS = tl.constexpr(13)
+_NUM_FIELDS = tl.constexpr(14)
+_PATCH = tl.constexpr(256)  # patches one pass of a tile's patch loop rewrites
 
 
 @triton.jit
@@ -97,10 +102,34 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
 
 
 @triton.jit
+def _patch(src_ptr, dst_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, split, t,
+           TILE: tl.constexpr, DST_ALIGN: tl.constexpr):
+    """Version 3: rewrite the tile's escaped elements from its patch list (entries base[t] to
+    base[t + 1]: a uint16 position in the tile and the symbol; the raw byte is re-read). The
+    barrier orders these stores after the tile's own (same program, same addresses). Byte
+    loads only: any src alignment."""
+    n0 = _tile_base_bytes(src_ptr, base_abs, t, t >= 0)
+    n1 = _tile_base_bytes(src_ptr, base_abs, t + 1, t >= 0)
+    if n1 > n0:
+        tl.debug_barrier()
+        for i in range(n0, n1, _PATCH):
+            j = i + tl.arange(0, _PATCH)
+            m = j < n1
+            lo = tl.load(src_ptr + pos_abs + 2 * j, mask=m, other=0).to(tl.int32)
+            hi = tl.load(src_ptr + pos_abs + 2 * j + 1, mask=m, other=0).to(tl.int32)
+            p = lo | (hi << 8)
+            sym = tl.load(src_ptr + sym_abs + j, mask=m, other=0).to(tl.int32)
+            raw = tl.load(src_ptr + (raw_abs // 16) * 16 + t * TILE + p, mask=m, other=0).to(tl.int32)
+            bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+            val = tl.where((p * 0 + split) == 0, bf16, (sym << 8) | raw).to(tl.int16)
+            tl.store(dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE + p, val, mask=m)
+
+
+@triton.jit
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    LEVEL2: tl.constexpr,
+    LEVEL2: tl.constexpr, PATCHED: tl.constexpr,
 ):
     e0 = t * TILE
     offs = tl.arange(0, TILE)
@@ -121,6 +150,9 @@ def _decode_tile(
     has_table = kv < 8
     escapes = (kv >= 1) & has_table
     is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
+    if PATCHED:  # version 3: no exception loads here (the patch loop below writes escapes)
+        patch_sym = tl.load(rec + 13)
+        is_esc = is_esc & ((kv * 0 + patch_sym) < 0)
     # this tile's first exception index: an int64 (little-endian) of the base stream
     base = _tile_base_bytes(src_ptr, base_abs, t, k < 8)
     rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
@@ -143,6 +175,9 @@ def _decode_tile(
         tl.store(dst, val, mask=mask)
     else:
         tl.store(dst, val)
+    if PATCHED:
+        if patch_sym >= 0:
+            _patch(src_ptr, dst_ptr, raw_abs, base_abs, exc_abs, patch_sym, dst_elem, split, t, TILE, DST_ALIGN)
 
 
 @triton.jit
@@ -249,14 +284,15 @@ def _level2_words(src_ptr, rec, esc, cnt, pre, rank, base_abs, table_abs, exc_ab
 @triton.jit
 def _decode_tile_words(
     src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-    K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, V2: tl.constexpr,
+    K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr,
 ):
     """A full tile whose level-1 table is the window of symbols [window, window + 2^K - 1)
     (2 <= K <= 4, window + 2^K - 1 <= 255), four elements per uint32 word (SWAR): code j
     decodes to window + j with one add per word, no table lookup; escapes are flagged per
     byte, counted per word and ranked by a prefix sum over words; version 1 reads their
     exception bytes as one 4-byte window per word and moves each to its byte, version 2
-    (V2) decodes them through its level-2 code (`_level2_words`)."""
+    (V2) decodes them through its level-2 code (`_level2_words`), version 3 (V3) stores them
+    as they decode (window + 2^K - 1) and patches them after the tile (`_patch`)."""
     NW: tl.constexpr = TILE // 4
     wi = tl.arange(0, NW)
     raw = tl.load((src_ptr + (raw_abs // 16) * 16).to(tl.pointer_type(tl.uint32)) + t * NW + wi)
@@ -268,34 +304,53 @@ def _decode_tile_words(
         code |= _plane_words(src_ptr, tile_code, K, 2, TILE)
     if K & 1:
         code |= _plane_words(src_ptr, tile_code, K, 1, TILE)
-    # escape flags: code 2^K - 1 carries into bit K of its byte when 1 is added (no carry past it)
-    esc = ((code + 0x01010101) >> K) & 0x01010101
     sym = code + (window * 0x01010101).to(tl.uint32)
-    cnt, pre, rank = _escapes(esc)
-    if V2:
-        z = _level2_words(src_ptr, rec, esc, cnt, pre, rank, base_abs, table_abs, exc_abs, t, K)
-    else:
-        z = _place(_word_bytes(src_ptr, exc_abs + _tile_base(src_ptr, base_abs, t), rank, cnt), pre)
-    m = esc * 0xFF
-    sym = (sym & ~m) | (z & m)
+    if not V3:
+        # escape flags: code 2^K - 1 carries into bit K of its byte when 1 is added (no carry past it)
+        esc = ((code + 0x01010101) >> K) & 0x01010101
+        cnt, pre, rank = _escapes(esc)
+        if V2:
+            z = _level2_words(src_ptr, rec, esc, cnt, pre, rank, base_abs, table_abs, exc_abs, t, K)
+        else:
+            z = _place(_word_bytes(src_ptr, exc_abs + _tile_base(src_ptr, base_abs, t), rank, cnt), pre)
+        m = esc * 0xFF
+        sym = (sym & ~m) | (z & m)
     out = tl.reshape(tl.join(_join16(raw, sym, split, False), _join16(raw, sym, split, True)), [2 * NW])
     dst = (dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE).to(tl.pointer_type(tl.uint32))
     tl.store(dst + tl.arange(0, 2 * NW), out)
+    if V3:
+        _patch(src_ptr, dst_ptr, raw_abs, base_abs, exc_abs, tl.load(rec + 13), dst_elem, split, t, TILE, DST_ALIGN)
+
+
+@triton.jit
+def _words_v12(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
+               K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, LEVEL2: tl.constexpr):
+    if LEVEL2:
+        if tl.load(rec + 9) > 0:
+            _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                               split, window, t, K, TILE, DST_ALIGN, True, False)
+        else:
+            _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                               split, window, t, K, TILE, DST_ALIGN, False, False)
+    else:
+        _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                           split, window, t, K, TILE, DST_ALIGN, False, False)
 
 
 @triton.jit
 def _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-           K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, LEVEL2: tl.constexpr):
-    if LEVEL2:
-        if tl.load(rec + 9) > 0:
+           K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, LEVEL2: tl.constexpr,
+           PATCHED: tl.constexpr):
+    if PATCHED:
+        if tl.load(rec + 13) >= 0:
             _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
-                               split, window, t, K, TILE, DST_ALIGN, True)
+                               split, window, t, K, TILE, DST_ALIGN, False, True)
         else:
-            _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
-                               split, window, t, K, TILE, DST_ALIGN, False)
+            _words_v12(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split,
+                       window, t, K, TILE, DST_ALIGN, LEVEL2)
     else:
-        _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
-                           split, window, t, K, TILE, DST_ALIGN, False)
+        _words_v12(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window,
+                   t, K, TILE, DST_ALIGN, LEVEL2)
 
 
 @triton.jit
@@ -310,6 +365,7 @@ def _decode_kernel(
     GATHER: tl.constexpr,
     LEVEL2: tl.constexpr,
     WORDS: tl.constexpr,
+    PATCHED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -337,16 +393,16 @@ def _decode_kernel(
     full = (t + 1) * TILE <= numel
     if WORDS and full and window >= 0 and k == 3:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               3, TILE, DST_ALIGN, LEVEL2)
+               3, TILE, DST_ALIGN, LEVEL2, PATCHED)
     elif WORDS and full and window >= 0 and k == 2:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               2, TILE, DST_ALIGN, LEVEL2)
+               2, TILE, DST_ALIGN, LEVEL2, PATCHED)
     elif WORDS and full and window >= 0 and k == 4:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               4, TILE, DST_ALIGN, LEVEL2)
+               4, TILE, DST_ALIGN, LEVEL2, PATCHED)
     elif full:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2)
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2)
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED)

@@ -178,6 +178,7 @@ __all__ = [
     "HEADER_BYTES",
     "HEADER2_BYTES",
     "LEVELS",
+    "PATCHED",
     "MIN_TILE",
     "MAX_TILE",
     "encode",
@@ -193,8 +194,10 @@ __all__ = [
 MAGIC = b"WSC1"
 VERSION = 1  # the one-level code ("exp-k"); version 2 is the two-level one ("exp-k2", VERSION2)
 VERSION2 = 2
-VERSIONS = (VERSION, VERSION2)
-LEVELS = (1, 2)  # encode(levels=...): 1 writes version 1, 2 the smaller of version 2 and version 1
+VERSION3 = 3  # one level, the escapes a patch list of (position in tile, symbol) ("exp-kp")
+VERSIONS = (VERSION, VERSION2, VERSION3)
+PATCHED = 3  # encode(levels=PATCHED) writes version 3 (the form, not a count of levels)
+LEVELS = (1, 2, PATCHED)  # encode(levels=...): 1 writes version 1, 2 the smaller of version 2 and version 1
 HEADER_BYTES = 80
 HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
@@ -274,7 +277,17 @@ class CodedHeader:
     @property
     def table_off(self) -> int:
         """Byte offset of the symbol table (right after the header)."""
-        return HEADER_BYTES if self.version == VERSION else HEADER2_BYTES
+        return HEADER2_BYTES if self.version == VERSION2 else HEADER_BYTES
+
+    @property
+    def patch_sym_off(self) -> int:
+        """Version 3: byte offset of the patch list's symbols (its positions are at exc_off)."""
+        return _round_up(self.exc_off + 2 * self.num_exceptions, STREAM_ALIGN)
+
+    @property
+    def base_entries(self) -> int:
+        """Entries of the base stream: one per tile, version 3 one more (the total)."""
+        return self.num_tiles + (self.version == VERSION3)
 
     @property
     def coded_bytes(self) -> int:
@@ -305,13 +318,18 @@ class CodedHeader:
 
 
 def _layout(dtype, k: int, table: Sequence[int], numel: int, tile: int, num_exc: int, k2: int = 0,
-            num_esc: int = 0) -> CodedHeader:
+            num_esc: int = 0, patched: bool = False) -> CodedHeader:
     """The stream offsets of a coded tensor (version 2 when k2 >= 1: `num_exc` level-2
-    exceptions of `num_esc` level-1 escapes)."""
+    exceptions of `num_esc` level-1 escapes; version 3 when `patched`: `num_exc` patches)."""
     raw_off = _round_up((HEADER2_BYTES if k2 else HEADER_BYTES) + len(table), STREAM_ALIGN)
     tiles = -(-numel // tile)
     code_off = _round_up(raw_off + numel, STREAM_ALIGN)
     base_off = code_off + tiles * tile * k // 8  # a multiple of 16 (tile >= 128)
+    if patched:
+        exc_off = _round_up(base_off + 8 * (tiles + 1), STREAM_ALIGN)
+        nbytes = _round_up(_round_up(exc_off + 2 * num_exc, STREAM_ALIGN) + num_exc, STREAM_ALIGN)
+        return CodedHeader(dtype, k, tuple(table), numel, tile, num_exc, raw_off, code_off, base_off, exc_off, nbytes,
+                           VERSION3)
     if not k2:
         exc_off = base_off + 8 * tiles
         nbytes = _round_up(exc_off + num_exc, STREAM_ALIGN)
@@ -357,6 +375,10 @@ def read_header(buf: torch.Tensor, offset: int = 0) -> CodedHeader:
     if version == VERSION2:
         k2, extra = _check_levels(buf, offset, k, k2, tlen)
         got += extra
+    elif version == VERSION3:
+        if not 1 <= k <= 7 or tlen != (1 << k) - 1 or k2 or num_esc:
+            raise ValueError(f"coded tensor (version 3) has k={k}, table_len={tlen}, k2={k2}, num_escapes={num_esc}; "
+                             "allowed: k in [1, 7] with 2^k - 1 entries, k2 = num_escapes = 0")
     else:
         if k > 8 or tlen != _table_len(k):
             raise ValueError(f"coded tensor has k={k} and table_len={tlen}; allowed: k in [0, 8] with 2^k - 1 "
@@ -365,7 +387,7 @@ def read_header(buf: torch.Tensor, offset: int = 0) -> CodedHeader:
     _check_tile(tile)
     head_len = HEADER2_BYTES if version == VERSION2 else HEADER_BYTES
     table = tuple(buf[offset + head_len : offset + head_len + tlen].tolist())
-    head = _layout(_DTYPES[dcode], k, table, numel, tile, num_exc, k2, num_esc)
+    head = _layout(_DTYPES[dcode], k, table, numel, tile, num_exc, k2, num_esc, version == VERSION3)
     want = (head.raw_off, head.code_off, head.base_off, head.exc_off, head.nbytes)
     if version == VERSION2:
         want += (head.code2_off, head.base2_off)
@@ -432,9 +454,10 @@ def _given_table(counts: list[int], k: int, table: tuple[int, ...]):
     return k, table, window
 
 
-def _choose(hist: torch.Tensor, k: int | None, table: tuple[int, ...] | None = None):
+def _choose(hist: torch.Tensor, k: int | None, table: tuple[int, ...] | None = None, esc_bytes: int = 1):
     """(k, table, window start or None) minimising the coded size for the
-    symbol histogram `hist` (of the tensor or a sample of it)."""
+    symbol histogram `hist` (of the tensor or a sample of it), an escape
+    costing `esc_bytes` (version 3: a 2-byte position and the symbol)."""
     counts = hist.tolist()
     if table is not None:
         return _given_table(counts, k, table)
@@ -448,8 +471,8 @@ def _choose(hist: torch.Tensor, k: int | None, table: tuple[int, ...] | None = N
         if kk == 0 and distinct > 1:
             continue
         exc = 0 if kk in (0, 8) else numel - sum(counts[s] for s in order[: _table_len(kk)])
-        if best is None or numel * kk / 8 + exc < best[0]:
-            best = (numel * kk / 8 + exc, kk)
+        if best is None or numel * kk / 8 + esc_bytes * exc < best[0]:
+            best = (numel * kk / 8 + esc_bytes * exc, kk)
     kk = best[1]
     if kk in (0, 8):
         return kk, (order[0],) if kk == 0 else (), None
@@ -569,6 +592,8 @@ class _Coder:
     bases2: list = dataclasses.field(default_factory=list)  # per chunk: level-2 escapes before each tile
     num_esc: int = 0  # level-1 escapes so far
     lut2: torch.Tensor | None = None  # version 2: symbol -> level-2 code (`lut(2)`)
+    patched: bool = False  # version 3: the escapes' positions in their tiles are kept too
+    pos: list = dataclasses.field(default_factory=list)  # version 3, per chunk: int16 positions in the tile
 
     def lut(self, level: int = 1) -> torch.Tensor:
         """symbol -> code of `level` (the level's escape code for symbols not in its table)."""
@@ -605,6 +630,8 @@ class _Coder:
             starts = torch.arange(tiles, dtype=torch.int64, device=idx.device) * tile
             self.bases.append(torch.searchsorted(idx, starts) + self.num_esc)
             self.num_esc += idx.numel()
+            if self.patched:
+                self.pos.append((idx % tile).to(torch.int16))
             self._escaped(idx, sym[idx], starts)
         elif k < 8:
             # numpy's compare and flatnonzero: ~5x faster than torch's uint8 == scalar, ~10x than nonzero
@@ -612,6 +639,8 @@ class _Coder:
             starts = np.arange(tiles) * tile
             self.bases.append(torch.from_numpy(np.searchsorted(idx, starts) + self.num_esc))
             self.num_esc += idx.size
+            if self.patched:
+                self.pos.append(torch.from_numpy((idx % tile).astype(np.int16)))  # wraps past 32767: uint16 bits
             self._escaped(idx, sym.numpy()[idx], starts)
 
     def _escaped(self, idx, esc, starts) -> None:
@@ -657,7 +686,10 @@ def encode(
 
     levels: 1 (the one-level code, version 1, codec "exp-k") or 2 (codec "exp-k2": the
     level-1 escapes are coded again with k2 bits, version 2, whenever that is smaller than
-    every one-level code; otherwise the result is the version-1 bytes of levels=1).
+    every one-level code; otherwise the result is the version-1 bytes of levels=1) or
+    PATCHED (3, codec "exp-kp": one level, the escapes a per-tile patch list of positions
+    and symbols, version 3, k chosen with 3 bytes per escape; a k without escapes, 0 or 8,
+    writes version 1).
     k2 (levels=2 only): None picks it with k; 0 forces one level (version 1); 1..7 forces
     a two-level code (needs k in [1, 7] or None). table needs k2=0 with levels=2.
 
@@ -699,13 +731,16 @@ def encode(
 
     def choose(sample: int, table):
         hist = _histogram(elems, bf16, step, sample, scratch)
+        if levels == PATCHED:
+            return _choose(hist, k, table, esc_bytes=3) + (0,)
         return _choose(hist, k, table) + (0,) if levels == 1 or table is not None else _choose2(hist, k, k2, tile)
 
     kk, table, window, kk2 = choose(sample, table)
     if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
         kk, table, window, kk2 = choose(1, None)
     coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch,
-                   torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index), k2=kk2)
+                   torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index), k2=kk2,
+                   patched=levels == PATCHED and 0 < kk < 8)
     if kk2:
         coder.lut2 = coder.lut(2)
     lut = coder.lut() if 0 < kk < 8 and window is None else None
@@ -756,12 +791,28 @@ def _put_level2(out: torch.Tensor, c: _Coder, head: CodedHeader) -> None:
     out[head.base2_off : head.exc_off] = bases2.to(dev).view(torch.uint8)
 
 
+def _put_patches(out: torch.Tensor, c: _Coder, head: CodedHeader) -> None:
+    """Version 3's streams after the per-tile bases: the total (the last base entry), the
+    patch positions (uint16), the patch symbols, zero padding between and after."""
+    dev, n = out.device, head.num_exceptions
+    total = torch.tensor([n], dtype=torch.int64, device=dev)
+    end = head.base_off + 8 * head.num_tiles
+    out[end : end + 8] = total.view(torch.uint8)
+    out[end + 8 : head.exc_off].zero_()
+    if n:
+        out[head.exc_off : head.exc_off + 2 * n] = torch.cat([p.to(dev) for p in c.pos]).view(torch.uint8)
+    out[head.exc_off + 2 * n : head.patch_sym_off].zero_()
+    if n:
+        torch.cat(c.exc, out=out[head.patch_sym_off : head.patch_sym_off + n])
+    out[head.patch_sym_off + n :].zero_()
+
+
 def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None = None) -> torch.Tensor:
     """Lay a coded tensor out in one buffer (see the module docstring): the start of `into`
     when it fits, else a new one (on the device the pieces were coded on; coded on a GPU
     into a CPU `into`, the buffer is laid out there and copied into it)."""
     num_exc = sum(e.numel() for e in c.exc)
-    head = _layout(dtype, c.k, c.table, n, c.tile, num_exc, c.k2, c.num_esc)
+    head = _layout(dtype, c.k, c.table, n, c.tile, num_exc, c.k2, c.num_esc, c.patched)
     dev = c.scratch.sym.device
     fits = into is not None and into.numel() >= head.nbytes
     if fits and into.device == dev:
@@ -781,9 +832,12 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None =
     out[head.base_off : head.base_off + 8 * head.num_tiles] = bases.view(torch.uint8)
     if head.version == VERSION2:
         _put_level2(out, c, head)
-    if num_exc:
-        torch.cat(c.exc, out=out[head.exc_off : head.exc_off + num_exc])
-    out[head.exc_off + num_exc :].zero_()
+    if head.version == VERSION3:
+        _put_patches(out, c, head)
+    else:
+        if num_exc:
+            torch.cat(c.exc, out=out[head.exc_off : head.exc_off + num_exc])
+        out[head.exc_off + num_exc :].zero_()
     if fits and into.device != dev:
         return into[: head.nbytes].copy_(out)  # D2H of the coded bytes
     return out
@@ -846,6 +900,7 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
         records += [s.dst_offset // 2, h.numel, h.k, split]
         records += [h.k2, o + h.code2_off if h.k2 else 0, o + h.base2_off if h.k2 else 0]  # version 2
         records += [_word_window(h)]
+        records += [o + h.patch_sym_off if h.version == VERSION3 else -1]  # version 3: patch symbols
     return torch.tensor(starts + records, dtype=torch.int64), starts[-1]
 
 
@@ -855,15 +910,20 @@ class DecodeTable(PackedTable):
     All non-empty segments must share one tile size; destination ranges must
     not overlap. num_warps and gather_planes (each element loads its own code
     plane bytes instead of a load-once-and-reshape) are launch options that do
-    not change the result. Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
+    not change the result. level2 / patch: compile the kernel's level-2 code /
+    patch loop even if no segment needs it (`two_level` / `patched` hold what is
+    compiled): a table re-encoded in place under a captured CUDA graph may gain
+    version-2 / version-3 tensors, and the captured kernel must decode them.
+    Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
-    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1)].
+    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1),
+    the word window (-1: none), the patch symbols' absolute offset (version 3; -1)].
     """
 
     def __init__(
         self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        words: bool = True,
+        words: bool = True, level2: bool = False, patch: bool = False,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -876,8 +936,9 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
-        if not isinstance(words, bool):
-            raise TypeError(f"words must be a bool, got {words!r}")
+        for name, v in (("words", words), ("level2", level2), ("patch", patch)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
         tiles = {s.header.tile for s in live}
         if len(tiles) > 1:
@@ -890,7 +951,11 @@ class DecodeTable(PackedTable):
                     f"[{b.dst_offset}, {b.dst_end})"
                 )
         self._live = tuple(live)
-        self.two_level = any(s.header.k2 for s in live)  # the kernel's level-2 code is compiled only then
+        # the kernel's level-2 code is compiled only for a table holding a version-2 tensor (or
+        # level2=True), its patch loop only for one holding a version-3 tensor (or patch=True)
+        self.two_level = level2 or any(s.header.k2 for s in live)
+        self.patched = patch or any(s.header.version == VERSION3 for s in live)
+        self._paths = {"level2": level2, "patch": patch}
         self.src_nbytes = max((s.src_end for s in live), default=0)
         self.dst_nbytes = max((s.dst_end for s in live), default=0)
         self.coded_nbytes = sum(s.header.nbytes for s in live)
@@ -905,7 +970,8 @@ class DecodeTable(PackedTable):
 
     def options(self) -> dict:
         """The launch options (they never change the decoded bytes), to build a table alike."""
-        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "words": self._words_option}
+        return {"num_warps": self.num_warps, "gather_planes": self.gather_planes, "words": self._words_option,
+                **self._paths}
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int],
@@ -978,6 +1044,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         DST_ALIGN=table.dst_align,
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
+        PATCHED=table.patched,
         WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )
@@ -1021,16 +1088,37 @@ def _decode_one(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:
         table = torch.tensor(list(head.table[:n1]) + [0], dtype=torch.int32, device=buf.device)
         sym = table[code.long()]
         esc = code == n1
-        if head.k2:
+        if head.version == VERSION3:
+            sym[_patch_index(buf, head, esc)] = buf[head.patch_sym_off : head.patch_sym_off + head.num_exceptions].to(
+                torch.int32)
+            esc = None
+        elif head.k2:
             exc = _level2_symbols(buf, head, int(esc.sum()))
         else:
             exc = _exceptions(buf, head, int(esc.sum()))
-        sym[esc] = exc  # element order
+        if esc is not None:
+            sym[esc] = exc  # element order
     if head.dtype == torch.bfloat16:
         val = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     else:
         val = (sym << 8) | raw
     return (val - ((val >> 15) << 16)).to(torch.int16)  # two's complement of the 16 bits
+
+
+def _patch_index(buf: torch.Tensor, head: CodedHeader, esc: torch.Tensor) -> torch.Tensor:
+    """Version 3: the element index of every patch (tile start from the base stream plus the
+    uint16 position); ValueError unless they are exactly the escapes `esc` marks."""
+    n, tiles = head.num_exceptions, head.num_tiles
+    base = buf[head.base_off : head.base_off + 8 * (tiles + 1)].clone().view(torch.int64)
+    counts = base[1:] - base[:-1]
+    if int(base[0]) != 0 or int(base[-1]) != n or bool((counts < 0).any()):
+        raise ValueError(f"coded tensor (version 3) has a base stream inconsistent with its {n} patches")
+    pos = buf[head.exc_off : head.exc_off + 2 * n].clone().view(torch.int16).to(torch.int64) & 0xFFFF
+    tile_of = torch.repeat_interleave(torch.arange(tiles, device=buf.device), counts.to(buf.device))
+    index = tile_of * head.tile + pos
+    if not torch.equal(index, torch.nonzero(esc).flatten()):
+        raise ValueError("coded tensor (version 3): its patch positions are not its escapes")
+    return index
 
 
 def _exceptions(buf: torch.Tensor, head: CodedHeader, escapes: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from .progress import announce
 from .streamed import _all_tensors, tensor_bytes
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from .layout import align_up
+from .sources.codec_names import AUTO_CODECS
 from .sources.coded import CODECS, CodedSource
 from .sources.coded_encode import _ALIGN, _slack
 
@@ -110,7 +111,7 @@ class AutoCodec(RemovableHooks):
         for k, lay in enumerate(src.layouts):
             link[lay.index] = src.link_bytes(k)  # coded blocks (an earlier plan) copy their coded bytes
         h2d = self.h2d_gbps or planner.h2d_from_events(events, link)
-        codecs = (src.codec,) if fixed else CODECS  # blocks coded already fix the codec
+        codecs = (src.codec,) if fixed else AUTO_CODECS  # blocks coded already fix the codec
         options = tuple(self._option(codec, raw) for codec in codecs)
         on_compute = src.decode_at == "use" and not src.decode_stream
         inputs = CodecPlanInputs(compute_ms=compute, raw_bytes=tuple(raw), h2d_gbps=h2d,

@@ -58,7 +58,7 @@ from perf.results import gpu_slug, validate_result  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GBPS = 300.0  # decoded bf16 per second on an H200
 SIZES = ("tensor", "single", "double")
-CODEC_SUFFIX = {"exp-k": "", "exp-k2": "-k2"}  # mode-name suffix per codec (offload.sources.coded.CODECS)
+CODEC_SUFFIX = {"exp-k": "", "exp-k2": "-k2", "exp-kp": "-kp"}  # mode-name suffix per codec (offload.sources.coded.CODECS)
 
 
 def _shapes(size: str) -> list[tuple[int, ...]]:

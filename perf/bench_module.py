@@ -64,8 +64,8 @@ from torch import nn  # noqa: E402
 from perf.common import git_commit, gpu_slug, measure_h2d_gbps  # noqa: E402
 
 SCENARIO = "module-swap"
-MODES = ("diffusers-model", "module", "module-coded", "module-coded2")
-CODECS = {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2"}
+MODES = ("diffusers-model", "module", "module-coded", "module-coded2", "module-codedp")
+CODECS = {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2", "module-codedp": "exp-kp"}
 FILLS = ("normal", "student-t")
 WEIGHT_STD = 0.02
 GB = 1e9
@@ -289,7 +289,7 @@ def verdicts(modes: dict) -> list[str]:
         ok = all(r <= 1.1 for r in m["arrival_ratios_to_floor"].values()) and \
             all(d < 1.0 for d in m["departure_ms"].values())
         out.append(f"module arrivals within 1.1x of the floor and departures < 1 ms: {'YES' if ok else 'NO'}")
-    for name in ("module-coded", "module-coded2"):
+    for name in ("module-coded", "module-coded2", "module-codedp"):
         if name in modes:
             r = modes[name]["arrival_ratios_to_floor"]
             ok = all(v <= 0.75 for v in r.values())
@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "perf" / "results"))
     args = p.parse_args(argv)
     modes_run = parse_modes(args.modes, args.no_peer)
-    weight_fill = args.fill or ("student-t" if {"module-coded", "module-coded2"} & set(modes_run) else "normal")
+    weight_fill = args.fill or ("student-t" if {"module-coded", "module-coded2", "module-codedp"} & set(modes_run)
+                                else "normal")
 
     if not torch.cuda.is_available():
         print("bench_module: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             m.to("cpu")
         gc.collect()
         torch.cuda.empty_cache()
-    for name in ("module", "module-coded", "module-coded2"):
+    for name in ("module", "module-coded", "module-coded2", "module-codedp"):
         if name in modes_run:
             log(f"{name} (weightstream offload_pipeline) ...")
             raws[name] = run_module(enc, dit, x, device, args.rounds, mode=name, run_mb=args.run_mb)

@@ -19,7 +19,8 @@
   below 1.0 beats what any uncoded stream can do. `coded_bytes` and
   `bits_per_weight` come from the source's stats. `layerwise-coded2`,
   `graphs-coded2` (`-coded2` combines like `-coded`): the same with
-  `weight_codec="exp-k2"` (the two-level code). `-codedauto`: `weight_codec="auto"`
+  `weight_codec="exp-k2"` (the two-level code); `-codedp`: `weight_codec="exp-kp"`
+  (escapes patched after the tile: the fastest decode). `-codedauto`: `weight_codec="auto"`
   (raw first; after the first step the planner codes the blocks it predicts
   faster coded: `coded_blocks` and `codec_plan` in the figures).
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
@@ -55,8 +56,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedauto|sidecar|encgpu)$")
-CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedauto": "auto"}  # mode variant -> weight_codec
+_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu)$")
+CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
 
@@ -107,7 +108,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "(resident_layers='auto'), <N>gb (device_memory_budget_gb), mmap, "
                                  "graphs, nextstep / ingraph (graph_boundary_loads='next-step' / 'in-graph'), "
                                  "compile (regional compile of the repeated blocks), coded (weight_codec='exp-k'), "
-                                 "coded2 (weight_codec='exp-k2'), codedauto (weight_codec='auto'), "
+                                 "coded2 (weight_codec='exp-k2'), codedp (weight_codec='exp-kp'), "
+                                 "codedauto (weight_codec='auto'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
                                  "encgpu (with coded: encode the blocks on the GPU)")
             if m.group(2) is not None:

@@ -1,4 +1,4 @@
-"""weight_codec='exp-k' (and 'exp-k2': the *_k2 cases) on the device: H2D of coded bytes + Triton
+"""weight_codec='exp-k' (and 'exp-k2': the *_k2 cases, 'exp-kp': the *_kp ones) on the device: H2D of coded bytes + Triton
 decode on the copy stream, bit-exact against the resident model, CUDA graphs off and on (the
 decode captured inside the step's graph), each case in its own process (pytest -m gpu)."""
 import os
@@ -49,8 +49,9 @@ def _setup(name="flux", graphs="off", big=False, codec="exp-k", **cfg):
     x = inputs(model, device="cuda")
     w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs=graphs, weight_codec=codec, **cfg),
                              device="cuda")
-    if codec == "exp-k2":  # two-level tensors really stream (the tiny ones may stay one-level)
-        assert any(seg.header.version == 2 for t in w.executor.source.tables for seg in t.segments)
+    if codec in ("exp-k2", "exp-kp"):  # version-2 / -3 tensors really stream (tiny ones may stay version 1)
+        want = 2 if codec == "exp-k2" else 3
+        assert any(seg.header.version == want for t in w.executor.source.tables for seg in t.segments)
     return torch, first, w, ref, x
 
 
@@ -79,13 +80,33 @@ def case_eager_big_flux_codes_below_raw(codec="exp-k"):
     torch, first, w, ref, x = _setup("flux", big=True, codec=codec)
     s = _check(torch, first, w, ref, x)
     assert s["h2d_bytes_per_step"] < 0.8 * s["raw_bytes"], s
-    assert s["bits_per_weight"] < (12.5 if codec == "exp-k" else 11.5), s
+    assert s["bits_per_weight"] < (11.5 if codec == "exp-k2" else 12.5), s
     return s
 
 
 def case_eager_big_flux_k2_below_exp_k():
     one, two = case_eager_big_flux_codes_below_raw(), case_eager_big_flux_codes_below_raw("exp-k2")
     assert two["coded_bytes"] < one["coded_bytes"] and two["source"] == "coded-exp-k2", (one, two)
+
+
+def case_eager_big_flux_kp_patched():
+    """exp-kp: version-3 tensors (patch lists applied after each tile) stream bit-exact."""
+    s = case_eager_big_flux_codes_below_raw("exp-kp")
+    assert s["source"] == "coded-exp-kp", s
+
+
+def case_graphs_wan_resident_kp():
+    torch, first, w, ref, x = _setup("wan", graphs="on", resident_layers=1, codec="exp-kp")
+    _check(torch, first, w, ref, x)
+    assert w.graphs.counts["replay"] >= 2, w.graphs.counts
+
+
+def case_graphs_decode_reads_current_weights_kp():
+    case_graphs_decode_reads_current_weights("exp-kp")
+
+
+def case_encode_on_device_same_bytes_kp():
+    case_encode_on_device_same_bytes("exp-kp")
 
 
 def case_eager_wan_resident_k2():
@@ -155,6 +176,7 @@ def case_encode_on_device_same_bytes(codec="exp-k"):
     cpu = CodedSource(layouts, objs(), device="cuda", pin=False, codec=codec)
     gpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="device", codec=codec)
     assert (codec == "exp-k2") == any(seg.header.version == 2 for t in gpu.tables for seg in t.segments)
+    assert (codec == "exp-kp") == any(seg.header.version == 3 for t in gpu.tables for seg in t.segments)
     for k in range(len(layouts)):
         n = cpu.coded[k]
         assert n == gpu.coded[k] and torch.equal(cpu.region(k)[:n], gpu.region(k)[:n]), layouts[k].name
@@ -167,7 +189,8 @@ def case_encode_on_device_same_bytes(codec="exp-k"):
     "case_eager_flux", "case_eager_wan_resident", "case_eager_big_flux_codes_below_raw", "case_graphs_flux",
     "case_graphs_wan_resident", "case_graphs_decode_reads_current_weights", "case_encode_on_device_same_bytes",
     "case_eager_big_flux_k2_below_exp_k", "case_eager_wan_resident_k2", "case_graphs_decode_reads_current_weights_k2",
-    "case_encode_on_device_same_bytes_k2",
+    "case_encode_on_device_same_bytes_k2", "case_eager_big_flux_kp_patched", "case_graphs_wan_resident_kp",
+    "case_graphs_decode_reads_current_weights_kp", "case_encode_on_device_same_bytes_kp",
 ])
 def test_coded_gpu(name):
     run_isolated(name)

@@ -62,13 +62,14 @@ def _versions(tables) -> set[int]:
     return {seg.header.version for t in tables if t is not None for seg in t.segments}
 
 
-@pytest.mark.parametrize("kind,codec", [("toy", "exp-k"), ("flux", "exp-k"), ("flux", "exp-k2")])
+@pytest.mark.parametrize("kind,codec", [("toy", "exp-k"), ("flux", "exp-k"), ("flux", "exp-k2"), ("flux", "exp-kp")])
 def test_fake_world_of_one_is_bit_exact_and_moves_coded_bytes(kind, codec):
     model, x = _model(kind)
     ref = copy.deepcopy(model)
     om = _fake(model, codec=codec)
     if kind == "flux":
-        assert (2 in _versions(om._streamed.source.store.tables)) == (codec == "exp-k2")
+        versions = _versions(om._streamed.source.store.tables)
+        assert (2 in versions) == (codec == "exp-k2") and (3 in versions) == (codec == "exp-kp")
     with torch.no_grad():
         want = _first(ref(**x))
         assert all(torch.equal(_first(om(**x)), want) for _ in range(3))

@@ -74,7 +74,8 @@ def _versions(wrapped) -> set[int]:
 @pytest.mark.parametrize("name", ["flux", "wan"])
 @pytest.mark.parametrize("dtype,resident,sharded,codec", [
     (torch.bfloat16, 0, False, "exp-k"), (torch.bfloat16, 1, True, "exp-k"), (torch.float32, 0, False, "exp-k"),
-    (torch.bfloat16, 1, True, "exp-k2")], ids=["bf16", "bf16-r1-sharded", "fp32", "k2-bf16-r1-sharded"])
+    (torch.bfloat16, 1, True, "exp-k2"), (torch.bfloat16, 0, True, "exp-kp")],
+    ids=["bf16", "bf16-r1-sharded", "fp32", "k2-bf16-r1-sharded", "kp-bf16-sharded"])
 def test_coded_mmap_bit_exact(name, dtype, resident, sharded, codec, tmp_path):
     model, x, cls, folder = _diffusers_case(name, tmp_path, dtype=dtype,
                                             **({"max_shard_size": "20KB"} if sharded else {}))
@@ -85,7 +86,7 @@ def test_coded_mmap_bit_exact(name, dtype, resident, sharded, codec, tmp_path):
     _steps(wrapped, x, want)
     s = wrapped.stats()
     assert s["source"] == f"coded-{codec}-mmap" and s["blocks_resident"] == resident
-    assert (2 in _versions(wrapped)) == (codec == "exp-k2")
+    assert (2 in _versions(wrapped)) == (codec == "exp-k2") and (3 in _versions(wrapped)) == (codec == "exp-kp")
     assert s["blocks_encoded"] == s["blocks_streamed"] > 0 and s["encode_s"] > 0
     assert s["coded_bytes"] > 0 and s["raw_bytes"] == s["streamed_bytes_per_step"]
     if dtype == torch.bfloat16:

@@ -149,11 +149,11 @@ def test_toy_pipeline_bit_exact_over_calls(decoder, run_bytes):
     assert torch.equal(pipe(**inputs), expected)
 
 
-@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2", "exp-kp"])
 def test_flux_pipeline_bit_exact_and_host_saving(torch_decode, codec):
     pipe, ids, kw, _, expected = _flux_case()
     handle = offload_pipeline(pipe, cfg(codec=codec), device="cpu")
-    assert (2 in _versions(handle)) == (codec == "exp-k2")
+    assert (2 in _versions(handle)) == (codec == "exp-k2") and (3 in _versions(handle)) == (codec == "exp-kp")
     handle.coded_run_bytes = 1 << 16  # several runs per unit
     with torch.no_grad():
         for _ in range(2):
@@ -165,7 +165,7 @@ def test_flux_pipeline_bit_exact_and_host_saving(torch_decode, codec):
     assert enc["raw_bytes"] == enc["bytes"]
     # student-t bf16 weights: well below the raw bytes; the fp32 VAE stays raw (k = 8, larger)
     assert enc["coded_bytes"] < 0.8 * enc["raw_bytes"], enc
-    assert (10.0 < enc["bits_per_weight"] < 12.5) if codec == "exp-k" else (10.0 < enc["bits_per_weight"] < 11.5), enc
+    assert 10.0 < enc["bits_per_weight"] < (11.5 if codec == "exp-k2" else 12.5), enc
     assert enc["host_bytes"] >= enc["coded_bytes"]
     assert s["components"]["vae"]["bits_per_weight"] == 0.0
     assert s["coded_bytes"] == sum(c["coded_bytes"] for c in s["components"].values())
@@ -291,12 +291,12 @@ def test_failed_build_gives_weights_back(torch_decode):
 # ------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("pin,run_bytes,codec", [(True, None, "exp-k"), (True, 1 << 14, "exp-k"), (False, 0, "exp-k"),
-                                                 (True, 1 << 14, "exp-k2")])
+                                                 (True, 1 << 14, "exp-k2"), (True, 1 << 14, "exp-kp")])
 def test_gpu_bit_exact_with_triton_decode(pin, run_bytes, codec):
     pipe, ids, kw, ref, expected = _flux_case("cuda")
     want = _states(ref.transformer, ref.text_encoder, ref.vae)
     handle = offload_pipeline(pipe, cfg(pin_memory=pin, codec=codec), device="cuda")
-    assert (2 in _versions(handle)) == (codec == "exp-k2")
+    assert (2 in _versions(handle)) == (codec == "exp-k2") and (3 in _versions(handle)) == (codec == "exp-kp")
     if run_bytes is not None:  # 1 << 14: many runs, copies overlapping decodes on two streams
         handle.coded_run_bytes = run_bytes
     s = handle.stats()
@@ -336,7 +336,7 @@ def test_bench_module_coded_cpu_path(capsys):
     assert exit_info.value.code == 0 and "module-coded" in capsys.readouterr().out
     assert bm.parse_modes("module-coded,module,diffusers-model", no_peer=True) == ("module", "module-coded")
     assert bm.parse_modes("module-coded2,module-coded") == ("module-coded", "module-coded2")
-    assert bm.CODECS == {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2"}
+    assert bm.CODECS == {"module": "none", "module-coded": "exp-k", "module-coded2": "exp-k2", "module-codedp": "exp-kp"}
     with pytest.raises(ValueError, match="--modes='modul' is not allowed"):
         bm.parse_modes("modul")
     cpu = torch.device("cpu")

@@ -1,13 +1,18 @@
 """Codec names of weight_codec, their encode levels, and the error of a stale capture of coded loads."""
 from __future__ import annotations
 
+from ...kernels.codec import PATCHED
 from ..misuse import OffloadMisuseError
 
-__all__ = ["CODECS", "CODEC_LEVELS", "AUTO", "MODULE_AUTO", "codec_levels", "module_codec", "CodedCaptureStaleError"]
+__all__ = ["CODECS", "CODEC_LEVELS", "AUTO", "AUTO_CODECS", "MODULE_AUTO", "codec_levels", "module_codec", "CodedCaptureStaleError"]
 
-CODECS = ("exp-k", "exp-k2")
-CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2}  # weight_codec -> encode(levels=...)
+CODECS = ("exp-k", "exp-k2", "exp-kp")
+CODEC_LEVELS = {"exp-k": 1, "exp-k2": 2, "exp-kp": PATCHED}  # weight_codec -> encode(levels=...)
 AUTO = "auto"  # weight_codec planned from a measured step (offload/auto_codec.py)
+# The codecs "auto" plans among. Not "exp-kp": its decode is the fastest, but a plan only codes
+# where the link binds, and there the smaller bytes of "exp-k2" win (each candidate costs the
+# planning step a sampled encode and a timed decode).
+AUTO_CODECS = ("exp-k", "exp-k2")
 
 
 class CodedCaptureStaleError(OffloadMisuseError, RuntimeError):

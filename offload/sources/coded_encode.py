@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...kernels.codec import DEFAULT_TILE, HEADER_BYTES, CodecSegment, DecodeTable, encode, read_header
+from ...kernels.codec import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, encode, read_header
 from ..host_store import PAGE
 from ..layout import BlockLayout, TensorSpec, align_up
 
@@ -40,6 +40,13 @@ def _raw_bound(spec: TensorSpec) -> int:
     n = -(-spec.nbytes // 2)
     tiles = -(-n // DEFAULT_TILE)
     return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
+
+
+def decode_paths(levels: int) -> dict:
+    """The kernel paths every table of a source coding with ``levels`` compiles (DecodeTable's
+    level2 / patch): a block re-encoded under a captured graph may hold a version its first
+    table did not (a small tensor whose best code had no escapes), so they never depend on it."""
+    return {"level2": levels == 2, "patch": levels == PATCHED}
 
 
 def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None,
@@ -74,7 +81,7 @@ def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = Non
         blobs.append(blob)
         segs.append(CodecSegment(at, spec.offset, read_header(blob)))
         at += blob.numel()
-    return blobs, DecodeTable(segs)
+    return blobs, DecodeTable(segs, **decode_paths(levels))
 
 
 def encode_into(region: torch.Tensor, layout: BlockLayout, tensors, *, levels: int = 1) -> tuple[int, DecodeTable]:
@@ -99,7 +106,7 @@ def encode_tensors_into(region: torch.Tensor, layout: BlockLayout, tensors, *,
             region[at : at + blob.numel()].copy_(blob)  # (raises if the region is too small)
             segs.append(CodecSegment(at, spec.offset, read_header(blob)))
             at += blob.numel()
-    return at, DecodeTable(segs)
+    return at, DecodeTable(segs, **decode_paths(levels))
 
 
 def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:

@@ -60,7 +60,7 @@ from ..checkpoint import (
 from ..host_store import PAGE
 from ..layout import BlockLayout, align_up
 from .coded import CODECS, CodedRegion, CodedSource, codec_levels, decode_placement
-from .coded_encode import _capacity, encode_image, in_order
+from .coded_encode import _capacity, decode_paths, encode_image, in_order
 from .mmap_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
@@ -114,7 +114,7 @@ def _cell(c) -> str:
 def _codec_id(codec_name: str) -> list:
     """The codec part of a sidecar's identity: its name, the format version it writes, the tile
     ("exp-k" keeps the identity sidecars were first written with)."""
-    version = codec.VERSION if codec_levels(codec_name) == 1 else codec.VERSION2
+    version = {1: codec.VERSION, 2: codec.VERSION2, codec.PATCHED: codec.VERSION3}[codec_levels(codec_name)]
     return [codec_name, version, codec.DEFAULT_TILE]
 
 
@@ -168,13 +168,14 @@ def _stale_reason(head: dict, ident: dict) -> str | None:
     return None
 
 
-def _region(path: Path, u8: torch.Tensor, lay: BlockLayout, rec: dict) -> CodedRegion:
+def _region(path: Path, u8: torch.Tensor, lay: BlockLayout, rec: dict, paths: dict) -> CodedRegion:
     off, n, coded = rec["offset"], rec["copy_bytes"], rec["coded"]
     if off % PAGE or off + n > u8.numel() or not coded <= n <= _capacity(lay):
         raise _corrupt(path, f"block {lay.name!r} lies at [{off}, {off + n}) of a {u8.numel()}-byte file (truncated?)")
     data = u8[off : off + n]
     try:
-        table = codec.DecodeTable.from_buffer(data, [s for s, _ in rec["segments"]], [d for _, d in rec["segments"]])
+        table = codec.DecodeTable.from_buffer(data, [s for s, _ in rec["segments"]], [d for _, d in rec["segments"]],
+                                              **paths)
     except ValueError as e:
         raise _corrupt(path, f"block {lay.name!r}: {e}") from None
     want = sorted((s.offset, s.nbytes) for s in lay.tensors if s.nbytes)
@@ -205,7 +206,8 @@ def load_sidecar(path: Path, ident: dict, layouts: list[BlockLayout]) -> tuple[l
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only by design: nothing writes through it
         u8 = torch.frombuffer(m, dtype=torch.uint8)
-    return [_region(path, u8, lay, r) for lay, r in zip(layouts, recs)], watch
+    paths = decode_paths(codec_levels(ident["stable"]["codec"][0]))  # as the tables it re-encodes will
+    return [_region(path, u8, lay, r, paths) for lay, r in zip(layouts, recs)], watch
 
 
 class _Watched:

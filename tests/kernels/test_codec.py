@@ -996,8 +996,8 @@ def test_v2_encoded_bytes_do_not_depend_on_the_code_chunk(case, monkeypatch):
 
 def test_v2_validation():
     x = torch.ones(4, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"levels must be in \[1, 2\], got 3"):
-        encode(x, levels=3)
+    with pytest.raises(ValueError, match=r"levels must be in \[1, 3\], got 4"):
+        encode(x, levels=4)
     with pytest.raises(ValueError, match="k2=2 needs levels=2"):
         encode(x, k2=2)
     with pytest.raises(ValueError, match=r"k2 must be in \[0, 7\], got 8"):
@@ -1028,7 +1028,8 @@ def test_v2_header_validation():
     assert h.code2_off == h.base_off + 32 and h.base2_off == -(-(h.code2_off + code2_bytes) // 16) * 16
     assert h.exc_off == h.base2_off + 32 and h.nbytes == -(-(h.exc_off + h.num_exceptions) // 16) * 16
     assert blob.numel() == h.nbytes and not blob[h.code2_off + code2_bytes - 1 : h.base2_off].any()
-    for at, fmt, val, why in [(4, "B", 3, "version 3 is not supported"), (20, "I", 0, "k=2, k2=0"),
+    for at, fmt, val, why in [(4, "B", 4, "version 4 is not supported"), (4, "B", 3, r"\(version 3\) has k=2"),
+                              (20, "I", 0, "k=2, k2=0"),
                               (20, "I", 8, "k=2, k2=8"), (7, "B", 9, "table_len=9"),
                               (6, "B", 8, "k=8, k2=3"),
                               (80, "Q", h.code2_off + 16, "inconsistent stream offsets"),
@@ -1096,4 +1097,8 @@ def test_bench_codec_reports_both_codecs():
     assert (one["k"], one["k2"], two["k"], two["k2"]) == ([3], [0], [2], [3])
     assert two["coded_bytes"] < one["coded_bytes"] and two["bits_per_weight"] < 11.0 < one["bits_per_weight"]
     assert two["exception_fraction"] < one["exception_fraction"] < two["escape_fraction"]
-    assert t2.segments[0].header.version == 2 and bench_codec.CODEC_SUFFIX == {"exp-k": "", "exp-k2": "-k2"}
+    assert t2.segments[0].header.version == 2
+    assert bench_codec.CODEC_SUFFIX == {"exp-k": "", "exp-k2": "-k2", "exp-kp": "-kp"}
+    _, tp, patched = bench_codec.encode_stats(tensors, DEFAULT_TILE, threaded=False, codec="exp-kp")
+    assert tp.segments[0].header.version == 3 and tp.patched
+    assert one["coded_bytes"] < patched["coded_bytes"] < 0.77 * 2 * tensors[0].numel()

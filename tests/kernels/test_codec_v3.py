@@ -1,0 +1,288 @@
+"""Version 3 of the codec (codec "exp-kp", `encode(levels=PATCHED)`): one level, the escapes a
+per-tile patch list of (uint16 position, symbol) that the kernel applies after the tile. Round
+trips on raw bits through the reference, the Triton kernel (interpreter on CPU) against the
+reference, the format's fields, and the reference's checks. Exact comparisons only."""
+import struct
+
+import pytest
+import torch
+
+from weightstream.fills import fill
+from weightstream.kernels import codec as codec_mod
+from weightstream.kernels.codec import (
+    DEFAULT_TILE,
+    HEADER_BYTES,
+    PATCHED,
+    CodecSegment,
+    DecodeTable,
+    decode,
+    decode_tensor,
+    encode,
+    encode_block,
+    read_header,
+)
+from weightstream.kernels.codec import _words_for  # the launch's path choice (private)
+
+from test_codec import (  # noqa: F401  (shared helpers of the version-1 tests, same folder)
+    DTYPES,
+    SMALL_TILE,
+    _all_patterns,
+    _bits,
+    _edge_input,
+    _gpu_decode_eager_and_graph,
+    _gpu_ok,
+    _kernel_vs_reference,
+    _random_bits,
+    _roundtrip,
+    _weightlike_bits,
+)
+
+
+def _patches(blob: torch.Tensor):
+    """(base stream incl. the total, positions, symbols) of a version-3 blob."""
+    h = read_header(blob)
+    base = blob[h.base_off : h.base_off + 8 * (h.num_tiles + 1)].clone().view(torch.int64).tolist()
+    pos = (blob[h.exc_off : h.exc_off + 2 * h.num_exceptions].clone().view(torch.int16).to(torch.int64) & 0xFFFF)
+    sym = blob[h.patch_sym_off : h.patch_sym_off + h.num_exceptions]
+    return base, pos.tolist(), sym.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [None, 1, 2, 3, 5, 7])
+def test_v3_exhaustive_roundtrip_reference(dtype, k):
+    x = _all_patterns(dtype)
+    blob = _roundtrip(x, k=k, levels=PATCHED)
+    h = read_header(blob)
+    if k is None:  # every symbol equally often: k = 8, no escapes, so version 1
+        assert (h.version, h.k) == (1, 8)
+        return
+    assert h.version == 3 and h.table_off == HEADER_BYTES and h.k == k
+    assert h.num_exceptions == int(sum(1 for s in (x.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+                                       if ((s >> 7) & 0xFF if dtype == torch.bfloat16 else s >> 8) not in h.table))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("words", [True, False])
+def test_v3_exhaustive_kernel(dtype, k, words):
+    x = _all_patterns(dtype)
+    blob = encode(x, k=k, levels=PATCHED, tile=SMALL_TILE)
+    table = DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words)
+    assert table.patched
+    out = _kernel_vs_reference(blob, table, seed=k)
+    assert torch.equal(out[: 2 * x.numel()], x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * 128 + 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v3_edge_sizes(numel, dtype):
+    x = _edge_input(numel, dtype)
+    _roundtrip(x, tile=SMALL_TILE, levels=PATCHED)
+    buf, table = encode_block([x, x.flip(0)], tile=SMALL_TILE, k=3, levels=PATCHED)
+    assert table.num_tiles == 2 * -(-numel // SMALL_TILE)
+    out = _kernel_vs_reference(buf, table, seed=numel)
+    assert torch.equal(out[: 2 * numel], x.view(torch.uint8))
+
+
+def test_v3_patches_at_tile_boundaries():
+    """Escapes at the first and last element of tiles, runs across a boundary and tiles with
+    none: the base stream counts them per tile (then the total), positions are in-tile."""
+    n = 5 * SMALL_TILE + 17
+    x = torch.full((n,), 1.0, dtype=torch.bfloat16)
+    rare = [0, SMALL_TILE - 1, SMALL_TILE, 2 * SMALL_TILE - 1, *range(3 * SMALL_TILE - 3, 3 * SMALL_TILE + 4), n - 1]
+    x[rare] = torch.tensor([2.0**e for e in range(-60, -60 + len(rare))], dtype=torch.bfloat16)
+    blob = _roundtrip(x, k=2, tile=SMALL_TILE, table=[126, 127, 128], levels=PATCHED)
+    base, pos, sym = _patches(blob)
+    assert base == [0, 2, 4, 7, 11, 11, 12]
+    assert [b * SMALL_TILE + p for b, p in zip([0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 5], pos)] == rare
+    assert sym == [e + 127 for e in range(-60, -60 + len(rare))]
+    for words in (True, False):
+        _kernel_vs_reference(blob, DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words))
+
+
+def test_v3_many_patches_per_tile():
+    """More patches in one tile than one pass of the kernel's patch loop (256): k=1, random bits."""
+    x = _random_bits(3 * DEFAULT_TILE + 9, 7).view(torch.bfloat16)
+    blob = _roundtrip(x, k=1, levels=PATCHED)
+    base, _, _ = _patches(blob)
+    assert max(b - a for a, b in zip(base, base[1:])) > 3 * 256
+    for words in (True, False):
+        _kernel_vs_reference(blob, DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words))
+
+
+@pytest.mark.parametrize("words", [True, False])
+def test_v3_word_path(words):
+    """Window tables at the default tile take the word path without a scan (`_words_for`)."""
+    t = fill("student-t", (3 * DEFAULT_TILE + 5,), generator=torch.Generator().manual_seed(3))
+    for k in (2, 3, 4):
+        buf, table = encode_block([t], k=k, levels=PATCHED, words=words)
+        assert table.patched and table.words is words
+        assert _words_for(buf, torch.empty(table.dst_nbytes, dtype=torch.uint8), table) is words
+        out = _kernel_vs_reference(buf, table, seed=k)
+        assert torch.equal(out[: table.dst_nbytes], t.view(torch.uint8))
+
+
+def test_v3_beside_versions_1_and_2_in_one_launch():
+    """One table holding version-1, version-2 and version-3 tensors (both compiled paths)."""
+    gen = torch.Generator().manual_seed(9)
+    ts = [fill("student-t", (2 * SMALL_TILE + 3,), generator=gen) for _ in range(3)] + [_all_patterns(torch.float16)]
+    blobs = [encode(ts[0], tile=SMALL_TILE), encode(ts[1], tile=SMALL_TILE, levels=2, k=2, k2=3),
+             encode(ts[2], tile=SMALL_TILE, levels=PATCHED), encode(ts[3], tile=SMALL_TILE, levels=PATCHED, k=4)]
+    segs, at, off = [], 0, 0
+    for b in blobs:
+        h = read_header(b)
+        segs.append(CodecSegment(at, off, h))
+        at, off = at + b.numel(), (off + 2 * h.numel + 47) // 16 * 16
+    assert [s.header.version for s in segs] == [1, 2, 3, 3]
+    for words in (True, False):
+        table = DecodeTable(segs, words=words)
+        assert table.patched and table.two_level
+        out = _kernel_vs_reference(torch.cat(blobs), table)
+        for sg, t in zip(segs, ts):
+            assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(t))
+
+
+def test_v3_off_alignment_buffers_take_the_element_path():
+    """A src off an 8-byte boundary or a dst off a 4-byte one: the element path (byte loads)."""
+    t = fill("student-t", (2 * DEFAULT_TILE + 7,), generator=torch.Generator().manual_seed(1))
+    buf, table = encode_block([t], levels=PATCHED)
+    for src_shift, dst_shift in ((1, 0), (0, 2), (3, 6)):
+        src = torch.zeros(buf.numel() + src_shift, dtype=torch.uint8)[src_shift:]
+        src.copy_(buf)
+        dst = torch.zeros(table.dst_nbytes + dst_shift, dtype=torch.uint8)[dst_shift:]
+        assert not _words_for(src, dst, table)
+        decode(src, dst, table)
+        assert torch.equal(dst, t.view(torch.uint8))
+
+
+def test_v3_k_choice_prices_an_escape_at_three_bytes():
+    """The encoder picks the k that minimises k bits per element plus 3 bytes per escape; a k
+    without escapes (here 0: one symbol) writes version 1."""
+    t = fill("student-t", (1 << 20,), generator=torch.Generator().manual_seed(4))
+    sizes = {k: read_header(encode(t, k=k, levels=PATCHED)).nbytes for k in range(1, 8)}
+    h = read_header(encode(t, levels=PATCHED))
+    assert h.version == 3 and h.nbytes == min(sizes.values()) and sizes[h.k] == h.nbytes
+    assert 11.8 <= h.bits_per_weight <= 12.2 and h.k in (3, 4)
+    one = read_header(encode(torch.ones(1000, dtype=torch.bfloat16), levels=PATCHED))
+    assert (one.version, one.k) == (1, 0)
+    full = read_header(encode(_random_bits(1000, 3), levels=PATCHED, k=8))
+    assert (full.version, full.k) == (1, 8)
+
+
+def test_v3_header_fields():
+    x = fill("student-t", (1000,), generator=torch.Generator().manual_seed(8))
+    blob = encode(x, tile=256, levels=PATCHED, k=2)
+    h = read_header(blob)
+    assert (h.version, h.k, len(h.table), h.table_off, h.base_entries) == (3, 2, 3, 80, 5)
+    assert h.raw_off == 96 and h.code_off == 96 + 1008 and h.base_off == h.code_off + 2 * 4 * 32
+    assert h.exc_off == h.base_off + 48 and h.patch_sym_off == -(-(h.exc_off + 2 * h.num_exceptions) // 16) * 16
+    assert h.nbytes == -(-(h.patch_sym_off + h.num_exceptions) // 16) * 16 == blob.numel()
+    assert not blob[h.exc_off + 2 * h.num_exceptions : h.patch_sym_off].any()
+    assert not blob[h.patch_sym_off + h.num_exceptions :].any()
+
+
+def _poke(blob: torch.Tensor, at: int, fmt: str, value: int) -> torch.Tensor:
+    raw = bytearray(blob.numpy().tobytes())
+    struct.pack_into("<" + fmt, raw, at, value)
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+def test_v3_header_validation():
+    x = fill("student-t", (1000,), generator=torch.Generator().manual_seed(8))
+    blob = encode(x, tile=256, levels=PATCHED, k=3)
+    h = read_header(blob)
+    with pytest.raises(ValueError, match="version 3"):
+        read_header(_poke(blob, 6, "B", 8))  # k = 8 has no escapes to patch
+    with pytest.raises(ValueError, match="version 3"):
+        read_header(_poke(blob, 20, "I", 2))  # k2 is version 2's
+    with pytest.raises(ValueError, match="inconsistent stream offsets"):
+        read_header(_poke(blob, 56, "Q", h.exc_off - 16))
+    with pytest.raises(ValueError, match="inconsistent stream offsets"):
+        read_header(_poke(blob, 24, "Q", h.num_exceptions + 200))  # more patches than the bytes hold
+
+
+def test_v3_reference_checks_the_patch_list():
+    """The reference refuses a patch list that does not name the escapes (position or count)."""
+    x = fill("student-t", (1000,), generator=torch.Generator().manual_seed(8))
+    blob = encode(x, tile=256, levels=PATCHED, k=3)
+    h = read_header(blob)
+    assert h.num_exceptions > 2
+    base, pos, _ = _patches(blob)
+    moved = _poke(blob, h.exc_off, "H", (pos[0] + 1) % 256)
+    with pytest.raises(ValueError, match="patch positions are not its escapes"):
+        decode_tensor(moved)
+    with pytest.raises(ValueError, match="base stream"):
+        decode_tensor(_poke(blob, h.base_off + 8 * h.num_tiles, "Q", base[-1] - 1))
+
+
+def test_v3_validation():
+    x = fill("student-t", (1000,), generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="k2=3 needs levels=2"):
+        encode(x, levels=PATCHED, k2=3)
+    with pytest.raises(ValueError, match="levels must be in"):
+        encode(x, levels=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_v3_bytes_do_not_depend_on_chunk_or_index_path(dtype, monkeypatch):
+    """The numpy and torch escape paths and any code chunk give the same version-3 bytes."""
+    x = _weightlike_bits(600_000, window=8, dtype=dtype)
+    whole = encode(x, levels=PATCHED, k=3)
+    assert read_header(whole).version == 3 and read_header(whole).num_exceptions > 1000
+    assert torch.equal(encode(x, levels=PATCHED, k=3, _torch_index=True), whole)
+    monkeypatch.setattr(codec_mod, "_CODE_CHUNK", 3 * DEFAULT_TILE)
+    assert torch.equal(encode(x, levels=PATCHED, k=3), whole)
+
+
+def test_v3_tile_positions_past_int16():
+    """A 65,536-element tile: positions past 32,767 are stored as uint16 bits."""
+    x = _random_bits(65536 + 100, 11).view(torch.bfloat16)
+    blob = _roundtrip(x, k=4, tile=65536, levels=PATCHED)
+    _, pos, _ = _patches(blob)
+    assert max(pos) > 60000
+
+
+# -- GPU -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_v3_decode_matches_reference_and_graph():
+    _gpu_ok()
+    gen = torch.Generator().manual_seed(0)
+    ts = [fill("student-t", (3072, 3072), generator=gen), fill("uniform", (3072,), generator=gen),
+          fill("gaussian", (1000, 77), generator=gen).half(), _all_patterns(torch.bfloat16)]
+    for k in (None, 2, 3):
+        buf, table = encode_block(ts, k=k, levels=PATCHED)
+        assert table.patched and table.words
+        ref = torch.zeros(table.dst_nbytes + 512, dtype=torch.uint8)
+        codec_mod.decode_torch(buf, ref, table)
+        for s, t in zip(table.segments, ts):
+            assert torch.equal(ref[s.dst_offset : s.dst_end], t.reshape(-1).view(torch.uint8))
+        _gpu_decode_eager_and_graph(buf, table, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numel", [1, 4097, 3_000_001])
+def test_gpu_v3_encode_on_the_gpu_gives_the_cpu_bytes(numel):
+    x = _weightlike_bits(numel)
+    want = encode(x, levels=PATCHED)
+    assert torch.equal(encode(x.cuda(), levels=PATCHED).cpu(), want)
+
+
+def test_forced_paths_decode_every_version_alike():
+    """DecodeTable(level2=True / patch=True) compiles those paths for a table that does not need
+    them (a source's tables, re-encoded in place under a captured graph, may gain such tensors):
+    the bytes stay the reference's, options() carries the flags, and they must be bools."""
+    gen = torch.Generator().manual_seed(21)
+    t = fill("student-t", (2 * DEFAULT_TILE + 9,), generator=gen)
+    buf, plain = encode_block([t, t.flip(0)], k=3)
+    assert not plain.two_level and not plain.patched
+    for paths in ({"level2": True}, {"patch": True}, {"level2": True, "patch": True}):
+        table = DecodeTable(plain.segments, **paths)
+        assert table.two_level == paths.get("level2", False) and table.patched == paths.get("patch", False)
+        assert {k: table.options()[k] for k in paths} == paths
+        assert DecodeTable(plain.segments, **table.options()).options() == table.options()
+        for words in (True, False):
+            _kernel_vs_reference(buf, DecodeTable(plain.segments, words=words, **paths))
+    with pytest.raises(TypeError, match="patch must be a bool"):
+        DecodeTable(plain.segments, patch=1)
