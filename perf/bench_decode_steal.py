@@ -1,6 +1,6 @@
 """How much compute a decode beside it steals, by launch option (``DecodeTable`` num_warps, words).
 
-    python perf/bench_decode_steal.py [--mb 680] [--gemm-ms 20] [--num-warps 8 4] [--words on off]
+    python perf/bench_decode_steal.py [--mb 680] [--gemm-ms 20] [--num-warps 8 4] [--words on off] [--codec exp-k exp-kp]
 
 On a compute-bound model (wan-14b-480p) the coded step exceeds the resident one by about the
 decode's standalone time (1.1%). For each launch option this times a bf16 GEMM loop alone, the
@@ -42,11 +42,13 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(out[1:])  # the first is a warm-up
 
 
-def measure(mb: int, gemm_ms: float, options: list[dict], reps: int) -> dict:
+def measure(mb: int, gemm_ms: float, options: list[dict], reps: int, codec: str = "exp-k") -> dict:
+    from weightstream.fills import fill
     from weightstream.kernels.codec import CodecSegment, DecodeTable, decode, encode, read_header
+    from weightstream.offload.sources.codec_names import codec_levels
 
-    w = (torch.randn((mb << 20) // 2, device="cuda") * 0.02).to(torch.bfloat16)
-    buf = encode(w)
+    w = fill("student-t", ((mb << 20) // 2,), generator=torch.Generator().manual_seed(0)).to("cuda")
+    buf = encode(w, levels=codec_levels(codec))
     head = read_header(buf)
     out = torch.empty_like(w).view(torch.uint8)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -60,7 +62,7 @@ def measure(mb: int, gemm_ms: float, options: list[dict], reps: int) -> dict:
 
     t_gemm = _median_ms(gemms, reps)
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
-    res = {"mb": mb, "gemms": n, "gemm_ms": round(t_gemm, 3), "bits_per_weight": round(8 * head.nbytes / w.numel(), 3),
+    res = {"codec": codec, "fill": "student-t", "version": head.version, "k": head.k, "mb": mb, "gemms": n, "gemm_ms": round(t_gemm, 3), "bits_per_weight": round(8 * head.nbytes / w.numel(), 3),
            "options": {}}
     full = None
     for opt in options:
@@ -82,7 +84,7 @@ def measure(mb: int, gemm_ms: float, options: list[dict], reps: int) -> dict:
         res["options"][g] = {"decode_ms": round(t_dec, 3), "decode_gbps": round(w.numel() * 2 / t_dec / 1e6, 1),
                                 "both_ms": round(t_both, 3), "steal_ms": round(steal, 3),
                                 "steal_frac": round(steal / full, 3)}
-        print(f"  [{g}] decode {t_dec:.3f} ms ({w.numel() * 2 / t_dec / 1e6:.0f} GB/s); "
+        print(f"  [{codec} {g}] decode {t_dec:.3f} ms ({w.numel() * 2 / t_dec / 1e6:.0f} GB/s); "
               f"GEMMs {t_gemm:.3f} -> {t_both:.3f} ms beside it: steals {steal:.3f} ms = {steal / full:.2f}x the "
               "first option's decode", flush=True)
     return res
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-ms", type=float, default=20.0, help="length of the GEMM loop beside the decode")
     p.add_argument("--num-warps", type=int, nargs="+", default=[8], help="decode launch warps to try")
     p.add_argument("--words", nargs="+", default=["on"], choices=["on", "off"], help="the word path on / off")
+    p.add_argument("--codec", nargs="+", default=["exp-k"], help="codecs (weight_codec names) to decode")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
@@ -103,7 +106,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode_steal needs a CUDA device", file=sys.stderr)
         return 2
-    save_result(args.out, "decodesteal", measure(args.mb, args.gemm_ms, options, args.reps))
+    runs = [measure(args.mb, args.gemm_ms, options, args.reps, codec) for codec in args.codec]
+    save_result(args.out, "decodesteal", runs[0] if len(runs) == 1 else {"runs": runs})
     return 0
 
 
