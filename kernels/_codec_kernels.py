@@ -17,7 +17,10 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
 6. Version-3 tensors (record field 13 >= 0; that code is compiled only when the
    table holds one, PATCHED) skip 4's ranks and loads: an escape is stored with
    whatever its code gives, then, after a barrier, the tile's patch list (its
-   range from the base stream) rewrites those elements (`_patch`).
+   range from the base stream) rewrites those elements (`_patch`). A table with
+   no tensor that ranks escapes (only version 3 and k in {0, 8}: what codec
+   "exp-kp" writes) compiles without step 4 at all (RANKED False): fewer
+   registers, more programs resident.
 
 Full tiles whose level-1 table is a window (record field 12 >= 0, `codec._word_window`)
 run steps 3-5 on uint32 words of four elements instead (`_decode_tile_words`, WORDS).
@@ -129,7 +132,7 @@ def _patch(src_ptr, dst_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, spli
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    LEVEL2: tl.constexpr, PATCHED: tl.constexpr,
+    LEVEL2: tl.constexpr, PATCHED: tl.constexpr, RANKED: tl.constexpr,
 ):
     e0 = t * TILE
     offs = tl.arange(0, TILE)
@@ -148,24 +151,29 @@ def _decode_tile(
 
     kv = offs.to(tl.int64) * 0 + k  # per-lane copies: masks are built from vectors only
     has_table = kv < 8
-    escapes = (kv >= 1) & has_table
-    is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
-    if PATCHED:  # version 3: no exception loads here (the patch loop below writes escapes)
+    if PATCHED:
         patch_sym = tl.load(rec + 13)
-        is_esc = is_esc & ((kv * 0 + patch_sym) < 0)
-    # this tile's first exception index: an int64 (little-endian) of the base stream
-    base = _tile_base_bytes(src_ptr, base_abs, t, k < 8)
-    rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
-    if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
-        k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)
-        if k2 > 0:
-            exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
+    if RANKED:
+        escapes = (kv >= 1) & has_table
+        is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
+        if PATCHED:  # version 3: no exception loads here (the patch loop below writes escapes)
+            is_esc = is_esc & ((kv * 0 + patch_sym) < 0)
+        # this tile's first exception index: an int64 (little-endian) of the base stream
+        base = _tile_base_bytes(src_ptr, base_abs, t, k < 8)
+        rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
+        if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
+            k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)
+            if k2 > 0:
+                exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
+            else:
+                exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
         else:
             exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-    else:
-        exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-    tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
-    sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
+        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
+        sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
+    else:  # no ranked escapes in this table: an escape code reads the table's padding, patched below
+        tab = tl.load(src_ptr + table_abs + code, mask=has_table & mask, other=0).to(tl.int32)
+        sym = tl.where(has_table, tab, code)
 
     bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     high = (sym << 8) | raw
@@ -340,8 +348,11 @@ def _words_v12(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, tabl
 @triton.jit
 def _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
            K: tl.constexpr, TILE: tl.constexpr, DST_ALIGN: tl.constexpr, LEVEL2: tl.constexpr,
-           PATCHED: tl.constexpr):
-    if PATCHED:
+           PATCHED: tl.constexpr, RANKED: tl.constexpr):
+    if not RANKED:  # a window tensor with escapes that are not ranked: version 3
+        _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
+                           split, window, t, K, TILE, DST_ALIGN, False, True)
+    elif PATCHED:
         if tl.load(rec + 13) >= 0:
             _decode_tile_words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem,
                                split, window, t, K, TILE, DST_ALIGN, False, True)
@@ -366,6 +377,7 @@ def _decode_kernel(
     LEVEL2: tl.constexpr,
     WORDS: tl.constexpr,
     PATCHED: tl.constexpr,
+    RANKED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -393,16 +405,16 @@ def _decode_kernel(
     full = (t + 1) * TILE <= numel
     if WORDS and full and window >= 0 and k == 3:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               3, TILE, DST_ALIGN, LEVEL2, PATCHED)
+               3, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
     elif WORDS and full and window >= 0 and k == 2:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               2, TILE, DST_ALIGN, LEVEL2, PATCHED)
+               2, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
     elif WORDS and full and window >= 0 and k == 4:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
-               4, TILE, DST_ALIGN, LEVEL2, PATCHED)
+               4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
     elif full:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED)
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED, RANKED)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED)
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED, RANKED)

@@ -910,10 +910,11 @@ class DecodeTable(PackedTable):
     All non-empty segments must share one tile size; destination ranges must
     not overlap. num_warps and gather_planes (each element loads its own code
     plane bytes instead of a load-once-and-reshape) are launch options that do
-    not change the result. level2 / patch: compile the kernel's level-2 code /
-    patch loop even if no segment needs it (`two_level` / `patched` hold what is
-    compiled): a table re-encoded in place under a captured CUDA graph may gain
-    version-2 / version-3 tensors, and the captured kernel must decode them.
+    not change the result. level2 / patch / ranked: compile the kernel's level-2
+    code / patch loop / ranked exceptions even if no segment needs them
+    (`two_level` / `patched` / `ranked` hold what is compiled): a table re-encoded
+    in place under a captured CUDA graph may gain such tensors, and the captured
+    kernel must decode them.
     Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
@@ -923,7 +924,7 @@ class DecodeTable(PackedTable):
 
     def __init__(
         self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        words: bool = True, level2: bool = False, patch: bool = False,
+        words: bool = True, level2: bool = False, patch: bool = False, ranked: bool = False,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -936,7 +937,7 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
-        for name, v in (("words", words), ("level2", level2), ("patch", patch)):
+        for name, v in (("words", words), ("level2", level2), ("patch", patch), ("ranked", ranked)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {v!r}")
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
@@ -955,7 +956,11 @@ class DecodeTable(PackedTable):
         # level2=True), its patch loop only for one holding a version-3 tensor (or patch=True)
         self.two_level = level2 or any(s.header.k2 for s in live)
         self.patched = patch or any(s.header.version == VERSION3 for s in live)
-        self._paths = {"level2": level2, "patch": patch}
+        # ... and the ranked exceptions (versions 1 and 2 with escapes) only for one holding such a tensor
+        # (or ranked=True): without them, tables of version-3 and escape-free tensors run a leaner kernel
+        self.ranked = ranked or self.two_level or any(s.header.version != VERSION3 and 0 < s.header.k < 8
+                                                      for s in live)
+        self._paths = {"level2": level2, "patch": patch, "ranked": ranked}
         self.src_nbytes = max((s.src_end for s in live), default=0)
         self.dst_nbytes = max((s.dst_end for s in live), default=0)
         self.coded_nbytes = sum(s.header.nbytes for s in live)
@@ -1045,6 +1050,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         GATHER=table.gather_planes,
         LEVEL2=table.two_level,
         PATCHED=table.patched,
+        RANKED=table.ranked,
         WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )

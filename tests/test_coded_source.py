@@ -86,7 +86,8 @@ def test_loads_give_raw_image(dtype, recording, codec):
     if dtype == torch.bfloat16:  # exp-k2 holds two-level tensors (and one-level ones too small to gain)
         assert _versions(src) == {"exp-k": {1}, "exp-k2": {1, 2}, "exp-kp": {1, 3}}[codec]
     tables = [t for t in src.tables if t is not None]  # every table compiles its codec's paths (re-encodes)
-    assert tables and all((t.two_level, t.patched) == (codec == "exp-k2", codec == "exp-kp") for t in tables)
+    assert tables and all((t.two_level, t.patched, t.ranked) == (codec == "exp-k2", codec == "exp-kp", codec != "exp-kp")
+                          for t in tables)
     assert all(t.numel() == 0 for ts in tensors for _, _, t in ts), "originals are dropped after coding"
     slots = _attach(src, RecordingStreams() if recording else None)
     _check_all_loads(src, slots, layouts, raw)

@@ -44,9 +44,10 @@ def _raw_bound(spec: TensorSpec) -> int:
 
 def decode_paths(levels: int) -> dict:
     """The kernel paths every table of a source coding with ``levels`` compiles (DecodeTable's
-    level2 / patch): a block re-encoded under a captured graph may hold a version its first
-    table did not (a small tensor whose best code had no escapes), so they never depend on it."""
-    return {"level2": levels == 2, "patch": levels == PATCHED}
+    level2 / patch / ranked): a block re-encoded under a captured graph may hold a version its
+    first table did not (a small tensor whose best code had no escapes), so they never depend on
+    it. "exp-kp" writes no ranked escapes (version 3, or version 1 with k 0 or 8): not ranked."""
+    return {"level2": levels == 2, "patch": levels == PATCHED, "ranked": levels != PATCHED}
 
 
 def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None,

@@ -116,7 +116,7 @@ def test_v3_word_path(words):
     t = fill("student-t", (3 * DEFAULT_TILE + 5,), generator=torch.Generator().manual_seed(3))
     for k in (2, 3, 4):
         buf, table = encode_block([t], k=k, levels=PATCHED, words=words)
-        assert table.patched and table.words is words
+        assert table.patched and table.words is words and not table.ranked  # the lean kernel
         assert _words_for(buf, torch.empty(table.dst_nbytes, dtype=torch.uint8), table) is words
         out = _kernel_vs_reference(buf, table, seed=k)
         assert torch.equal(out[: table.dst_nbytes], t.view(torch.uint8))
@@ -136,7 +136,7 @@ def test_v3_beside_versions_1_and_2_in_one_launch():
     assert [s.header.version for s in segs] == [1, 2, 3, 3]
     for words in (True, False):
         table = DecodeTable(segs, words=words)
-        assert table.patched and table.two_level
+        assert table.patched and table.two_level and table.ranked
         out = _kernel_vs_reference(torch.cat(blobs), table)
         for sg, t in zip(segs, ts):
             assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(t))
@@ -277,6 +277,7 @@ def test_forced_paths_decode_every_version_alike():
     t = fill("student-t", (2 * DEFAULT_TILE + 9,), generator=gen)
     buf, plain = encode_block([t, t.flip(0)], k=3)
     assert not plain.two_level and not plain.patched
+    assert plain.ranked  # version 1 with escapes
     for paths in ({"level2": True}, {"patch": True}, {"level2": True, "patch": True}):
         table = DecodeTable(plain.segments, **paths)
         assert table.two_level == paths.get("level2", False) and table.patched == paths.get("patch", False)
@@ -286,3 +287,19 @@ def test_forced_paths_decode_every_version_alike():
             _kernel_vs_reference(buf, DecodeTable(plain.segments, words=words, **paths))
     with pytest.raises(TypeError, match="patch must be a bool"):
         DecodeTable(plain.segments, patch=1)
+    # a version-3 table (plus escape-free version-1 tensors) runs unranked unless ranked=True
+    ts = [t, torch.ones(300, dtype=torch.bfloat16), _random_bits(999, 2)]
+    blobs = [encode(ts[0], levels=PATCHED, k=3), encode(ts[1], levels=PATCHED), encode(ts[2], levels=PATCHED, k=8)]
+    segs, at, off = [], 0, 0
+    for b in blobs:
+        h = read_header(b)
+        segs.append(CodecSegment(at, off, h))
+        at, off = at + b.numel(), (off + 2 * h.numel + 15) // 16 * 16
+    assert [(s.header.version, s.header.k) for s in segs] == [(3, 3), (1, 0), (1, 8)]
+    for ranked in (False, True):
+        for words in (True, False):
+            table = DecodeTable(segs, words=words, ranked=ranked)
+            assert table.ranked is ranked and table.patched
+            out = _kernel_vs_reference(torch.cat(blobs), table)
+            for sg, x in zip(segs, ts):
+                assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(x))
