@@ -117,6 +117,24 @@ its base gives each escape's index r (its code2 position), the prefix sum
 of its level-2 escape mask plus its base2 gives each level-2 escape's
 exception byte.
 
+Version 3 (patches; `encode(..., levels=PATCHED)`, codec "exp-kp"): the
+80-byte header of version 1 with version 3 and 1 <= k <= 7 (a k without
+escapes writes version 1); k is chosen pricing an escape at 3 bytes. Streams:
+raw and code as in version 1, then
+
+base  ((num_tiles + 1) int64): patches before each tile, then the total, so
+      tile t's patches are entries base[t] .. base[t + 1] - 1.
+pos   (num_exceptions uint16, at exc_off): each patch's element index in its
+      tile, in element order.
+sym   (num_exceptions bytes, at `CodedHeader.patch_sym_off` = exc_off + 2 *
+      num_exceptions rounded up to 16): each patch's symbol.
+
+A tile decodes without looking at its escapes (an escape code decodes to
+whatever its table slot or window gives), then rewrites its patched elements
+from its patch range: no prefix sum and no exception loads per element, so it
+decodes ~1.55x faster than version 1 (1207 vs 776 GB/s on the H200) for ~0.6
+more bits per weight on Student-t (11.9 vs 11.3).
+
 `coded_bytes` (= `CodedHeader.nbytes`) and `bits_per_weight`
 (= 8 * coded_bytes / numel) describe a coded tensor; `encode_block` lays
 several coded tensors out in one buffer at 16-byte aligned offsets and returns

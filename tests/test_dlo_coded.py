@@ -328,6 +328,7 @@ def scenario_two(rank, world):
     c.run("rank_local", _rank_equal, "flux", par, rank, transfer="rank-local")
     c.run("codec_differs", _codec_differs, par, rank)
     c.run("equal_flux_k2", _rank_equal, "flux", par, rank, codec="exp-k2")
+    c.run("equal_flux_kp", _rank_equal, "flux", par, rank, codec="exp-kp")
     c.run("rank_local_k2", _rank_equal, "flux", par, rank, transfer="rank-local", codec="exp-k2")
     c.run("rank_local_auto", _rank_equal, "flux", par, rank, transfer="rank-local", codec="auto", forwards=3)
     c.run("auto_allgather", _auto_allgather_refused, par, rank)
@@ -345,13 +346,14 @@ def two(tmp_path_factory):
     return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two")
 
 
-@pytest.mark.parametrize("kind", ["toy", "flux", "flux_k2"])
+@pytest.mark.parametrize("kind", ["toy", "flux", "flux_k2", "flux_kp"])
 def test_two_ranks_bit_exact_and_each_holds_half_the_coded_bytes(two, kind):
     from test_distributed import get
 
     reps = get(two, f"equal_{kind}")
     if kind != "toy":
         assert all((2 in r["stats"]["versions"]) == (kind == "flux_k2") for r in reps)
+        assert all((3 in r["stats"]["versions"]) == (kind == "flux_kp") for r in reps)
     for r in reps:
         assert r["equal"] == [True, True] and r["restored"] and r["back"]
     s0, s1 = reps[0]["stats"], reps[1]["stats"]

@@ -61,6 +61,7 @@ def scenario_gpu(rank, world):
     c.run("toy", _rank_equal, "toy", dp, rank, device=device, forwards=3)
     c.run("graphs", _rank_equal, "flux", dp, rank, device=device, forwards=6, cuda_graphs="on")
     c.run("graphs_k2", _rank_equal, "flux", dp, rank, device=device, forwards=6, cuda_graphs="on", codec="exp-k2")
+    c.run("graphs_kp", _rank_equal, "flux", dp, rank, device=device, forwards=6, cuda_graphs="on", codec="exp-kp")
     c.run("graph_counts", _graph_counts, dp, rank, device)
     c.run("rank_local", _rank_equal, "flux", dp, rank, device=device, forwards=3, transfer="rank-local")
     c.run("weights", _rank_weights, dp, rank, device=device)
@@ -74,11 +75,12 @@ def gpus(tmp_path_factory):
                      backend="nccl", timeout=420 + 30 * gpu_world())
 
 
-@pytest.mark.parametrize("name", ["eager", "toy", "graphs", "graphs_k2"])
+@pytest.mark.parametrize("name", ["eager", "toy", "graphs", "graphs_k2", "graphs_kp"])
 def test_nccl_coded_allgather_bit_exact(gpus, name):
     reps = get(gpus, name)
-    if name != "toy":  # "graphs_k2": weight_codec="exp-k2", two-level tensors gathered and decoded
+    if name != "toy":  # "graphs_k2" / "graphs_kp": exp-k2 / exp-kp tensors gathered and decoded
         assert all((2 in rep["stats"]["versions"]) == (name == "graphs_k2") for rep in reps)
+        assert all((3 in rep["stats"]["versions"]) == (name == "graphs_kp") for rep in reps)
     for r, rep in enumerate(reps):
         assert all(rep["equal"]) and rep["restored"] and rep["back"], (r, rep["equal"])
         s = rep["stats"]

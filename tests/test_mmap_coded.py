@@ -25,6 +25,7 @@ from test_mmap_source import (
 DEV = "cpu"
 CODED = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
 CODED2 = OffloadConfig.layerwise(weight_codec="exp-k2", progress=False)
+CODEDP = OffloadConfig.layerwise(weight_codec="exp-kp", progress=False)
 
 
 @pytest.fixture
@@ -388,3 +389,25 @@ def test_unused_meta_model_is_refused_before_any_encode(tmp_path, encodes):
     with pytest.raises(ValueError, match="does not declare mmap loading support"):
         offload_from_safetensors(m, tmp_path, CODED, device=DEV)
     assert encodes[0] == 0
+
+
+def test_exp_kp_sidecar_round_trip_and_is_its_own(tmp_path, encodes):
+    """An exp-kp sidecar (version-3 tensors) loads without encoding, streams bit-exact, and is
+    another file than the exp-k one (the identity names the codec and its format version)."""
+    from weightstream.offload.sources.mmap_coded import _codec_id
+
+    assert _codec_id("exp-kp") == ["exp-kp", 3, 4096]
+    model, x, cls, folder, want = _flux(tmp_path)
+    first_ = _wrap(cls, folder, CODEDP, coded_sidecar="write")
+    assert 3 in _versions(first_) and not first_.stats()["sidecar_loaded"]
+    (path,) = _sidecars(folder)
+    encodes[0] = 0
+    again = _wrap(cls, folder, CODEDP, coded_sidecar="read")
+    s = again.stats()
+    assert s["sidecar_loaded"] and encodes[0] == 0 and s["source"] == "coded-exp-kp-mmap"
+    tables = [t for t in again.executor.source.tables if t is not None]
+    assert 3 in _versions(again) and all(t.patched and not t.ranked for t in tables)  # as its re-encodes will be
+    _steps(again, x, want, n=2)
+    with pytest.raises(CodedSidecarError, match="cannot be read"):  # no exp-k sidecar: another name
+        _wrap(cls, folder, CODED, coded_sidecar="read")
+    assert _sidecars(folder) == [path]
