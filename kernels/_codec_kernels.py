@@ -45,20 +45,30 @@ def _plane(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, GATHER: t
     times, served by L1) instead of loading each byte once and reshaping
     [8 / W, SPAN] -> [TILE] (which may go through shared memory)."""
     # PER = 8 // W elements per byte, SPAN = TILE * W // 8 bytes (inline: constexpr arithmetic)
-    start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
-    start = (start // 16) * 16
     if GATHER:
-        offs = tl.arange(0, TILE)
-        present = (offs * 0 + (k & W)) != 0
-        byte = tl.load(src_ptr + start + offs % (TILE * W // 8), mask=present, other=0).to(tl.int32)
-        bits = (byte >> (W * (offs // (TILE * W // 8)))) & ((1 << W) - 1)
+        out = _plane_at(src_ptr, tile_code, k, W, TILE, tl.arange(0, TILE))
     else:
+        start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
+        start = (start // 16) * 16
         j = tl.arange(0, TILE * W // 8)
         present = (j * 0 + (k & W)) != 0  # a vector: the interpreter cannot AND a scalar bool into a mask
         byte = tl.load(src_ptr + start + j, mask=present, other=0).to(tl.int32)
         slot = tl.arange(0, 8 // W)
         bits = (byte[None, :] >> (W * slot[:, None])) & ((1 << W) - 1)
         bits = tl.reshape(bits, [TILE])  # element slot * SPAN + j
+        out = bits << (k & (W - 1)).to(tl.int32)
+    return out
+
+
+@triton.jit
+def _plane_at(src_ptr, tile_code, k, W: tl.constexpr, TILE: tl.constexpr, offs):
+    """Plane W's code bits of the tile's elements `offs` (in-tile indices, any subset), shifted to
+    their place: each element loads its own plane byte (repeated addresses are served by L1)."""
+    start = tile_code + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
+    start = (start // 16) * 16
+    present = (offs * 0 + (k & W)) != 0
+    byte = tl.load(src_ptr + start + offs % (TILE * W // 8), mask=present, other=0).to(tl.int32)
+    bits = (byte >> (W * (offs // (TILE * W // 8)))) & ((1 << W) - 1)
     return bits << (k & (W - 1)).to(tl.int32)
 
 
@@ -79,18 +89,19 @@ def _tile_base_bytes(src_ptr, base_abs, t, present):
 
 
 @triton.jit
-def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
-    """Version 2: the symbols of a tile's level-1 escapes ([TILE] int32, 0 elsewhere).
+def _level2(src_ptr, rec, is_esc, esc_index, k, k2, first2):
+    """Version 2: the symbols of a chunk's level-1 escapes ([CHUNK] int32, 0 elsewhere) and the
+    chunk's count of level-2 escapes.
 
     `esc_index`: each escape's index in the tensor's escape order; its level-2 code is the
     k2 bits at bit esc_index * k2 of the level-2 code stream (read as two bytes: the stream
     has one byte of padding past its last code). Code 2^k2 - 1 escapes again: the symbol is
-    the next level-2 exception byte (ranked by a prefix sum plus the tile's level-2 base);
+    the next level-2 exception byte (ranked by a prefix sum plus `first2`, the chunk's first
+    level-2 exception index: the tile's level-2 base plus those of its earlier chunks);
     other codes index the level-2 table (after the 2^k - 1 level-1 entries)."""
     exc_abs = tl.load(rec + 3)
     table_abs = tl.load(rec + 4)
     code2_abs = tl.load(rec + 10)
-    base2_abs = tl.load(rec + 11)
     bit = tl.where(is_esc, esc_index, 0) * k2  # >= 0 on every lane: no negative shift where nothing escapes
     at = src_ptr + code2_abs + bit // 8
     lo = tl.load(at, mask=is_esc, other=0).to(tl.int32)
@@ -98,10 +109,9 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, t):
     code2 = ((lo | (hi << 8)) >> (bit % 8).to(tl.int32)) & ((1 << k2) - 1).to(tl.int32)
     is_esc2 = is_esc & (code2 == ((1 << k2) - 1).to(tl.int32))
     rank2 = tl.cumsum(is_esc2.to(tl.int32), axis=0)
-    base2 = _tile_base_bytes(src_ptr, base2_abs, t, k2 > 0)  # the element path: any src alignment
-    exc = tl.load(src_ptr + exc_abs + base2 + rank2 - 1, mask=is_esc2, other=0).to(tl.int32)
+    exc = tl.load(src_ptr + exc_abs + first2 + rank2 - 1, mask=is_esc2, other=0).to(tl.int32)
     tab = tl.load(src_ptr + table_abs + ((1 << k) - 1) + code2, mask=is_esc & (~is_esc2), other=0).to(tl.int32)
-    return tl.where(is_esc2, exc, tab)
+    return tl.where(is_esc2, exc, tab), tl.sum(is_esc2.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -132,57 +142,73 @@ def _patch(src_ptr, dst_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, spli
 def _decode_tile(
     src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    LEVEL2: tl.constexpr, PATCHED: tl.constexpr, RANKED: tl.constexpr,
+    LEVEL2: tl.constexpr, PATCHED: tl.constexpr, RANKED: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """One tile element by element, CHUNK elements at a time (fewer live registers: the kernel's
+    word path, compiled beside this one, runs at the occupancy the larger of the two allows).
+    Escape ranks carry from chunk to chunk. CHUNK < TILE needs GATHER (planes by element)."""
     e0 = t * TILE
-    offs = tl.arange(0, TILE)
-    mask = offs < numel - e0
-    raw_ptr = src_ptr + (raw_abs // 16) * 16 + e0 + offs
-    if MASKED:
-        raw = tl.load(raw_ptr, mask=mask, other=0).to(tl.int32)
-    else:
-        raw = tl.load(raw_ptr).to(tl.int32)
-
     tile_code = code_abs + t * (TILE // 8) * k
-    code = _plane(src_ptr, tile_code, k, 8, TILE, GATHER)
-    code |= _plane(src_ptr, tile_code, k, 4, TILE, GATHER)
-    code |= _plane(src_ptr, tile_code, k, 2, TILE, GATHER)
-    code |= _plane(src_ptr, tile_code, k, 1, TILE, GATHER)
-
-    kv = offs.to(tl.int64) * 0 + k  # per-lane copies: masks are built from vectors only
-    has_table = kv < 8
     if PATCHED:
         patch_sym = tl.load(rec + 13)
     if RANKED:
-        escapes = (kv >= 1) & has_table
-        is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
-        if PATCHED:  # version 3: no exception loads here (the patch loop below writes escapes)
-            is_esc = is_esc & ((kv * 0 + patch_sym) < 0)
         # this tile's first exception index: an int64 (little-endian) of the base stream
         base = _tile_base_bytes(src_ptr, base_abs, t, k < 8)
-        rank = tl.cumsum(is_esc.to(tl.int32), axis=0)
+        carry = base * 0  # escapes in the tile's earlier chunks
         if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
             k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)
-            if k2 > 0:
-                exc = _level2(src_ptr, rec, is_esc, base + rank - 1, k, k2, t)
-            else:
-                exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
+            first2 = _tile_base_bytes(src_ptr, tl.load(rec + 11), t, k2 > 0)  # the element path: any alignment
+    for c in tl.static_range(TILE // CHUNK):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < numel - e0
+        raw_ptr = src_ptr + (raw_abs // 16) * 16 + e0 + offs
+        if MASKED:
+            raw = tl.load(raw_ptr, mask=mask, other=0).to(tl.int32)
         else:
-            exc = tl.load(src_ptr + exc_abs + base + rank - 1, mask=is_esc, other=0).to(tl.int32)
-        tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
-        sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
-    else:  # no ranked escapes in this table: an escape code reads the table's padding, patched below
-        tab = tl.load(src_ptr + table_abs + code, mask=has_table & mask, other=0).to(tl.int32)
-        sym = tl.where(has_table, tab, code)
+            raw = tl.load(raw_ptr).to(tl.int32)
+        if CHUNK == TILE:
+            code = _plane(src_ptr, tile_code, k, 8, TILE, GATHER)
+            code |= _plane(src_ptr, tile_code, k, 4, TILE, GATHER)
+            code |= _plane(src_ptr, tile_code, k, 2, TILE, GATHER)
+            code |= _plane(src_ptr, tile_code, k, 1, TILE, GATHER)
+        else:
+            code = _plane_at(src_ptr, tile_code, k, 8, TILE, offs)
+            code |= _plane_at(src_ptr, tile_code, k, 4, TILE, offs)
+            code |= _plane_at(src_ptr, tile_code, k, 2, TILE, offs)
+            code |= _plane_at(src_ptr, tile_code, k, 1, TILE, offs)
 
-    bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
-    high = (sym << 8) | raw
-    val = tl.where((kv * 0 + split) == 0, bf16, high).to(tl.int16)
-    dst = dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + e0 + offs
-    if MASKED:
-        tl.store(dst, val, mask=mask)
-    else:
-        tl.store(dst, val)
+        kv = offs.to(tl.int64) * 0 + k  # per-lane copies: masks are built from vectors only
+        has_table = kv < 8
+        if RANKED:
+            escapes = (kv >= 1) & has_table
+            is_esc = (code == ((1 << k) - 1).to(tl.int32)) & escapes & mask
+            if PATCHED:  # version 3: no exception loads here (the patch loop below writes escapes)
+                is_esc = is_esc & ((kv * 0 + patch_sym) < 0)
+            index = base + carry + tl.cumsum(is_esc.to(tl.int32), axis=0) - 1  # each escape's exception index
+            if LEVEL2:
+                if k2 > 0:
+                    exc, n2 = _level2(src_ptr, rec, is_esc, index, k, k2, first2)
+                else:
+                    exc = tl.load(src_ptr + exc_abs + index, mask=is_esc, other=0).to(tl.int32)
+                    n2 = tl.sum(is_esc.to(tl.int32), axis=0) * 0
+                first2 += n2
+            else:
+                exc = tl.load(src_ptr + exc_abs + index, mask=is_esc, other=0).to(tl.int32)
+            carry += tl.sum(is_esc.to(tl.int32), axis=0)
+            tab = tl.load(src_ptr + table_abs + code, mask=(~is_esc) & has_table & mask, other=0).to(tl.int32)
+            sym = tl.where(has_table, tl.where(is_esc, exc, tab), code)
+        else:  # no ranked escapes in this table: an escape code reads the table's padding, patched below
+            tab = tl.load(src_ptr + table_abs + code, mask=has_table & mask, other=0).to(tl.int32)
+            sym = tl.where(has_table, tab, code)
+
+        bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+        high = (sym << 8) | raw
+        val = tl.where((kv * 0 + split) == 0, bf16, high).to(tl.int16)
+        dst = dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + e0 + offs
+        if MASKED:
+            tl.store(dst, val, mask=mask)
+        else:
+            tl.store(dst, val)
     if PATCHED:
         if patch_sym >= 0:
             _patch(src_ptr, dst_ptr, raw_abs, base_abs, exc_abs, patch_sym, dst_elem, split, t, TILE, DST_ALIGN)
@@ -378,6 +404,7 @@ def _decode_kernel(
     WORDS: tl.constexpr,
     PATCHED: tl.constexpr,
     RANKED: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -414,7 +441,7 @@ def _decode_kernel(
                4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
     elif full:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED, RANKED)
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED, RANKED, CHUNK)
     else:
         _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED, RANKED)
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED, RANKED, CHUNK)

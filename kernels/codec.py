@@ -220,6 +220,7 @@ HEADER_BYTES = 80
 HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 8
+ELEM_CHUNK = 1024  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps)
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
@@ -1069,6 +1070,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         LEVEL2=table.two_level,
         PATCHED=table.patched,
         RANKED=table.ranked,
+        CHUNK=min(table.tile, ELEM_CHUNK) if table.gather_planes else table.tile,
         WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )

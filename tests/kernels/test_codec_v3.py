@@ -303,3 +303,27 @@ def test_forced_paths_decode_every_version_alike():
             out = _kernel_vs_reference(torch.cat(blobs), table)
             for sg, x in zip(segs, ts):
                 assert torch.equal(out[sg.dst_offset : sg.dst_end].view(torch.int16), _bits(x))
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_element_path_in_chunks_carries_escape_ranks(chunk, monkeypatch):
+    """The element path decodes a tile ELEM_CHUNK elements at a time; escape ranks (version 1),
+    level-2 ranks (version 2) and patches (version 3) must carry across the chunks: every version
+    with escapes in every chunk, partial last tiles, words on and off, against the reference."""
+    monkeypatch.setattr(codec_mod, "ELEM_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(chunk)
+    n = 3 * SMALL_TILE + 45
+    st = fill("student-t", (n,), generator=gen)
+    rnd = _random_bits(n, chunk).view(torch.bfloat16)
+    blobs = [encode(st, tile=SMALL_TILE, k=2), encode(st, tile=SMALL_TILE, levels=2, k=2, k2=2),
+             encode(rnd, tile=SMALL_TILE, levels=2, k=3, k2=3), encode(st, tile=SMALL_TILE, levels=PATCHED, k=2),
+             encode(rnd.view(torch.float16), tile=SMALL_TILE, k=5), _all_patterns(torch.bfloat16)[:n].contiguous()]
+    blobs[-1] = encode(blobs[-1], tile=SMALL_TILE, k=4)
+    segs, at, off = [], 0, 0
+    for b in blobs:
+        h = read_header(b)
+        assert h.num_exceptions > 8 * (n // chunk) // 8  # escapes throughout
+        segs.append(CodecSegment(at, off, h))
+        at, off = at + b.numel(), (off + 2 * h.numel + 31) // 16 * 16
+    for words in (True, False):
+        _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, words=words))
