@@ -219,7 +219,8 @@ LEVELS = (1, 2, PATCHED)  # encode(levels=...): 1 writes version 1, 2 the smalle
 HEADER_BYTES = 80
 HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
-DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (20978ee): 4 warps 1196 / 719 / 1731
+# GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
 ELEM_CHUNK = 1024  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps)
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
