@@ -132,8 +132,8 @@ sym   (num_exceptions bytes, at `CodedHeader.patch_sym_off` = exc_off + 2 *
 A tile decodes without looking at its escapes (an escape code decodes to
 whatever its table slot or window gives), then rewrites its patched elements
 from its patch range: no prefix sum and no exception loads per element, so it
-decodes ~1.55x faster than version 1 (1207 vs 776 GB/s on the H200) for ~0.6
-more bits per weight on Student-t (11.9 vs 11.3).
+decodes ~1.45x faster than version 1 (1731 vs 1196 GB/s on the H200, 20978ee)
+for ~0.6 more bits per weight on Student-t (11.9 vs 11.3).
 
 `coded_bytes` (= `CodedHeader.nbytes`) and `bits_per_weight`
 (= 8 * coded_bytes / numel) describe a coded tensor; `encode_block` lays
@@ -167,8 +167,12 @@ past 255; `_word_window`) take a four-elements-per-word path instead (`DecodeTab
 code bytes plus the window's first symbol in one add, escapes flagged, counted and ranked
 per uint32 word, each word's exceptions (version 2: its level-2 codes, then its level-2
 exceptions) read as one 4-byte window and moved to their bytes, two uint32 stores per word.
-On the H200 (Flux double block, Student-t, exp-k) it decodes 777 GB/s against 505 for the
-element path (43c277b). No host
+On the H200 (Flux double block, Student-t, exp-k) it decoded 777 GB/s against 505 for the
+element path (43c277b). The element path decodes a tile `ELEM_CHUNK` elements at a time
+(escape ranks carried from chunk to chunk): compiled in the same kernel, a whole-tile element
+path held the word path at about half its own speed (registers, occupancy; the word path
+alone ran 1277-1810 GB/s, perf/probe_words_only.py); chunked, with 4 warps, exp-k / exp-k2 /
+exp-kp decode 1196 / 719 / 1731 GB/s (20978ee). No host
 sync, no allocation, fixed launch configuration, no autotune: capturable in a
 CUDA graph after `table.upload(device)` and one eager call. Traffic per
 element: ~1.4 bytes read (raw, codes, escapes) and 2 written.

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-ms", type=float, default=20.0, help="length of the GEMM loop beside the decode")
     p.add_argument("--num-warps", type=int, nargs="+", default=[8], help="decode launch warps to try")
     p.add_argument("--words", nargs="+", default=["on"], choices=["on", "off"], help="the word path on / off")
-    p.add_argument("--codec", nargs="+", default=["exp-k"], help="codecs (weight_codec names) to decode")
+    p.add_argument("--codec", nargs="+", default=["exp-k"], choices=["exp-k", "exp-k2", "exp-kp"],
+                   help="codecs (weight_codec names) to decode")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--patch", type=int, nargs="+", default=[256])
     p.add_argument("--num-warps", type=int, nargs="+", default=[8])
-    p.add_argument("--k", type=int, nargs="+", default=[3])
+    p.add_argument("--k", type=int, nargs="+", default=[3], choices=[2, 3, 4])
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -59,7 +59,7 @@ def _words_only_kernel(src_ptr, dst_ptr, table_ptr, num_segments, TILE: tl.const
                4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
 
 
-def measure(size: str, codec: str, warps: int) -> dict:
+def measure(size: str, codec: str, warps: int, reps: int = 9) -> dict:
     from perf.bench_codec import make_tensors
     from weightstream.kernels.codec import DecodeTable, decode, encode_block
     from weightstream.offload.sources.codec_names import codec_levels
@@ -84,7 +84,7 @@ def measure(size: str, codec: str, warps: int) -> dict:
     torch.cuda.synchronize()
     covered = sum(s.header.numel // table.tile * table.tile * 2 for s in table.segments if s.header.k in (3, 4))
     res = {"size": size, "codec": codec, "num_warps": warps, "decoded_bytes": n, "word_bytes": covered,
-           "full_ms": _median_ms(lambda: decode(src, dst, table), 9), "words_only_ms": _median_ms(words, 9),
+           "full_ms": _median_ms(lambda: decode(src, dst, table), reps), "words_only_ms": _median_ms(words, reps),
            "words_match": bool(torch.equal(dst[: 64 << 20], ref[: 64 << 20]))}
     res["full_gbps"] = round(n / res["full_ms"] / 1e6, 1)
     res["words_only_gbps"] = round(covered / res["words_only_ms"] / 1e6, 1)
@@ -94,15 +94,16 @@ def measure(size: str, codec: str, warps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="double")
-    p.add_argument("--codec", nargs="+", default=["exp-k", "exp-kp"])
+    p.add_argument("--size", default="double", choices=["tensor", "single", "double"])
+    p.add_argument("--codec", nargs="+", default=["exp-k", "exp-kp"], choices=["exp-k", "exp-k2", "exp-kp"])
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--num-warps", type=int, nargs="+", default=[8, 4])
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_words_only needs a CUDA device", file=sys.stderr)
         return 2
-    runs = [measure(args.size, c, w) for c in args.codec for w in args.num_warps]
+    runs = [measure(args.size, c, w, args.reps) for c in args.codec for w in args.num_warps]
     save_result(args.out, "probewords", {"runs": runs})
     return 0
 

@@ -474,6 +474,9 @@ def test_auto_modes_parse_and_compare_with_the_best_fixed_count_that_fits():
     ("bench_graph_copy", ["--host", "tmpfs"]),
     ("bench_coded_ring", ["--place", "nowhere"]),
     ("bench_decode_steal", ["--num-warps", "3"]),
+    ("bench_decode_steal", ["--codec", "exp-q"]),
+    ("probe_patch_decode", ["--k", "5"]),
+    ("probe_words_only", ["--codec", "exp-q"]),
 ])
 def test_small_bench_cli(bench, bad):
     """The small device benches parse their options on any machine, refuse a bad value, and refuse
