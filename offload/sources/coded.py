@@ -8,6 +8,10 @@ are) in the same coded image, so one decode launch writes the whole block.
 ``weight_codec="exp-k2"``: the same with the escapes coded again at a second
 level (``encode(..., levels=2)``, about 0.69 of the bytes on Student-t bf16
 weights); a tensor where two levels gain nothing keeps the one-level bytes.
+``weight_codec="exp-kp"``: one level, the escapes a per-tile patch list
+(``encode(..., levels=PATCHED)``, format version 3: about 0.74 of the bytes,
+the fastest decode). Every table compiles its codec's kernel paths
+(``coded_encode.decode_paths``), so a re-encode under captured graphs decodes.
 
 Host side. One anonymous arena holds, per block, a region as large as the
 block's worst case (every tensor at k = 8); only the coded prefix is ever
