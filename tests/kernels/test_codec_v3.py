@@ -2,8 +2,6 @@
 per-tile patch list of (uint16 position, symbol) that the kernel applies after the tile. Round
 trips on raw bits through the reference, the Triton kernel (interpreter on CPU) against the
 reference, the format's fields, and the reference's checks. Exact comparisons only."""
-import struct
-
 import pytest
 import torch
 
@@ -32,6 +30,7 @@ from test_codec import (  # noqa: F401  (shared helpers of the version-1 tests, 
     _gpu_decode_eager_and_graph,
     _gpu_ok,
     _kernel_vs_reference,
+    _poke,
     _random_bits,
     _roundtrip,
     _weightlike_bits,
@@ -179,12 +178,6 @@ def test_v3_header_fields():
     assert h.nbytes == -(-(h.patch_sym_off + h.num_exceptions) // 16) * 16 == blob.numel()
     assert not blob[h.exc_off + 2 * h.num_exceptions : h.patch_sym_off].any()
     assert not blob[h.patch_sym_off + h.num_exceptions :].any()
-
-
-def _poke(blob: torch.Tensor, at: int, fmt: str, value: int) -> torch.Tensor:
-    raw = bytearray(blob.numpy().tobytes())
-    struct.pack_into("<" + fmt, raw, at, value)
-    return torch.frombuffer(raw, dtype=torch.uint8).clone()
 
 
 def test_v3_header_validation():
