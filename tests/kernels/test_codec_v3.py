@@ -233,6 +233,8 @@ def test_v3_tile_positions_past_int16():
     blob = _roundtrip(x, k=4, tile=65536, levels=PATCHED)
     _, pos, _ = _patches(blob)
     assert max(pos) > 60000
+    for words in (True, False):  # the kernel reads them as two bytes: the same elements
+        _kernel_vs_reference(blob, DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words))
 
 
 # -- GPU -------------------------------------------------------------------
