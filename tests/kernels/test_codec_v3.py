@@ -322,3 +322,56 @@ def test_element_path_in_chunks_carries_escape_ranks(chunk, monkeypatch):
         at, off = at + b.numel(), (off + 2 * h.numel + 31) // 16 * 16
     for words in (True, False):
         _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, words=words))
+
+
+def _reencoded_in_place(old_blobs, new_blobs, paths: dict):
+    """A table built from `old_blobs` (with `paths`), its records then overwritten in place by those
+    of `new_blobs` at the same offsets: what a captured CUDA graph replays after a source re-encodes
+    a block (`CodedSource._retable`). The old table keeps its compiled paths (two_level, patched,
+    ranked, words): the launch below uses them, as the captured kernel does."""
+    cap = max(max(o.numel(), n.numel()) for o, n in zip(old_blobs, new_blobs))
+    src_new = torch.zeros(cap * len(old_blobs), dtype=torch.uint8)  # the region after the re-encode
+    segs_old, segs_new, off = [], [], 0
+    for i, (o, n) in enumerate(zip(old_blobs, new_blobs)):
+        src_new[i * cap : i * cap + n.numel()] = n
+        segs_old.append(CodecSegment(i * cap, off, read_header(o)))
+        segs_new.append(CodecSegment(i * cap, off, read_header(n)))
+        off += (2 * read_header(o).numel + 15) // 16 * 16
+    old, new = DecodeTable(segs_old, **paths), DecodeTable(segs_new, **paths)
+    assert old.packed().shape == new.packed().shape
+    old._host.copy_(new._host)  # the device copy of a CPU table is its host tensor
+    return src_new, old, new
+
+
+@pytest.mark.parametrize("codec", ["exp-kp", "exp-k2"])
+def test_reencode_in_place_into_another_version_decodes_with_the_source_paths(codec):
+    """A small tensor whose best code had no escapes (version 1, k = 0) gains escapes when its weights
+    change: exp-kp re-encodes it as version 3, exp-k2 as version 2. A table compiled with its source's
+    paths (`coded_encode.decode_paths`) decodes the new records; one compiled for the old tensors only
+    (no patch loop / no level-2 code) would not."""
+    from weightstream.offload.sources.codec_names import codec_levels
+    from weightstream.offload.sources.coded_encode import decode_paths
+
+    levels = codec_levels(codec)
+    gen = torch.Generator().manual_seed(31)
+    const = torch.full((3 * SMALL_TILE + 5,), 1.0, dtype=torch.bfloat16)
+    st = fill("student-t", (3 * SMALL_TILE + 5,), generator=gen)
+    rnd = _random_bits(3 * SMALL_TILE + 5, 5).view(torch.bfloat16)
+    kw = {"k": 2, "k2": 3} if codec == "exp-k2" else {"k": 3}
+    old_blobs = [encode(const, tile=SMALL_TILE, levels=levels), encode(-const, tile=SMALL_TILE, levels=levels)]
+    new_blobs = [encode(rnd, tile=SMALL_TILE, levels=levels, **kw), encode(st, tile=SMALL_TILE, levels=levels)]
+    assert [read_header(b).k for b in old_blobs] == [0, 0]  # escape-free: version 1, no paths of their own
+    assert read_header(new_blobs[0]).version == (3 if levels == PATCHED else 2)
+    src, table, new = _reencoded_in_place(old_blobs, new_blobs, decode_paths(levels))
+    assert (table.patched, table.two_level) == (new.patched, new.two_level)
+    out = torch.zeros(table.dst_nbytes, dtype=torch.uint8)
+    decode(src, out, table)
+    ref = torch.zeros_like(out)
+    codec_mod.decode_torch(src, ref, new)
+    assert torch.equal(out, ref)
+    assert torch.equal(out[: 2 * rnd.numel()].view(torch.int16), _bits(rnd))
+    # the same without the source's paths: the kernel compiled for version-1 tensors decodes wrongly
+    src, bare, _ = _reencoded_in_place(old_blobs, new_blobs, {})
+    wrong = torch.zeros_like(out)
+    decode(src, wrong, bare)
+    assert not torch.equal(wrong, ref)
