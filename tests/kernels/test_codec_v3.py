@@ -375,3 +375,51 @@ def test_reencode_in_place_into_another_version_decodes_with_the_source_paths(co
     wrong = torch.zeros_like(out)
     decode(src, wrong, bare)
     assert not torch.equal(wrong, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["exp-kp", "exp-k2"])
+def test_gpu_graph_replays_a_table_reencoded_into_another_version(codec):
+    """The CPU test above through a captured CUDA graph: capture the decode of escape-free version-1
+    tensors with the source's paths, re-encode into another version at the same offsets, update the
+    device table in place, replay: the new weights, bit for bit."""
+    from weightstream.offload.sources.codec_names import codec_levels
+    from weightstream.offload.sources.coded_encode import decode_paths
+
+    _gpu_ok()
+    levels = codec_levels(codec)
+    n = 5 * DEFAULT_TILE + 77
+    const = torch.full((n,), 1.0, dtype=torch.bfloat16)
+    new_t = [fill("student-t", (n,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    old_blobs = [encode(const, levels=levels), encode(-const, levels=levels)]
+    new_blobs = [encode(t, levels=levels) for t in new_t]
+    assert {read_header(b).version for b in new_blobs} == {3 if levels == PATCHED else 2}
+    cap = max(b.numel() for b in old_blobs + new_blobs)
+    segs, off = [], 0
+    for i, b in enumerate(old_blobs):
+        segs.append(CodecSegment(i * cap, off, read_header(b)))
+        off += (2 * n + 15) // 16 * 16
+    table = DecodeTable(segs, **decode_paths(levels))
+    src = torch.zeros(2 * cap, dtype=torch.uint8, device="cuda")
+    for i, b in enumerate(old_blobs):
+        src[i * cap : i * cap + b.numel()] = b.cuda()
+    dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
+    dev_table = table.upload(dst.device)
+    decode(src, dst, table)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode(src, dst, table)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(src, dst, table)
+    new = DecodeTable([CodecSegment(s.src_offset, s.dst_offset, read_header(b)) for s, b in zip(segs, new_blobs)],
+                      **decode_paths(levels))
+    for i, b in enumerate(new_blobs):
+        src[i * cap : i * cap + b.numel()] = b.cuda()
+    dev_table.copy_(new._host)  # as CodedSource._retable does
+    graph.replay()
+    torch.cuda.synchronize()
+    for s, t in zip(segs, new_t):
+        assert torch.equal(dst[s.dst_offset : s.dst_end].cpu(), t.view(torch.uint8))
