@@ -181,6 +181,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -226,6 +227,10 @@ DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (20978ee): 4 warps 1196 / 719 / 1731
 # GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
 ELEM_CHUNK = 1024  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps)
+# Under TRITON_INTERPRET=1 (CPU) the same kernel decodes whole tiles: the chunks only lower the GPU's live
+# registers, and the interpreter's cost is per op (chunks of 1024 doubled the CPU suite's coded tests). The
+# bytes are the same either way; tests set this smaller to run the chunked path on the CPU.
+INTERPRET_ELEM_CHUNK = 1 << 16  # MAX_TILE
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
@@ -1075,11 +1080,19 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         LEVEL2=table.two_level,
         PATCHED=table.patched,
         RANKED=table.ranked,
-        CHUNK=min(table.tile, ELEM_CHUNK) if table.gather_planes else table.tile,
+        CHUNK=_elem_chunk(table),
         WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )
     return table.decoded_nbytes
+
+
+def _elem_chunk(table: DecodeTable) -> int:
+    """The element path's chunk for this launch (whole tiles without gathered planes)."""
+    if not table.gather_planes:
+        return table.tile
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return min(table.tile, INTERPRET_ELEM_CHUNK if interpreted else ELEM_CHUNK)
 
 
 def _words_for(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> bool:

@@ -306,6 +306,7 @@ def test_element_path_in_chunks_carries_escape_ranks(chunk, monkeypatch):
     level-2 ranks (version 2) and patches (version 3) must carry across the chunks: every version
     with escapes in every chunk, partial last tiles, words on and off, against the reference."""
     monkeypatch.setattr(codec_mod, "ELEM_CHUNK", chunk)
+    monkeypatch.setattr(codec_mod, "INTERPRET_ELEM_CHUNK", chunk)  # the chunk in force on the CPU
     gen = torch.Generator().manual_seed(chunk)
     n = 3 * SMALL_TILE + 45
     st = fill("student-t", (n,), generator=gen)
