@@ -253,14 +253,12 @@ class OffloadConfig:
         other dtypes raw), copies the coded bytes H2D and decodes them into the
         slot: eagerly on a decode stream beside the copies, with cuda_graphs="on"
         on the compute stream just before the block runs (offload/sources/coded.py,
-        decode_placement). "exp-k2" codes the
-        escapes again at a second level (about 0.69 instead of 0.71 of the
-        bytes on Student-t bf16 weights; a tensor it does not shrink keeps the
-        "exp-k" bytes); it works wherever "exp-k" does. "exp-kp" stores each
+        decode_placement). "exp-k2" codes the escapes again at a second level
+        (about 0.69 instead of 0.71 of the bytes on Student-t bf16 weights; a
+        tensor it does not shrink keeps the "exp-k" bytes). "exp-kp" stores each
         escape as a patch (its position in the tile and its symbol), applied
-        after the tile: about 0.75 of the bytes, decoded ~1.45x faster than "exp-k" (for
-        compute-bound models, where the decode shares the GPU with compute);
-        it works wherever "exp-k" does. With DLO AllGather
+        after the tile: about 0.75 of the bytes, decoded ~1.45x faster than
+        "exp-k" (for compute-bound models). Both work wherever "exp-k" does. With DLO AllGather
         every rank keeps 1/N of each coded image and the gather moves coded
         bytes (offload/sources/dlo_coded.py); rank-local DLO streams full coded
         blocks per rank. In mode='module' each offloaded component's image is
