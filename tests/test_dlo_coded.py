@@ -16,7 +16,7 @@ from weightstream.offload.sources.dlo_coded import CodedPiece, CodedShardSource,
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
 
-from stream_trace import accesses, check, counts
+from stream_trace import accesses, check, counts, hb
 
 DEV = torch.device("cpu")
 
@@ -150,6 +150,36 @@ def test_happens_before_over_the_fake_group():
     reads = accesses(rec.trace).reads
     assert any(isinstance(s, tuple) and s[0] == "coded" for s in reads), "decodes note their coded reads"
     assert any(isinstance(s, tuple) and s[0] == "shard" for s in reads), "gathers note their shard reads"
+
+
+def test_coded_gather_runs_while_compute_still_reads_the_slot():
+    """Only the decode waits for the slot's release: the gather of a block into the slot's coded
+    buffer is not ordered after the compute that reads the slot (the block two positions back),
+    so it overlaps that compute; the decode after it is."""
+    from test_happens_before import _traced
+
+    rec = RecordingStreams()
+    model, x = _model("toy")
+    om = _fake(model, cls=_traced(StreamedBlocks, rec, 2, "ring"))
+    with torch.no_grad():
+        for _ in range(3):
+            om(**x)
+    acc = accesses(rec.trace)
+    early = late = 0
+    for key, writes in acc.writes.items():
+        if not (isinstance(key, tuple) and key[0] == "coded"):
+            continue
+        for w in writes:  # a gather; the compute before it on the same block slot:
+            prior = [r for r in acc.reads.get(key[1], []) if r.begin.op.index < w.op.index]
+            if not prior:
+                continue
+            decode = next(r for r in acc.reads[key] if r.begin.op.index > w.op.index)
+            assert hb(prior[-1].end, decode.begin), "the decode waits for the slot's release"
+            if hb(prior[-1].end, w):
+                late += 1
+            else:
+                early += 1
+    assert early and not late, (early, late)  # before the change every gather waited: early 0, late 21
 
 
 def test_happens_before_event_log_has_a_gather_lane():
@@ -515,11 +545,12 @@ def _direct():
     return type("DirectCodedGather", (FakeCodedGather,), {"load": ShardSource.load})
 
 
-@pytest.mark.parametrize("line,rules", [
-    ("comm.wait_event(after)", {"write_after_previous_read", "no_concurrent_write"}),  # decode ignores slot-free
-    ("comm.wait_event(self.shard_loaded[slot])", {"read_after_load"}),  # gather before its shard's copy
+@pytest.mark.parametrize("method,line,rules", [
+    # the decode ignores slot-free
+    ("_after_gather", "self.comm_stream.wait_event(after)", {"write_after_previous_read", "no_concurrent_write"}),
+    ("load", "comm.wait_event(self.shard_loaded[slot])", {"read_after_load"}),  # gather before its shard's copy
 ])
-def test_happens_before_catches_a_mutated_coded_load(line, rules):
+def test_happens_before_catches_a_mutated_coded_load(method, line, rules):
     """One-line mutations of the load the coded source runs keep the CPU outputs bit-exact
     but break the ordering rules: the checks above can fail."""
     from test_happens_before import RULES, _traced, mutant
@@ -530,7 +561,7 @@ def test_happens_before_catches_a_mutated_coded_load(line, rules):
     cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
     from test_happens_before import fake_dlo
 
-    sb = fake_dlo(model, cfg, _traced(StreamedBlocks, rec, 2, "ring"), source_cls=mutant(_direct(), "load", line))
+    sb = fake_dlo(model, cfg, _traced(StreamedBlocks, rec, 2, "ring"), source_cls=mutant(_direct(), method, line))
     om = OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
     with torch.no_grad():
         want = ref(**x)

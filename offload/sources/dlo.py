@@ -274,7 +274,7 @@ class ShardSource:
             if rec is not None:
                 rec.end = log.mark()
                 log.records.append(rec)
-            self._after_gather(k, slot)
+            self._after_gather(k, slot, None, None)
             return None
         streams, comm = self.streams, self.comm_stream
         cs = streams.current_stream(self.device)  # the executor's copy stream
@@ -289,8 +289,8 @@ class ShardSource:
         streams.access("write", ("shard", slot), block)
         self.shard_loaded[slot].record(cs)
         comm.wait_event(self.shard_loaded[slot])
-        if after is not None:
-            comm.wait_event(after)  # compute no longer reads this block slot
+        if after is not None and self._gather_waits_free(slot, tag):
+            comm.wait_event(after)  # compute no longer reads what the gather writes
         with streams.stream(comm):
             if rec is not None:
                 rec.start = log.mark(comm)
@@ -304,15 +304,20 @@ class ShardSource:
             if rec is not None:
                 rec.end = log.mark(comm)
                 log.records.append(rec)
-            self._after_gather(k, slot)
+            self._after_gather(k, slot, after, tag)
         return comm
 
     def _gather_out(self, k: int, slot: int) -> torch.Tensor:
         """Where block ``k``'s gather lands: the block slot itself (the coded source: a coded buffer)."""
         return self.slots[slot][: self.world * self.store.shard_bytes[k]]
 
-    def _after_gather(self, k: int, slot: int) -> None:
-        """Work after the gather on the communication stream (current): none here (the coded source decodes)."""
+    def _gather_waits_free(self, slot: int, tag) -> bool:
+        """Whether the gather into ``slot`` waits for the slot's release: it writes the block slot itself."""
+        return True
+
+    def _after_gather(self, k: int, slot: int, after, tag) -> None:
+        """Work after the gather on the communication stream (current): none here (the coded source
+        decodes; ``after`` and ``tag`` are the load's)."""
 
     # -- host side -----------------------------------------------------------------------
     def host_views(self) -> "ShardedHostViews":

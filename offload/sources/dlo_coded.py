@@ -12,7 +12,9 @@ pipeline, gathering coded bytes):
 2. communication stream: ``all_gather`` of the coded shards into the slot's
    coded buffer (``N * shard`` bytes: the coded image, then padding), then one
    Triton decode launch from it into the block slot (the decode tables went to
-   the device at ``attach``); the executor records ``loaded`` there.
+   the device at ``attach``); the executor records ``loaded`` there. Only the
+   decode waits for compute to release the slot: the gather of block p + 2
+   runs during block p's compute, the decode during block p + 1's.
 
 Each rank's link moves ``coded / N`` bytes per block, the gather ``coded``.
 
@@ -48,6 +50,8 @@ from .dlo import ShardedHostViews, ShardSource
 from .pinned import SourceRequest, drop_storage
 
 __all__ = ["CodedShardSource", "CodedShardStore", "CodedPiece", "merge_coded_shards"]
+
+_NO_DECODE = object()  # a coded buffer's decode tag before its first decode (no capture context matches it)
 
 
 def decode_into(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
@@ -214,6 +218,7 @@ class CodedShardSource(ShardSource):
     def attach(self, slots, streams, device) -> None:
         super().attach(slots, streams, device)
         self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=device) for _ in slots]
+        self._decode_tag = [_NO_DECODE] * len(slots)  # capture context of each coded buffer's last decode
         # every table on the device now (never inside a capture); re-encodes update these in place
         self._dev_tables = {k: t.upload(self.device) for k, t in enumerate(self.store.tables) if t.num_tiles}
         if device.type == "cuda" and streams is not None:
@@ -226,15 +231,27 @@ class CodedShardSource(ShardSource):
     def _gather_out(self, k: int, slot: int) -> torch.Tensor:
         return self.coded_bufs[slot][: self.world * self.store.shard_bytes[k]]
 
-    def _after_gather(self, k: int, slot: int) -> None:
-        """The decode of the gathered coded image into the block slot (communication stream)."""
+    def _gather_waits_free(self, slot: int, tag) -> bool:
+        """The gather writes the slot's coded buffer, not the slot, so it runs while compute still
+        reads the slot (only the decode waits for the release): the communication stream's order
+        puts it after the decode that last read that buffer. A decode issued in another capture
+        context (eager vs a graph, or another graph) is not in that order: then the gather waits
+        for the slot's release, which follows that decode's block."""
+        return self._decode_tag[slot] != tag
+
+    def _after_gather(self, k: int, slot: int, after, tag) -> None:
+        """The decode of the gathered coded image into the block slot (communication stream),
+        once compute no longer reads the slot (``after``)."""
         st, key, block = self.streams, ("coded", slot), self.layouts[k].index
         if st is not None:
             st.access("write", key, block)  # the gather just wrote it, on this stream
+            if after is not None:
+                self.comm_stream.wait_event(after)  # the decode writes the block slot
             st.access("read_begin", key, block)
         decode_into(self.coded_bufs[slot], self.slots[slot], self.store.tables[k])
         if st is not None:
             st.access("read_end", key, block)
+            self._decode_tag[slot] = tag
 
     def load(self, k: int, slot: int, *, position: int, after, tag):
         if tag is not None:
@@ -317,6 +334,7 @@ class CodedShardSource(ShardSource):
                                 for _ in self.slots]
             self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=self.device)
                                for _ in self.slots]
+            self._decode_tag = [_NO_DECODE] * len(self.slots)
         if self._captured:
             self._stale = ("a weight update made a coded block larger than the coded shards the captured CUDA "
                            "graphs copy and gather for it; disable() the model and wrap it again (or use "
