@@ -31,7 +31,11 @@ N >= 4: step <= 1.05 x resident, pinned per rank <= 1/N + 0.01 x model
 (0.26 at 4, 0.13 at 8, rounded down to 2 places).
 ``dlo-allgather-coded`` (issue 14): AllGather of losslessly coded shards
 (``weight_codec="exp-k"``: each rank copies its share of the coded image, the
-gather moves coded bytes, each rank decodes). A run with it fills every weight
+gather moves coded bytes, each rank decodes); ``-coded2`` / ``-codedp``: the
+same with ``exp-k2`` / ``exp-kp``. ``--num-slots`` sets the device block slots
+(recorded as ``num_slots``); ``--profile-dir`` adds rank 0's profile of two more
+steps per offloaded mode (``profile_rank0``: copy lane, kernel ms per class --
+nccl, decode, other -- and per stream). A run with it fills every weight
 matrix Student-t (df=4, std 0.02, ``weightstream.fills``, as perf/modes.py's
 coded modes: exponent statistics like trained weights) for all its modes. It
 reports ``coded_bytes`` / ``bits_per_weight`` / ``coded_ratio``, its
@@ -68,8 +72,10 @@ if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
     sys.path.insert(0, str(REPO))
 
 SCENARIO = "flux-12b-1024"
-MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded", "dlo-allgather-codedp")
-CODED_MODES = {"dlo-allgather-coded": "exp-k", "dlo-allgather-codedp": "exp-kp"}  # their runs fill Student-t
+MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded", "dlo-allgather-coded2",
+         "dlo-allgather-codedp")
+CODED_MODES = {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
+               "dlo-allgather-codedp": "exp-kp"}  # their runs fill Student-t
 CODED_TARGET = 1.10  # issue 14: 2x H200, coded AllGather step <= 1.10 x resident
 FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
 FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
@@ -113,6 +119,10 @@ def parse_args(argv=None):
     p.add_argument("--nproc", default="2", help="ranks to start when not under torchrun: N or a list, e.g. 2,4,8")
     p.add_argument("--tiny", action="store_true", help="tiny Flux on CPU ranks (gloo): a smoke test")
     p.add_argument("--out", default=None, help="result folder (default: perf/results; none with --tiny)")
+    p.add_argument("--num-slots", type=int, default=2, help="device block slots of the offloaded modes (>= 2)")
+    p.add_argument("--profile-dir", default=None,
+                   help="after each offloaded mode's timed steps, 2 more under torch.profiler on rank 0: lanes, "
+                        "kernel time per class and stream (perf/lanes.py) into the result and this folder")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -123,6 +133,10 @@ def parse_args(argv=None):
     args.modes = modes
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.num_slots < 2:
+        p.error(f"--num-slots {args.num_slots} is not allowed; choose an integer >= 2")
+    if args.profile_dir and args.tiny:
+        p.error("--profile-dir needs CUDA ranks (not --tiny)")
     try:
         args.nproc = parse_nproc(args.nproc)
     except ValueError as e:
@@ -237,9 +251,10 @@ def run_mode(mode, model, inputs, ref, args, ctx):
 
     clock, device, cuda = ctx["clock"], ctx["device"], ctx["cuda"]
     transfer = {"dlo-allgather": "allgather", "dlo-rank-local": "rank-local",
-                "dlo-allgather-coded": "allgather", "dlo-allgather-codedp": "allgather"}.get(mode)
+                **{m: "allgather" for m in CODED_MODES}}.get(mode)
     codec = CODED_MODES.get(mode, "none")
-    cfg = OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, progress=ctx["rank"] == 0)
+    cfg = OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, num_slots=args.num_slots,
+                                  progress=ctx["rank"] == 0)
     dist.barrier()
     t0 = time.perf_counter()
     if transfer is None:
@@ -259,6 +274,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
         last = {"om": om}
         times = _steps(lambda: last.__setitem__("out", last["om"](**inputs)[0]), args.steps, cuda)
     exact = bool(torch.equal(last["out"], ref))
+    prof = _profile(mode, lambda: om(**inputs), args, ctx) if args.profile_dir else None
     s = om.stats()
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
     t0 = time.perf_counter()
@@ -279,9 +295,27 @@ def run_mode(mode, model, inputs, ref, args, ctx):
         peak_device_gb=peak, pin_failure=s["pin_failure"],
     )
     fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio") if k in s})
+    if prof is not None:
+        fig["profile"] = prof
     clock.log(f"{mode}: median {fig['step_ms']:.1f} ms/step (rank {ctx['rank']}), bit-exact {exact}, pinned "
               f"{fig['pinned_host_gb_per_rank']:.2f} GB of {fig['model_gb']:.2f} GB", all_ranks=True)
     return fig, model
+
+
+def _profile(mode, run, args, ctx) -> dict | None:
+    """Two more steps, every rank alike (collectives); rank 0 runs them under torch.profiler and
+    returns the lanes without their gap lists (perf/lanes.py; the full summary is in the folder)."""
+    import torch.distributed as dist
+
+    from perf.lanes import profile_steps
+
+    dist.barrier()
+    if ctx["rank"] != 0:
+        for _ in range(2):
+            run()
+        return None
+    s = profile_steps(run, 2, args.profile_dir, f"dlo-{mode}-slots{args.num_slots}", keep_trace=False)
+    return {k: v for k, v in s.items() if k not in ("gaps", "gaps_in_time_order")}
 
 
 def rank_main(args, rank: int, world: int, local: int) -> int:
@@ -397,6 +431,8 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
             peak_device_gb=None if f0["peak_device_gb"] is None else round(max(f["peak_device_gb"] for f in figs), 3),
             setup_s=round(max(f["setup_s"] for f in figs), 2), restore_s=round(max(f["restore_s"] for f in figs), 2),
         )
+        if f0.get("profile"):
+            modes[mode]["profile_rank0"] = f0["profile"]
         if f0["pin_failure"]:
             modes[mode]["pin_failure"] = f0["pin_failure"]
         if mode in CODED_MODES:
@@ -414,7 +450,7 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
         "h2d_gbps": round(h2d, 2) if h2d > 0 else None, "allgather_gbps": round(ag, 2) if ag > 0 else None,
         "allgather_busbw_gbps": round(ag * (world - 1) / world, 2) if ag > 0 else None,
         "allgather_backend": "gloo" if args.tiny else "nccl",
-        "steps": args.steps, "warmup": args.warmup, "modes": modes,
+        "steps": args.steps, "warmup": args.warmup, "num_slots": args.num_slots, "modes": modes,
         "targets": {**(targets or {}), "met": met},
         "weight_fill": "student-t" if any(m in CODED_MODES for m in args.modes) else "normal",
     }

@@ -5,7 +5,8 @@ every gap on the copy lane (no host-to-device copy running) adds to the step.
 :func:`lane_summary` reads the events of a ``torch.profiler`` Chrome trace
 (pure: a list of dicts, CPU-tested) and reports each lane's busy time and the
 copy lane's gaps, each with what the compute lane did meanwhile.
-:func:`profile_steps` is the thin mechanism the perf worker calls
+:func:`kernel_totals` adds kernel time per class (NCCL, decode, other) and
+per CUDA stream. :func:`profile_steps` is the thin mechanism the perf worker calls
 (``python -m perf _worker ... --profile-dir DIR``).
 """
 from __future__ import annotations
@@ -90,6 +91,42 @@ def lane_summary(events: list[dict], *, min_gap_us: float = 200.0, top: int = 20
     }
 
 
+KERNEL_CLASSES = (("nccl", ("nccl",)), ("decode", ("_decode_kernel",)))  # class, name substrings
+
+
+def kernel_class(name: str, classes=KERNEL_CLASSES) -> str:
+    """The first class one of whose substrings is in ``name`` (case-insensitive), else "other"."""
+    low = name.lower()
+    return next((c for c, subs in classes if any(x.lower() in low for x in subs)), "other")
+
+
+def kernel_totals(events: list[dict], classes=KERNEL_CLASSES) -> dict:
+    """Kernel time per class (count, summed ms) and per CUDA stream (busy ms: the union of its
+    kernels; summed ms per class), over the span of all kernels."""
+    kernels = _intervals(events, is_kernel)
+    if not kernels:
+        return {"kernels": 0}
+    out: dict = {"kernels": len(kernels), "span_ms": round((max(e for _, e, _ in kernels) - kernels[0][0]) / 1e3, 3),
+                 "classes": {}, "streams": {}}
+    by_stream: dict = {}
+    for s, e, ev in kernels:
+        c = kernel_class(ev.get("name", ""), classes)
+        tot = out["classes"].setdefault(c, {"count": 0, "ms": 0.0})
+        tot["count"] += 1
+        tot["ms"] += (e - s) / 1e3
+        stream = str((ev.get("args") or {}).get("stream", "?"))
+        by_stream.setdefault(stream, []).append((s, e, ev))
+        per = out["streams"].setdefault(stream, {"busy_ms": 0.0, "ms": {}})
+        per["ms"][c] = per["ms"].get(c, 0.0) + (e - s) / 1e3
+    for stream, iv in by_stream.items():
+        per = out["streams"][stream]
+        per["busy_ms"] = round(sum(e - s for s, e in _union(iv)) / 1e3, 3)
+        per["ms"] = {c: round(v, 3) for c, v in per["ms"].items()}
+    for tot in out["classes"].values():
+        tot["ms"] = round(tot["ms"], 3)
+    return out
+
+
 def _bytes(e: dict) -> float:
     args = e.get("args") or {}
     return float(args.get("bytes", args.get("Bytes", 0)) or 0)
@@ -111,7 +148,7 @@ def profile_steps(run, steps: int, out_dir: str, label: str, *, keep_trace: bool
     prof.export_chrome_trace(raw)
     with open(raw) as f:
         events = json.load(f).get("traceEvents", [])
-    summary = {"label": label, "steps": steps, **lane_summary(events)}
+    summary = {"label": label, "steps": steps, **lane_summary(events), "kernel_totals": kernel_totals(events)}
     with open(os.path.join(out_dir, f"{label}-lanes.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if keep_trace:

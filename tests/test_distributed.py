@@ -774,6 +774,25 @@ def test_bench_dlo_targets_reject_bad_worlds(bad):
         bench.targets_for(bad)
 
 
+@pytest.mark.parametrize("argv,error", [
+    (["--num-slots", "1"], "--num-slots 1 is not allowed"),
+    (["--tiny", "--profile-dir", "x"], "--profile-dir needs CUDA ranks"),
+    (["--modes", "dlo-allgather-coded3"], "--modes dlo-allgather-coded3 is not allowed"),
+])
+def test_bench_dlo_rejects_bad_options(argv, error, capsys):
+    _, bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert error in capsys.readouterr().err
+
+
+def test_bench_dlo_slots_and_coded_modes():
+    _, bench = _bench()
+    args = bench.parse_args(["--modes", "dlo-allgather-coded2,dlo-allgather-codedp", "--num-slots", "3"])
+    assert args.num_slots == 3 and args.modes == ["resident", "dlo-allgather-coded2", "dlo-allgather-codedp"]
+    assert bench.CODED_MODES["dlo-allgather-coded2"] == "exp-k2" and bench.parse_args([]).num_slots == 2
+
+
 @pytest.mark.parametrize("text,want", [("2", [2]), ("2,4,8", [2, 4, 8]), ("8,4", [8, 4]), (None, "0"),
                                        (None, "2,2"), (None, "four"), (None, "")])
 def test_bench_dlo_nproc_list(text, want):

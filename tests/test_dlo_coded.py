@@ -497,7 +497,8 @@ def test_bench_student_t_fill_and_mode_names():
     validate_mode_name("dlo-allgather-coded")
     validate_mode_name("dlo-allgather-codedp")
     assert "dlo-allgather-coded" in bench.parse_args(["--modes", "dlo-allgather-coded"]).modes
-    assert bench.CODED_MODES == {"dlo-allgather-coded": "exp-k", "dlo-allgather-codedp": "exp-kp"}
+    assert bench.CODED_MODES == {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
+                                 "dlo-allgather-codedp": "exp-kp"}
     normal = bench.build_model(bench.FLUX_TINY, "cpu")
     heavy = bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="student-t")
     w_n = normal.transformer_blocks[0].attn.to_q.weight
@@ -510,8 +511,8 @@ def test_bench_student_t_fill_and_mode_names():
 
 
 def test_bench_dlo_tiny_coded_mode(tmp_path):
-    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded,dlo-allgather-codedp`: all
-    bit-exact over gloo, the coded modes report their coded sizes and the Student-t fill."""
+    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded,...-coded2,...-codedp --num-slots 3`:
+    all bit-exact over gloo, the coded modes report their coded sizes and the Student-t fill."""
     import json
     import subprocess
     import sys
@@ -520,8 +521,9 @@ def test_bench_dlo_tiny_coded_mode(tmp_path):
 
     repo, _ = _bench()
     proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "2", "--steps", "2",
-                           "--warmup", "1", "--modes", "dlo-allgather,dlo-allgather-coded,dlo-allgather-codedp",
-                           "--out", str(tmp_path)],
+                           "--warmup", "1", "--modes",
+                           "dlo-allgather,dlo-allgather-coded,dlo-allgather-coded2,dlo-allgather-codedp",
+                           "--num-slots", "3", "--out", str(tmp_path)],
                           cwd=repo, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("*.json")
@@ -533,6 +535,8 @@ def test_bench_dlo_tiny_coded_mode(tmp_path):
     assert coded["coded_bytes"] > 0 and coded["shard_group_size"] == 2
     patched = res["modes"]["dlo-allgather-codedp"]
     assert patched["bit_exact"] is True and patched["coded_bytes"] > 0
+    two = res["modes"]["dlo-allgather-coded2"]
+    assert two["bit_exact"] is True and 0 < two["coded_bytes"] and res["num_slots"] == 3
     assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
     assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
 

@@ -38,3 +38,25 @@ def test_gaps_and_busy_times():
 
 def test_no_copies():
     assert lane_summary([_kernel(0, 5)]) == {"copies": 0, "kernels": 1}
+
+
+def test_kernel_totals_per_class_and_stream():
+    from perf.lanes import kernel_class, kernel_totals
+
+    def k(ts, dur, name, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    ev = [
+        k(0, 3000, "sm90_xmma_gemm_bf16", 7), k(2000, 2000, "flash_fwd_kernel", 7),  # overlapping on stream 7
+        k(1000, 500, "ncclDevKernel_AllGather_RING_LL", 21), k(1600, 400, "_decode_kernel", 21),
+        k(9000, 1000, "_decode_kernel", 21),
+        _copy(0, 100, 1e6),  # not a kernel
+    ]
+    t = kernel_totals(ev)
+    assert t["kernels"] == 5 and t["span_ms"] == 10.0
+    assert t["classes"] == {"other": {"count": 2, "ms": 5.0}, "nccl": {"count": 1, "ms": 0.5},
+                            "decode": {"count": 2, "ms": 1.4}}
+    assert t["streams"]["7"] == {"busy_ms": 4.0, "ms": {"other": 5.0}}  # union 0..4 ms, summed 5 ms
+    assert t["streams"]["21"]["busy_ms"] == 1.9 and t["streams"]["21"]["ms"] == {"nccl": 0.5, "decode": 1.4}
+    assert kernel_class("NCCLDEVKERNEL_x") == "nccl" and kernel_class("gemm") == "other"
+    assert kernel_totals([_copy(0, 1, 1)]) == {"kernels": 0}
