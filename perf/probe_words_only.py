@@ -2,7 +2,10 @@
 occupancy)? Times today's one-launch decode against a copy of its kernel with only the word path
 compiled (full tiles of window tables; other tiles skipped, so that variant is not a decoder).
 
-    python perf/probe_words_only.py [--size double] [--codec exp-k exp-kp]
+    python perf/probe_words_only.py [--size double] [--codec exp-k exp-kp] [--elem-chunk 1024 512]
+
+``--elem-chunk``: the one-launch decode again with the element path's chunk (``codec.ELEM_CHUNK``, the
+elements it decodes at a time) at each size: fewer live registers, more loop steps.
 
 Results: ``perf/results/probewords-<gpu>-<commit>.json``.
 """
@@ -59,7 +62,7 @@ def _words_only_kernel(src_ptr, dst_ptr, table_ptr, num_segments, TILE: tl.const
                4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
 
 
-def measure(size: str, codec: str, warps: int, reps: int = 9) -> dict:
+def measure(size: str, codec: str, warps: int, reps: int = 9, chunks=()) -> dict:
     from perf.bench_codec import make_tensors
     from weightstream.kernels.codec import DecodeTable, decode, encode_block
     from weightstream.offload.sources.codec_names import codec_levels
@@ -87,9 +90,26 @@ def measure(size: str, codec: str, warps: int, reps: int = 9) -> dict:
            "full_ms": _median_ms(lambda: decode(src, dst, table), reps), "words_only_ms": _median_ms(words, reps),
            "words_match": bool(torch.equal(dst[: 64 << 20], ref[: 64 << 20]))}
     res["full_gbps"] = round(n / res["full_ms"] / 1e6, 1)
+    res["elem_chunks"] = {c: _chunk_gbps(c, src, dst, ref, table, reps) for c in chunks}
     res["words_only_gbps"] = round(covered / res["words_only_ms"] / 1e6, 1)
     print(res, flush=True)
     return res
+
+
+def _chunk_gbps(chunk: int, src, dst, ref, table, reps: int) -> dict:
+    """The one-launch decode with the element path's chunk set to ``chunk`` (restored after)."""
+    from weightstream.kernels import codec as codec_mod
+
+    old = codec_mod.ELEM_CHUNK
+    codec_mod.ELEM_CHUNK = chunk
+    try:
+        dst.zero_()
+        codec_mod.decode(src, dst, table)
+        exact = bool(torch.equal(dst, ref))
+        ms = _median_ms(lambda: codec_mod.decode(src, dst, table), reps)
+    finally:
+        codec_mod.ELEM_CHUNK = old
+    return {"ms": ms, "gbps": round(table.decoded_nbytes / ms / 1e6, 1), "exact": exact}
 
 
 def main(argv=None) -> int:
@@ -98,12 +118,17 @@ def main(argv=None) -> int:
     p.add_argument("--codec", nargs="+", default=["exp-k", "exp-kp"], choices=["exp-k", "exp-k2", "exp-kp"])
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--num-warps", type=int, nargs="+", default=[8, 4])
+    p.add_argument("--elem-chunk", type=int, nargs="+", default=[],
+                   help="also time the full decode with these element-path chunks (powers of two, 64..4096)")
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
+    bad = [c for c in args.elem_chunk if c < 64 or c > 4096 or c & (c - 1)]
+    if bad:
+        p.error(f"--elem-chunk {bad[0]} is not allowed; choose powers of two from 64 to 4096")
     if not torch.cuda.is_available():
         print("probe_words_only needs a CUDA device", file=sys.stderr)
         return 2
-    runs = [measure(args.size, c, w, args.reps) for c in args.codec for w in args.num_warps]
+    runs = [measure(args.size, c, w, args.reps, args.elem_chunk) for c in args.codec for w in args.num_warps]
     save_result(args.out, "probewords", {"runs": runs})
     return 0
 

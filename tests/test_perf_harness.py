@@ -477,6 +477,8 @@ def test_auto_modes_parse_and_compare_with_the_best_fixed_count_that_fits():
     ("bench_decode_steal", ["--codec", "exp-q"]),
     ("probe_patch_decode", ["--k", "5"]),
     ("probe_words_only", ["--codec", "exp-q"]),
+    ("probe_words_only", ["--elem-chunk", "100"]),
+    ("probe_words_only", ["--elem-chunk", "8192"]),
 ])
 def test_small_bench_cli(bench, bad):
     """The small device benches parse their options on any machine, refuse a bad value, and refuse
