@@ -226,7 +226,9 @@ HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_
 DEFAULT_TILE = 4096  # elements per tile (and per program)
 DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (20978ee): 4 warps 1196 / 719 / 1731
 # GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
-ELEM_CHUNK = 1024  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps)
+ELEM_CHUNK = 512  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps); at 4 warps
+# 512 against 1024 decodes exp-k 1274.6 vs 1115.5, exp-k2 703.1 vs 631.9, exp-kp 1493.7 vs 1470.3 GB/s (H200,
+# perf/probe_words_only.py --elem-chunk, calls 56-57): fewer live registers beside the word path
 # Under TRITON_INTERPRET=1 (CPU) the same kernel decodes whole tiles: the chunks only lower the GPU's live
 # registers, and the interpreter's cost is per op (chunks of 1024 doubled the CPU suite's coded tests). The
 # bytes are the same either way; tests set this smaller to run the chunked path on the CPU.
