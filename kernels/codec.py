@@ -132,7 +132,7 @@ sym   (num_exceptions bytes, at `CodedHeader.patch_sym_off` = exc_off + 2 *
 A tile decodes without looking at its escapes (an escape code decodes to
 whatever its table slot or window gives), then rewrites its patched elements
 from its patch range: no prefix sum and no exception loads per element, so it
-decodes ~1.45x faster than version 1 (1731 vs 1196 GB/s on the H200, 20978ee)
+decodes ~1.4x faster than version 1 (1947 vs 1401 GB/s on the H200, 0ddf8a2)
 for ~0.6 more bits per weight on Student-t (11.9 vs 11.3).
 
 `coded_bytes` (= `CodedHeader.nbytes`) and `bits_per_weight`
@@ -171,8 +171,8 @@ On the H200 (Flux double block, Student-t, exp-k) it decoded 777 GB/s against 50
 element path (43c277b). The element path decodes a tile `ELEM_CHUNK` elements at a time
 (escape ranks carried from chunk to chunk): compiled in the same kernel, a whole-tile element
 path held the word path at about half its own speed (registers, occupancy; the word path
-alone ran 1277-1810 GB/s, perf/probe_words_only.py); chunked, with 4 warps, exp-k / exp-k2 /
-exp-kp decode 1196 / 719 / 1731 GB/s (20978ee). No host
+alone ran 1277-1810 GB/s, perf/probe_words_only.py); chunked (512), with 4 warps, exp-k / exp-k2 /
+exp-kp decode 1401 / 825 / 1947 GB/s (0ddf8a2). No host
 sync, no allocation, fixed launch configuration, no autotune: capturable in a
 CUDA graph after `table.upload(device)` and one eager call. Traffic per
 element: ~1.4 bytes read (raw, codes, escapes) and 2 written.
@@ -224,7 +224,7 @@ LEVELS = (1, 2, PATCHED)  # encode(levels=...): 1 writes version 1, 2 the smalle
 HEADER_BYTES = 80
 HEADER2_BYTES = 96  # version 2: the version-1 header, then code2_off and base2_off
 DEFAULT_TILE = 4096  # elements per tile (and per program)
-DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (20978ee): 4 warps 1196 / 719 / 1731
+DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (20978ee, chunk 1024): 4 warps 1196 / 719 / 1731
 # GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
 ELEM_CHUNK = 512  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps); at 4 warps
 # 512 against 1024 decodes exp-k 1274.6 vs 1115.5, exp-k2 703.1 vs 631.9, exp-kp 1493.7 vs 1470.3 GB/s (H200,
