@@ -62,15 +62,21 @@ def _words_only_kernel(src_ptr, dst_ptr, table_ptr, num_segments, TILE: tl.const
                4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
 
 
-def measure(size: str, codec: str, warps: int, reps: int = 9, chunks=()) -> dict:
+def encoded(size: str, codec: str):
+    """Student-t tensors of ``size`` coded with ``codec`` once (the slow part): (coded bytes on the GPU, segments)."""
     from perf.bench_codec import make_tensors
-    from weightstream.kernels.codec import DecodeTable, decode, encode_block
+    from weightstream.kernels.codec import encode_block
     from weightstream.offload.sources.codec_names import codec_levels
 
-    tensors = make_tensors(size, "student-t", "cuda")
-    buf, table = encode_block(tensors, levels=codec_levels(codec), num_warps=warps)
-    table = DecodeTable(table.segments, num_warps=warps)
-    src = buf.cuda()
+    buf, table = encode_block(make_tensors(size, "student-t", "cuda"), levels=codec_levels(codec))
+    return buf.cuda(), table.segments
+
+
+def measure(size: str, codec: str, warps: int, reps: int = 9, chunks=(), coded=None) -> dict:
+    from weightstream.kernels.codec import DecodeTable, decode
+
+    src, segments = coded if coded is not None else encoded(size, codec)
+    table = DecodeTable(segments, num_warps=warps)
     dst = torch.zeros(table.dst_nbytes, dtype=torch.uint8, device="cuda")
     ref = torch.zeros_like(dst)
     tab = table.upload(dst.device)
@@ -128,7 +134,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_words_only needs a CUDA device", file=sys.stderr)
         return 2
-    runs = [measure(args.size, c, w, args.reps, args.elem_chunk) for c in args.codec for w in args.num_warps]
+    runs = []
+    for c in args.codec:
+        coded = encoded(args.size, c)
+        runs += [measure(args.size, c, w, args.reps, args.elem_chunk, coded) for w in args.num_warps]
     save_result(args.out, "probewords", {"runs": runs})
     return 0
 
