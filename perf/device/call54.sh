@@ -10,7 +10,8 @@ echo "multigpu rc=$? at $((SECONDS-T0)) s"; grep -E "^FAILED|^ERROR|passed|faile
 timeout ${DLO_TIMEOUT:-200} python3 perf/bench_dlo.py --modes resident,dlo-allgather-coded,dlo-allgather-codedp,dlo-allgather-coded2 \
   --steps 5 --warmup 2 --profile-dir "$OUT/prof2" --out "$OUT" > "$OUT/dlo.log" 2>&1
 echo "dlo rc=$? at $((SECONDS-T0)) s"; grep -v "^\[rank" "$OUT/dlo.log" | grep -E "ms/step|wrote" | tail -5
-mkdir -p "$OUT/slots3"
+[ -n "$SKIP_SLOTS3" ] || mkdir -p "$OUT/slots3"
+[ -n "$SKIP_SLOTS3" ] && exit 0
 timeout ${DLO3_TIMEOUT:-150} python3 perf/bench_dlo.py --modes resident,dlo-allgather-codedp,dlo-allgather-coded --num-slots 3 \
   --steps 5 --warmup 2 --profile-dir "$OUT/prof3" --out "$OUT/slots3" > "$OUT/dlo3.log" 2>&1
 echo "dlo slots3 rc=$? at $((SECONDS-T0)) s"; grep -v "^\[rank" "$OUT/dlo3.log" | grep -E "ms/step" | tail -4
