@@ -158,7 +158,7 @@ def _decode_tile(
         if LEVEL2:  # compiled only for tables holding version-2 tensors: its code slows version-1 decode
             k2 = tl.load(rec + 9)  # level-2 code bits (0: one level)
             first2 = _tile_base_bytes(src_ptr, tl.load(rec + 11), t, k2 > 0)  # the element path: any alignment
-    for c in tl.static_range(TILE // CHUNK):
+    for c in range(TILE // CHUNK):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < numel - e0
         raw_ptr = src_ptr + (raw_abs // 16) * 16 + e0 + offs
