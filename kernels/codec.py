@@ -132,7 +132,8 @@ sym   (num_exceptions bytes, at `CodedHeader.patch_sym_off` = exc_off + 2 *
 A tile decodes without looking at its escapes (an escape code decodes to
 whatever its table slot or window gives), then rewrites its patched elements
 from its patch range: no prefix sum and no exception loads per element, so it
-decodes ~1.4x faster than version 1 (1947 vs 1401 GB/s on the H200, 0ddf8a2)
+decodes ~1.2x faster than version 1 (1790 vs 1519 GB/s on the H200, daab061; 1.4x, 1947 vs 1401,
+with the element path's chunks unrolled)
 for ~0.6 more bits per weight on Student-t (11.9 vs 11.3).
 
 `coded_bytes` (= `CodedHeader.nbytes`) and `bits_per_weight`
@@ -172,7 +173,9 @@ element path (43c277b). The element path decodes a tile `ELEM_CHUNK` elements at
 (escape ranks carried from chunk to chunk): compiled in the same kernel, a whole-tile element
 path held the word path at about half its own speed (registers, occupancy; the word path
 alone ran 1277-1810 GB/s, perf/probe_words_only.py); chunked (512), with 4 warps, exp-k / exp-k2 /
-exp-kp decode 1401 / 825 / 1947 GB/s (0ddf8a2). No host
+exp-kp decode 1519 / 799 / 1790 GB/s (daab061). The chunks are a runtime loop: unrolled (1401 / 825 /
+1947 GB/s, 0ddf8a2) a tile compiled TILE / ELEM_CHUNK copies of the element path and exp-k2's first
+step on a fresh machine spent minutes compiling (call62). No host
 sync, no allocation, fixed launch configuration, no autotune: capturable in a
 CUDA graph after `table.upload(device)` and one eager call. Traffic per
 element: ~1.4 bytes read (raw, codes, escapes) and 2 written.
@@ -228,7 +231,9 @@ DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (2097
 # GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
 ELEM_CHUNK = 512  # elements the element path decodes at a time (a tile in TILE / ELEM_CHUNK steps); at 4 warps
 # 512 against 1024 decodes exp-k 1274.6 vs 1115.5, exp-k2 703.1 vs 631.9, exp-kp 1493.7 vs 1470.3 GB/s (H200,
-# perf/probe_words_only.py --elem-chunk, calls 56-57): fewer live registers beside the word path
+# perf/probe_words_only.py --elem-chunk, calls 56-57): fewer live registers beside the word path. A runtime loop over
+# the chunks (not unrolled: compiles 4-8x faster, exp-k2 at tile 16384 14 s instead of minutes): 1519 / 799 / 1790
+# GB/s (call63) against 1401 / 825 / 1947 unrolled (call58)
 # Under TRITON_INTERPRET=1 (CPU) the same kernel decodes whole tiles: the chunks only lower the GPU's live
 # registers, and the interpreter's cost is per op (chunks of 1024 doubled the CPU suite's coded tests). The
 # bytes are the same either way; tests set this smaller to run the chunked path on the CPU.

@@ -325,6 +325,39 @@ def test_element_path_in_chunks_carries_escape_ranks(chunk, monkeypatch):
         _kernel_vs_reference(torch.cat(blobs), DecodeTable(segs, words=words))
 
 
+_COMPILE_IR = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from weightstream.kernels._codec_kernels import _decode_kernel
+sig = {"src_ptr": "*u8", "dst_ptr": "*i16", "table_ptr": "*i64", "num_segments": "i64"}
+for chunk in map(int, sys.argv[1:]):
+    const = dict(TILE=4096, SEARCH_STEPS=4, DST_ALIGN=8, GATHER=True, LEVEL2=False, WORDS=False, PATCHED=False,
+                 RANKED=True, CHUNK=chunk)
+    names = list(sig) + list(const)
+    src = ASTSource(_decode_kernel, {**sig, **{k: "constexpr" for k in const}},
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    print(len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttir"]))
+"""
+
+
+def test_element_path_chunks_are_a_loop_not_unrolled():
+    """The element path's chunks run as a loop: unrolled, a tile of TILE / CHUNK chunks compiled that
+    many copies (twice), and a fresh machine's first exp-k2 step spent minutes in ptxas (call62).
+    Compiled for sm_90 without a GPU (a subprocess: the interpreter is on in this one), the kernel's
+    IR at 16 chunks a tile must be about the size it is at 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_IR, "256", "2048"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    many, few = map(int, run.stdout.split())
+    assert many < 1.2 * few, (many, few)
+
+
 def _reencoded_in_place(old_blobs, new_blobs, paths: dict):
     """A table built from `old_blobs` (with `paths`), its records then overwritten in place by those
     of `new_blobs` at the same offsets: what a captured CUDA graph replays after a source re-encodes
