@@ -1,0 +1,61 @@
+"""perf/probe_dlo_decode.py: its store move keeps outputs bit-exact and gives the host store back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perf import probe_dlo_decode as probe
+from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream.models import flux_inputs, tiny_flux
+
+
+def _store_tensor(source) -> torch.Tensor:
+    return source.store.arena if hasattr(source, "store") else source.arena
+
+
+@pytest.mark.parametrize("codec", ["none", "exp-k", "exp-k2"])
+def test_store_on_copies_the_store_and_gives_it_back(codec):
+    model = tiny_flux(dtype=torch.bfloat16)
+    inputs = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        om = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec=codec), device="cpu")
+        source = om._streamed.source
+        host = _store_tensor(source)
+        back = probe.store_on(source, torch.device("cpu"))
+        moved = _store_tensor(source)
+        assert moved.data_ptr() != host.data_ptr() and torch.equal(moved, host)
+        host_copy = host.clone()
+        host.zero_()  # the loads must read the moved store, not the host one
+        try:
+            assert torch.equal(om(**inputs)[0], ref)
+        finally:
+            host.copy_(host_copy)
+            back()
+        assert _store_tensor(source) is host
+        assert torch.equal(om(**inputs)[0], ref)
+        model = om.disable()
+        assert torch.equal(model(**inputs)[0], ref)
+
+
+def test_store_on_refuses_other_sources():
+    with pytest.raises(TypeError, match="not a PinnedSource or CodedSource"):
+        probe.store_on(object(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("text", ["", "raw,raw", "coded,fast", "graphs-"])
+def test_parse_modes_refuses(text):
+    with pytest.raises(ValueError, match="--modes"):
+        probe.parse_modes(text)
+
+
+def test_cli_parses_and_needs_cuda():
+    with pytest.raises(SystemExit) as info:
+        probe.main(["--help"])
+    assert info.value.code == 0
+    with pytest.raises(SystemExit):
+        probe.main(["--modes", "coded,exp-q"])
+    with pytest.raises(SystemExit):
+        probe.main(["--num-slots", "1"])
+    if not torch.cuda.is_available():
+        assert probe.main(["--modes", "raw"]) == 2
