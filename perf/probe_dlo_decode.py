@@ -49,6 +49,12 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+def _moved(host: torch.Tensor, device) -> torch.Tensor:
+    """A copy of ``host`` on ``device``. Through an unregistered clone: a store is registered with
+    CUDA in pieces, and one copy across two registrations fails ("invalid argument")."""
+    return host.clone().to(device)
+
+
 def store_on(source, device) -> callable:
     """Move ``source``'s block store (a PinnedSource's arena, or a CodedSource's arena and
     backing regions) to ``device``; return the function that puts the host store back.
@@ -58,15 +64,15 @@ def store_on(source, device) -> callable:
         if any(getattr(source, "staged", [])):
             raise ValueError("store_on: some blocks are staged (pageable), which copies from the stager's "
                              "buffers, not the arena; pin the whole store")
-        source.store.arena = host.to(device, copy=True)
+        source.store.arena = _moved(host, device)
 
         def back():
             source.store.arena = host
         return back
     if hasattr(source, "arena") and hasattr(source, "_backing"):  # CodedSource: arena + read-only regions
         host, backing = source.arena, list(source._backing)
-        source.arena = host.to(device, copy=True)
-        source._backing = [None if b is None else b.to(device, copy=True) for b in backing]
+        source.arena = _moved(host, device)
+        source._backing = [None if b is None else _moved(b, device) for b in backing]
 
         def back():
             source.arena, source._backing = host, backing
