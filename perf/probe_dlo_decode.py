@@ -18,7 +18,7 @@ copied per step, and with ``--profile-dir`` rank 0's kernel time per class (perf
 two more steps. ``coded`` minus ``raw`` is what the decode adds to a rank's step; a 2-rank run adds
 NCCL's kernels (its gather writes the coded image, half of it from the peer over NVLink) and
 halves the H2D. A proxy, not the target: the target is measured by ``perf/bench_dlo.py`` on x2.
-Results: ``perf/results/dlodecode-<gpu>-<commit>.json``.
+Results: ``perf/results/dlodecode-<gpu>-<commit>[-s<slots>].json``.
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def run_mode(mode: str, model, inputs, ref, args, device):
             if args.profile_dir:
                 from perf.lanes import profile_steps
 
-                s = profile_steps(lambda: om(**inputs), 2, args.profile_dir, f"dlodecode-{mode}", keep_trace=False)
+                s = profile_steps(lambda: om(**inputs), 2, args.profile_dir, f"dlodecode-{mode}-s{args.num_slots}",
+                                  keep_trace=args.keep_trace)
                 prof = {k: v for k, v in s.items() if k not in ("gaps", "gaps_in_time_order")}
     finally:
         back()
@@ -135,10 +136,18 @@ def measure(args) -> dict:
     with torch.no_grad():
         ref = model(**inputs)[0]
         res = timed_steps(lambda: model(**inputs)[0], args.steps, args.warmup, True)
+        prof = None
+        if args.profile_dir:
+            from perf.lanes import profile_steps
+
+            prof = profile_steps(lambda: model(**inputs), 2, args.profile_dir, "dlodecode-resident",
+                                 keep_trace=args.keep_trace)["kernel_totals"]
     resident = statistics.median(res.ms)
     print(f"resident: {resident:.1f} ms/step", flush=True)
     out = {"scenario": "flux-12b-1024", "weight_fill": "student-t", "num_slots": args.num_slots,
            "steps": args.steps, "warmup": args.warmup, "resident_ms": round(resident, 3), "modes": {}}
+    if prof is not None:
+        out["resident_kernel_totals"] = prof
     for mode in args.modes:
         fig, model = run_mode(mode, model, inputs, ref, args, device)
         fig["ratio_to_resident"] = round(fig["step_ms"] / resident, 4)
@@ -158,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-slots", type=int, default=2)
     p.add_argument("--profile-dir", default=None, help="two more steps per mode under torch.profiler")
+    p.add_argument("--keep-trace", action="store_true", help="with --profile-dir: keep each gzipped trace too")
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
     try:
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_dlo_decode needs a CUDA device", file=sys.stderr)
         return 2
-    save_result(args.out, "dlodecode", measure(args))
+    save_result(args.out, "dlodecode", measure(args), suffix="" if args.num_slots == 2 else f"-s{args.num_slots}")
     return 0
 
 
