@@ -59,3 +59,23 @@ def test_cli_parses_and_needs_cuda():
         probe.main(["--num-slots", "1"])
     if not torch.cuda.is_available():
         assert probe.main(["--modes", "raw"]) == 2
+
+
+def test_decode_placement_gates_on_the_named_child():
+    from perf import probe_decode_placement as place
+
+    model = tiny_flux()
+    double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    assert place.gate_module(double, "start") is double
+    assert place.gate_module(double, "attn") is double.attn and place.gate_module(single, "attn") is single.attn
+    assert place.gate_module(double, "mlp") is double.ff and place.gate_module(single, "mlp") is single.proj_mlp
+    assert len(place.streamed_blocks(model)) == 5
+    with pytest.raises(ValueError, match="has none of"):
+        place.gate_module(torch.nn.Linear(2, 2), "mlp")
+    for bad in ("", "start,start", "middle"):
+        with pytest.raises(ValueError, match="--placements"):
+            place.parse_placements(bad)
+    with pytest.raises(SystemExit):
+        place.main(["--codec", "exp-q"])
+    if not torch.cuda.is_available():
+        assert place.main(["--placements", "start"]) == 2
