@@ -90,20 +90,14 @@ class Decodes:
 
     def standalone_ms(self, reps: int = 5) -> float:
         """All blocks' decodes back to back, alone."""
+        from perf.bench_decode_steal import _median_ms
         from weightstream.kernels.codec import decode
 
-        times = []
-        for _ in range(reps + 1):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            s.record()
+        def all_blocks():
             for n in self.by_block.values():
-                buf, out, table = self.jobs[n]
-                decode(buf, out, table)
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times[1:])
+                decode(*self.jobs[n])
+
+        return _median_ms(all_blocks, reps)
 
 
 def measure(args) -> dict:

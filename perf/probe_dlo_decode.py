@@ -119,7 +119,7 @@ def run_mode(mode: str, model, inputs, ref, args, device):
     copied = s.get("coded_bytes", s["streamed_bytes_per_step"])
     fig = {"step_ms": round(statistics.median(t.ms), 3), "step_ms_all": [round(x, 3) for x in t.ms],
            "bit_exact": exact, "setup_s": round(setup_s, 2), "copied_gb_per_step": round(copied / 1e9, 4),
-           "decoded_gb_per_step": round(s["streamed_bytes_per_step"] / 1e9, 4) if mode != "raw" else 0.0}
+           "decoded_gb_per_step": round(s["streamed_bytes_per_step"] / 1e9, 4) if "coded_bytes" in s else 0.0}
     fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio") if k in s})
     if prof is not None:
         fig["profile"] = prof
