@@ -660,7 +660,7 @@ def test_plan_from_a_cuda_event_log_predicts_the_streamed_step():
     w = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True, progress=False), device="cuda")
     times = []
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(10):  # median of 8 timed steps: of 4, it failed 2 of 4 H200 runs (0.748); of 8, 5 of 5 passed
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             w(**kw)
@@ -678,7 +678,7 @@ def test_plan_from_a_cuda_event_log_predicts_the_streamed_step():
     assert auto.estimated_blocks == () and 10.0 < auto.inputs.h2d_gbps < 80.0, auto.inputs.h2d_gbps
     ran = evaluate(auto.inputs, (), 2)
     measured = statistics.median(times[2:])
-    assert 0.75 < ran.predicted_ms / measured < 1.25, (ran.predicted_ms, measured, auto.describe())
+    assert 0.75 < ran.predicted_ms / measured < 1.25, (ran.predicted_ms, measured, times, auto.describe())
     assert auto.placement.fits and auto.placement.predicted_ms <= ran.predicted_ms
 
 
