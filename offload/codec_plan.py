@@ -82,6 +82,8 @@ class CodecPlanInputs:
     options: the codecs to choose from. decode_on: "side" (eager) or "compute" (graphs).
     step_local: the CUDA-graph schedule with resident blocks (:mod:`.planner`).
     fixed: blocks coded already (an earlier plan), with the one option given; the plan adds to them.
+    decoded_bytes[i]: bytes block ``i``'s decode writes (None: its ``raw_bytes``, one process streaming
+    whole blocks). DLO AllGather: a rank's link moves its 1/N share of a block, its decode the whole block.
     """
 
     compute_ms: tuple
@@ -94,6 +96,7 @@ class CodecPlanInputs:
     steal: float = DECODE_STEAL
     min_gain: float = MIN_GAIN
     fixed: tuple = ()
+    decoded_bytes: tuple | None = None
 
     def __post_init__(self):
         comp = tuple(_positive(f"compute_ms[{i}]", v, zero=True) for i, v in enumerate(self.compute_ms))
@@ -106,6 +109,13 @@ class CodecPlanInputs:
                 raise ValueError(f"raw_bytes[{i}]={b!r} is not allowed; allowed: an int >= 1 or None (resident)")
         if all(b is None for b in raw):
             raise ValueError("raw_bytes names no streamed block; allowed: at least one int")
+        if self.decoded_bytes is not None:
+            dec = tuple(self.decoded_bytes)
+            if len(dec) != len(raw) or any((d is None) != (r is None) or (d is not None and (
+                    not isinstance(d, int) or isinstance(d, bool) or d < 1)) for d, r in zip(dec, raw)):
+                raise ValueError(f"decoded_bytes={self.decoded_bytes!r} is not allowed; allowed: None, or an int "
+                                 ">= 1 exactly where raw_bytes has one (None for resident blocks)")
+            object.__setattr__(self, "decoded_bytes", dec)
         for opt in self.options:
             if not isinstance(opt, CodecOption):
                 raise ConfigTypeError(f"options holds {opt!r}; expected CodecOption")
@@ -133,6 +143,10 @@ class CodecPlanInputs:
     @property
     def streamed(self) -> tuple[int, ...]:
         return tuple(i for i, b in enumerate(self.raw_bytes) if b is not None)
+
+    def decoded(self, i: int) -> int:
+        """Bytes block ``i``'s decode writes."""
+        return self.raw_bytes[i] if self.decoded_bytes is None else self.decoded_bytes[i]
 
 
 @dataclass(frozen=True)
@@ -185,7 +199,7 @@ def predict_ms(inputs: CodecPlanInputs, option: CodecOption | None, coded) -> fl
         if i not in coded or option is None:
             blocks.append((c, (raw / (inputs.h2d_gbps * 1e6), 0.0)))
             continue
-        dec = raw / (option.decode_gbps * 1e6)
+        dec = inputs.decoded(i) / (option.decode_gbps * 1e6)
         load = option.coded_bytes[i] / (inputs.h2d_gbps * 1e6)
         if inputs.decode_on == "compute":
             blocks.append((c + dec, (load, 0.0)))
@@ -205,7 +219,7 @@ def _order(inputs: CodecPlanInputs, option: CodecOption) -> list[int]:
 
     def gain(i: int) -> float:
         saved = (inputs.raw_bytes[i] - option.coded_bytes[i]) / (inputs.h2d_gbps * 1e6)
-        return saved / (cost * inputs.raw_bytes[i] / (option.decode_gbps * 1e6))
+        return saved / (cost * inputs.decoded(i) / (option.decode_gbps * 1e6))
 
     return sorted((i for i in streamed if option.coded_bytes[i] < inputs.raw_bytes[i]),
                   key=lambda i: (-float(f"{gain(i):.9g}"), rank[i]))

@@ -274,8 +274,11 @@ class OffloadConfig:
         background while steps stream them raw, and a new input signature is
         planned again (adding coded blocks only). Host memory stays that
         of the raw images. In mode='module' "auto" is "exp-k2" (an arrival is a
-        bare transfer). With rank-local DLO each rank plans its own stream. Not
-        with resident_layers="auto", DLO AllGather, or the mmap source.
+        bare transfer). With rank-local DLO each rank plans its own stream; with
+        DLO AllGather the ranks plan together (the slowest rank's measurements,
+        the same plan everywhere) after the first step every rank completed, and
+        code the chosen blocks at once (offload/auto_codec_gather.py). Not with
+        resident_layers="auto" or the mmap source.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -361,13 +364,6 @@ class OffloadConfig:
             raise _reject("weight_codec", self.weight_codec,
                           f"coded weights need mode in {list(CODEC_MODES)} (got mode={self.mode!r}); "
                           "choose from: none")
-        gathers = [c for c, o in self.layer_options.items() if o.weight_transfer == "allgather"]
-        if self.weight_codec == "auto" and gathers:
-            raise _reject("weight_codec", "auto",
-                          f"it is planned per process from a measured step, and AllGather's shards must be coded "
-                          f"alike on every rank (layer_options.{gathers[0]}.weight_transfer='allgather'); choose "
-                          "from: exp-k, exp-k2, exp-kp, none (or weight_transfer='rank-local': each rank plans its "
-                          "own)")
         if self.weight_codec == "auto" and any(o.resident_layers == RESIDENT_AUTO for o in self.layer_options.values()):
             raise _reject("weight_codec", "auto",
                           "it is planned from the same first step as resident_layers='auto', which moves the blocks "

@@ -122,10 +122,6 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
         source_cls = CodedShardSource if coded else ShardSource
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
-    if config.weight_codec == "auto" and dlo.transfer == "allgather":
-        raise ValueError("weight_codec='auto' is not allowed with DLO AllGather: it plans per process from a "
-                         "measured step, and the ranks' shards must be coded alike; choose from: exp-k, exp-k2, "
-                         "none (or weight_transfer='rank-local', where each rank plans its own stream)")
     if config.graph_boundary_loads == "next-step":
         # a DLO step keeps its boundary loads (gathers) inside the graph, as
         # verified on 2x H200; the next-step variant is not verified with collectives
@@ -152,9 +148,27 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     sb.add_stats(lambda: _dlo_stats(sb))
     sb.add_root_hook(module.register_forward_pre_hook(lambda m, a: _before_forward(sb)))
     if allgather:
-        sb.add_root_hook(module.register_forward_hook(
-            lambda m, a, o: guard.end_forward(sb.executor, sys.exc_info()[1]), always_call=True))
+        sb.add_root_hook(module.register_forward_hook(lambda m, a, o: _end_forward(sb, guard), always_call=True))
     return sb
+
+
+def _end_forward(sb: StreamedBlocks, guard: AllGatherGuard) -> None:
+    """The end-of-step agreement; then, where every rank completed the step, weight_codec='auto'
+    plans and codes (the same collectives on every rank: offload/auto_codec_gather.py)."""
+    exc = sys.exc_info()[1]
+    planner = sb.codec_planner
+    try:
+        guard.end_forward(sb.executor, exc)
+    except BaseException:
+        if planner is not None:
+            planner.discard()
+        raise
+    if planner is None:
+        return
+    if exc is None and sb.executor.capture_tag is None:
+        planner.after_agreed_step()
+    else:
+        planner.discard()
 
 
 def _before_forward(sb: StreamedBlocks) -> None:

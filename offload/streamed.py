@@ -135,7 +135,10 @@ class StreamedBlocks:
             self._stats_extra.append(self.placement.stats)
         self.codec_planner = None
         if config.weight_codec == "auto":
-            from .auto_codec import AutoCodec
+            if getattr(self.source, "collective", False):  # DLO AllGather: the ranks plan together
+                from .auto_codec_gather import GatherAutoCodec as AutoCodec
+            else:
+                from .auto_codec import AutoCodec
 
             self.codec_planner = AutoCodec(self)
             self._root_hooks.append(self.codec_planner)

@@ -226,8 +226,8 @@ def test_code_blocks_mixes_raw_and_coded_blocks():
 def test_rules_are_named():
     with pytest.raises(ValueError, match="resident_layers='auto'"):
         OffloadConfig.layerwise(weight_codec="auto", resident_layers="auto")
-    with pytest.raises(ValueError, match="weight_transfer='allgather'"):
-        OffloadConfig.layerwise(weight_codec="auto", weight_transfer="allgather")
+    # AllGather: the ranks plan together (offload/auto_codec_gather.py, tests/test_dlo_coded.py)
+    assert OffloadConfig.layerwise(weight_codec="auto", weight_transfer="allgather").weight_codec == "auto"
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
         codec_levels("auto")
     OffloadConfig.layerwise(weight_codec="auto", cuda_graphs="on")  # planned at the warm-up step
@@ -235,7 +235,7 @@ def test_rules_are_named():
 
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed with the mmap source"):
         offload_from_safetensors(ToyDiT(), "/nonexistent", OffloadConfig.layerwise(weight_codec="auto"))
-    # AllGather chosen by default (no weight_transfer) and rank-local with auto: tests/test_dlo_coded.py
+    # AllGather (chosen by default, or given) and rank-local with auto over gloo: tests/test_dlo_coded.py
 
 
 def test_module_mode_auto_stores_exp_k2():

@@ -138,6 +138,9 @@ def test_a_later_plan_adds_to_the_blocks_coded_already():
     (dict(compute_ms=[1.0, float("nan")]), r"compute_ms\[1\]=nan"),
     (dict(fixed=(0,)), r"fixed=\(0,\) is not allowed"),  # no option to say their codec
     (dict(fixed=(2,), options=(CodecOption("x", [700, 700], 1.0),)), r"fixed=\(2,\)"),
+    (dict(decoded_bytes=[2000]), "decoded_bytes=\\[2000\\] is not allowed"),
+    (dict(decoded_bytes=[2000, 0]), "decoded_bytes"),
+    (dict(decoded_bytes=[2000, None]), "decoded_bytes"),
 ])
 def test_bad_inputs_are_named(kw, match):
     base = dict(compute_ms=[1.0, 1.0], raw_bytes=[1000, 1000], h2d_gbps=1.0, num_slots=2, options=())
@@ -150,3 +153,28 @@ def test_bad_option_types_are_named():
         CodecOption("exp-k", [1], "fast")
     with pytest.raises(ConfigTypeError, match="CodecOption"):
         CodecPlanInputs([1.0], [10], 1.0, 2, ("exp-k",))
+
+
+def _dlo_like(decoded: bool, n: int = 10) -> CodecPlanInputs:
+    """A DLO AllGather rank (2 ranks): its link moves a 1 GB share per block (20 ms at 50 GB/s),
+    coded 0.75 of it; its decode writes the whole 2 GB block (2 ms at 1000 GB/s); 17 ms compute."""
+    share = [GB] * n
+    opt = CodecOption("exp-k", [int(0.75 * GB)] * n, 1000.0)
+    return CodecPlanInputs([17.0] * n, share, 50.0, 2, (opt,),
+                           decoded_bytes=[2 * GB] * n if decoded else None)
+
+
+def test_decoded_bytes_price_a_dlo_rank_decoding_whole_blocks():
+    """With each decode writing the whole block (twice the rank's share), the plan codes only part
+    of the step: until the link hides under the compute plus the decodes. Pricing the decode by
+    the share instead codes more (and predicts a step it would not reach)."""
+    whole, share = plan_codec(_dlo_like(True)), plan_codec(_dlo_like(False))
+    assert 0 < len(whole.coded) < 10, whole.describe()
+    assert len(share.coded) > len(whole.coded)
+    inputs = _dlo_like(True)
+    opt = inputs.options[0]
+    k = len(whole.coded)
+    # the model: link = 20 ms a raw block, 15 a coded one; compute 170 + 1.15 x 2 ms a coded block
+    assert predict_ms(inputs, opt, range(10)) == pytest.approx(170 + 10 * 2.0 * 1.15)
+    assert whole.predicted_ms == pytest.approx(max(170 + 2.3 * k, 200 - 5 * k), rel=0.05)
+    assert whole.predicted_ms < whole.uncoded_ms == pytest.approx(200.0, rel=0.05)

@@ -203,6 +203,134 @@ def test_config_and_wiring_accept_the_codec_with_dlo():
     assert OffloadConfig(mode="module", components=["dit"], weight_codec="exp-k").weight_codec == "exp-k"
 
 
+# --------------------------------------------------------------------------- weight_codec="auto", fake group
+FAST_DECODE = {"exp-k": 1e3, "exp-k2": 1e3}
+
+
+def _auto_fake(model, h2d_gbps, **kw):
+    om = _fake(model, codec="auto", **kw)
+    planner = om._streamed.codec_planner
+    planner.h2d_gbps, planner.decode_gbps = h2d_gbps, FAST_DECODE  # a slow (transfer-bound) or fast link
+    return om
+
+
+@pytest.mark.parametrize("kind", ["flux"])  # bf16 weights that code (the toy's fp32 stay raw: nothing to plan)
+def test_auto_starts_raw_then_a_slow_link_codes_every_block(kind):
+    model, x = _model(kind)
+    ref = copy.deepcopy(model)
+    om = _auto_fake(model, 1e-6)
+    src = om._streamed.source
+    assert all(src.raw) and src.codec is None and src.stats()["coded_blocks"] == 0
+    raw_shards = list(src.store.shard_bytes)
+    with torch.no_grad():
+        want = _first(ref(**x))
+        outs = [_first(om(**x)) for _ in range(3)]
+    assert all(torch.equal(o, want) for o in outs)
+    plan = om.stats()["codec_plan"]
+    assert plan["codec"] == "exp-k2" and plan["coded_blocks"] == list(range(len(src.layouts)))  # equal rates
+    assert not any(src.raw) and src.codec == "exp-k2" and 2 in _versions(src.store.tables)
+    if kind == "flux":  # coded shares are smaller: the link moves fewer bytes
+        assert all(c < r for c, r in zip(src.store.shard_bytes, raw_shards))
+        assert src.stats()["coded_ratio"] < 0.9
+    plain = om.disable()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+
+
+def test_auto_fast_link_codes_nothing_and_streams_raw_shares():
+    model, x = _model("flux")
+    ref = copy.deepcopy(model)
+    om = _auto_fake(model, 1e6)
+    src = om._streamed.source
+    with torch.no_grad():
+        want = _first(ref(**x))
+        assert all(torch.equal(_first(om(**x)), want) for _ in range(3))
+    s = om.stats()
+    assert s["codec_plan"]["codec"] is None and all(src.raw) and src.coded_bufs[0].numel() == 0
+    assert s["coded_blocks"] == 0 and src.stats()["coded_ratio"] == 1.0
+    assert "no block" in repr(om._streamed.codec_planner) or "nothing coded" in repr(om._streamed.codec_planner)
+
+
+def test_mixed_raw_and_coded_blocks_are_exact_ordered_and_give_weights_back():
+    """Some blocks coded, the others raw (what a partial plan leaves): outputs bit for bit, the
+    ordering rules hold over both kinds of load, updates reach both kinds, and the weights come
+    back from local_state_dict() and disable()."""
+    from test_happens_before import _traced
+
+    rec = RecordingStreams()
+    model, x = _model("flux")
+    ref = copy.deepcopy(model)
+    om = _fake(model, cls=_traced(StreamedBlocks, rec, 2, "ring"), codec="auto")
+    om._streamed.codec_planner.remove()  # no plan: the test codes blocks itself
+    src = om._streamed.source
+    with torch.no_grad():
+        want = _first(ref(**x))
+        assert torch.equal(_first(om(**x)), want)
+        src.code_blocks([0, 3], "exp-k")
+        assert src.raw == [False, True, True, False, True]
+        assert all(torch.equal(_first(om(**x)), want) for _ in range(3))
+    bad = {r: v[:3] for r, v in check(rec.trace).items() if v}
+    assert not bad, bad
+    reads = accesses(rec.trace).reads
+    assert any(isinstance(key, tuple) and key[0] == "coded" for key in reads), "the coded blocks decode"
+    s = src.stats()
+    assert s["coded_blocks"] == 2 and s["codec"] == "exp-k" and s["raw_bytes"] > s["coded_bytes"]
+    local = om.local_state_dict()
+    merged = merge_coded_shards([local])
+    assert sorted(merged) == sorted(ref.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in ref.state_dict().items())
+    g = torch.Generator().manual_seed(5)
+    new = {k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) for k, v in ref.state_dict().items()}
+    om.update_weights(new)  # raw blocks keep raw shares, coded ones are re-encoded
+    ref.load_state_dict(new)
+    assert src.raw == [False, True, True, False, True]
+    with torch.no_grad():
+        want = _first(ref(**x))
+        assert all(torch.equal(_first(om(**x)), want) for _ in range(2))
+    full = om.gather_state_dict()
+    assert all(torch.equal(full[k], new[k]) for k in new)
+    plain = om.disable()
+    assert all(torch.equal(v, new[k]) for k, v in plain.state_dict().items())
+
+
+def test_code_blocks_refusals_are_named():
+    model, x = _model("flux")
+    om = _fake(model, codec="auto")
+    om._streamed.codec_planner.remove()
+    src = om._streamed.source
+    with pytest.raises(ValueError, match="background=True is not allowed with DLO AllGather"):
+        src.code_blocks([0], "exp-k", background=True)
+    with pytest.raises(ValueError, match=r"blocks \[9\] are not raw blocks"):
+        src.code_blocks([9], "exp-k")
+    with pytest.raises(ValueError, match="weight_codec='nope' is not allowed"):
+        src.code_blocks([0], "nope")
+    src.code_blocks([0], "exp-k")
+    with pytest.raises(ValueError, match=r"blocks \[0\] are not raw blocks"):
+        src.code_blocks([0], "exp-k")
+    with pytest.raises(ValueError, match="one codec per source"):
+        src.code_blocks([1], "exp-k2")
+    with pytest.raises(ValueError, match="coded already"):
+        src.sample(0, ("exp-k",))
+    with torch.no_grad():
+        om(**x)
+    om.disable()
+
+
+def test_join_measurements_takes_the_slowest_rank():
+    from weightstream.offload.auto_codec_gather import join_measurements
+
+    a = {"compute": [1.0, 5.0], "h2d": 50.0, "decode": {"exp-k": 900.0}, "coded": {"exp-k": {"L": 70}}}
+    b = {"compute": [2.0, 4.0], "h2d": 40.0, "decode": {"exp-k": 1000.0}, "coded": {"exp-k": {"L": 70}}}
+    got = join_measurements([a, b])
+    assert got == {"compute": [2.0, 5.0], "h2d": 40.0, "decode": {"exp-k": 900.0}, "coded": {"exp-k": {"L": 70}}}
+    assert join_measurements([b, a]) == got  # the same on every rank, whatever its place
+    with pytest.raises(ValueError, match="out of step"):
+        join_measurements([a, dict(b, compute=[1.0])])
+    with pytest.raises(ValueError, match="out of step"):
+        join_measurements([a, dict(b, coded={"exp-k": {"M": 70}})])
+    with pytest.raises(ValueError, match="no rows"):
+        join_measurements([])
+
+
 # --------------------------------------------------------------------------- gloo, 2 ranks
 def _coded_cfg(transfer="allgather", codec="exp-k", **kw):
     return OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, progress=False, **kw)
@@ -337,15 +465,46 @@ def _codec_differs(parallel, rank, other=None):
     return None
 
 
-def _auto_allgather_refused(parallel, rank):
-    """weight_codec='auto' where DLO resolves to AllGather (no weight_transfer given): refused by name."""
-    model, _ = _model("toy")
-    try:
-        OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="auto", progress=False), device="cpu",
-                             parallel=parallel)
-    except ValueError as e:
-        return str(e)
-    return None
+def _rank_auto(parallel, rank, *, fail_first=False):
+    """weight_codec='auto' where DLO resolves to AllGather (no weight_transfer given). The ranks
+    measure differently (rank 0 a fast link, rank 1 a slow one, set as the planner's inputs): the
+    joined, slowest, measurements code every block on both ranks. ``fail_first``: rank 1 raises
+    inside a block in the first forward; both ranks raise, then plan after the next forward."""
+    model, x = _model("flux", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="auto", progress=False), device="cpu",
+                              parallel=parallel)
+    planner = om._streamed.codec_planner
+    planner.h2d_gbps = 1e6 if rank == 0 else 1e-6
+    planner.decode_gbps = {"exp-k": 1e3, "exp-k2": 1e3 if rank == 0 else 2e2}
+    state = {"forward": 0}
+
+    def boom(module, args):
+        if fail_first and rank == 1 and state["forward"] == 0:
+            raise ValueError("injected failure on rank 1")
+
+    handle = model.single_transformer_blocks[0].register_forward_pre_hook(boom)
+    errors, equal, plans = [], [], []
+    with torch.no_grad():
+        want = _first(ref(**x))
+        for i in range(3):
+            state["forward"] = i
+            try:
+                equal.append(torch.equal(_first(om(**x)), want))
+                errors.append(None)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            plans.append(om.stats().get("codec_plan", {}).get("coded_blocks"))
+    handle.remove()
+    src = om._streamed.source
+    out = dict(errors=errors, equal=equal, plans=plans, raw=list(src.raw), codec=src.codec,
+               shards=list(src.store.shard_bytes), plan=om.stats().get("codec_plan"),
+               usable=om._streamed.usable, ncoll=src.ncoll)
+    local = om.local_state_dict()
+    plain = om.disable()
+    out["back"] = all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+    out["local"], out["ref"] = local, {k: v.clone() for k, v in ref.state_dict().items()}
+    return out
 
 
 def scenario_two(rank, world):
@@ -361,7 +520,8 @@ def scenario_two(rank, world):
     c.run("equal_flux_kp", _rank_equal, "flux", par, rank, codec="exp-kp")
     c.run("rank_local_k2", _rank_equal, "flux", par, rank, transfer="rank-local", codec="exp-k2")
     c.run("rank_local_auto", _rank_equal, "flux", par, rank, transfer="rank-local", codec="auto", forwards=3)
-    c.run("auto_allgather", _auto_allgather_refused, par, rank)
+    c.run("auto_allgather", _rank_auto, par, rank)
+    c.run("auto_allgather_failure", _rank_auto, par, rank, fail_first=True)
     c.run("codec_differs_k2", _codec_differs, par, rank, "exp-k2")
     c.run("weights", _rank_weights, par, rank)
     c.run("failure_one", _rank_failure_one, rank, world)
@@ -416,11 +576,34 @@ def test_two_ranks_rank_local_streams_full_coded_blocks(two, codec):
         assert not any(isinstance(v, CodedPiece) for v in r["local"].values())
 
 
-def test_two_ranks_refuse_auto_with_allgather(two):
+def test_two_ranks_auto_with_allgather_plan_together_and_stay_exact(two):
+    """Rank 0 measures a fast link, rank 1 a slow one: the joined (slowest) measurements give both
+    ranks the same plan, every block coded (the link binds: the smaller bytes of exp-k2 win) after
+    the first step; every output bit for bit, the coded shares merge back, disable() gives the weights back."""
     from test_distributed import get
 
-    for msg in get(two, "auto_allgather"):
-        assert msg is not None and "weight_codec='auto' is not allowed with DLO AllGather" in msg, msg
+    reps = get(two, "auto_allgather")
+    for r in reps:
+        assert r["errors"] == [None] * 3 and r["equal"] == [True] * 3 and r["usable"] and r["back"], r["errors"]
+        assert r["plans"][0] == list(range(5)) and not any(r["raw"]) and r["codec"] == "exp-k2"
+        assert "code 5 blocks with exp-k2" in r["plan"]["describe"] and r["plan"]["h2d_gbps"] == 1e-6
+        assert r["plan"]["decode_gbps"] == {"exp-k": 1e3, "exp-k2": 2e2}  # rank 1's slower decode
+    assert reps[0]["shards"] == reps[1]["shards"] and reps[0]["ncoll"] == reps[1]["ncoll"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
+
+
+def test_two_ranks_auto_with_allgather_plans_after_a_step_every_rank_completed(two):
+    """Rank 1 fails in the first (measured) step: both ranks raise, neither plans from it; the
+    second step is measured and planned on both, alike."""
+    from test_distributed import get
+
+    reps = get(two, "auto_allgather_failure")
+    for r in reps:
+        assert r["errors"][0] is not None and r["errors"][1:] == [None, None], r["errors"]
+        assert r["equal"] == [True, True] and r["usable"] and r["back"]
+        assert r["plans"][0] is None and r["plans"][1] == list(range(5)) and not any(r["raw"])
+    assert reps[0]["ncoll"] == reps[1]["ncoll"] and reps[0]["shards"] == reps[1]["shards"]
 
 
 def test_two_ranks_rank_local_auto_codec_plans_per_rank(two):

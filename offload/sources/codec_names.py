@@ -35,8 +35,8 @@ def codec_levels(codec: str) -> int:
     if codec == AUTO:
         raise ValueError(
             "weight_codec='auto' is not allowed here: it plans which blocks to code from a measured step, "
-            "for the pinned host images of layer mode (OffloadedTransformer, one process) and for mode='module'; "
-            f"with this source (the mmap source, DLO) choose from: {', '.join(CODECS)}")
+            "for the pinned host images of layer mode (OffloadedTransformer, DLO included) and for mode='module'; "
+            f"with this source (the mmap source) choose from: {', '.join(CODECS)}")
     if codec not in CODEC_LEVELS:
         raise ValueError(f"weight_codec={codec!r} is not allowed here; choose from: {', '.join(CODECS)}")
     return CODEC_LEVELS[codec]

@@ -30,7 +30,7 @@ from .codec_names import CodedCaptureStaleError, codec_levels
 from .coded_background import MAX_WAITING, BackgroundCoding
 from .coded_encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
 
-__all__ = ["AutoCoding", "SAMPLE_BYTES"]
+__all__ = ["AutoCoding", "SAMPLE_BYTES", "sample_coded"]
 
 SAMPLE_BYTES = 64 << 20  # a sampled block (the codec planner's) is about this large at most
 SAMPLE_RUN = 1 << 16  # elements per sampled run (a whole number of codec tiles)
@@ -53,6 +53,25 @@ def _sampled(lay: BlockLayout, region: torch.Tensor, every: int):
         scale[at] = flat.numel() / part.numel()
         at = align_up(at + nbytes, TENSOR_ALIGN)
     return BlockLayout(lay.index, f"{lay.name}[sample]", tuple(specs), max(at, TENSOR_ALIGN)), tensors, scale
+
+
+def sample_coded(lay: BlockLayout, region: torch.Tensor, levels: int,
+                 max_bytes: int | None = SAMPLE_BYTES) -> tuple[int, torch.Tensor, DecodeTable, int]:
+    """Block image ``region`` (layout ``lay``) encoded aside, whole or, past ``max_bytes``, a sample
+    of it (:func:`_sampled`): the whole block's coded bytes (a sample's scaled per tensor), the coded
+    bytes encoded, their table and the bytes they decode to (:meth:`AutoCoding.sample`)."""
+    if max_bytes is None or lay.nbytes <= max_bytes:
+        sub, tensors, scale = lay, [s.view_of(region) for s in lay.tensors], None
+    else:
+        sub, tensors, scale = _sampled(lay, region, -(-lay.nbytes // max_bytes))
+    scratch = torch.empty(_capacity(sub), dtype=torch.uint8)
+    n, table = encode_tensors_into(scratch, sub, tensors, levels=levels)
+    if scale is None:
+        return n, scratch[:n], table, lay.nbytes
+    ends = [seg.src_offset for seg in table.segments[1:]] + [n]
+    coded = sum(round((end - seg.src_offset) * scale[seg.dst_offset])
+                for seg, end in zip(table.segments, ends))
+    return coded, scratch[:n], table, sub.nbytes
 
 
 @dataclasses.dataclass
@@ -91,13 +110,7 @@ class AutoCoding:
         if max_bytes is None or lay.nbytes <= max_bytes:
             (blob,), table = self._encode_now(k, levels)
             return blob.numel(), blob, table, lay.nbytes
-        sub, tensors, scale = _sampled(lay, self.region(k), -(-lay.nbytes // max_bytes))
-        scratch = torch.empty(_capacity(sub), dtype=torch.uint8)
-        n, table = encode_tensors_into(scratch, sub, tensors, levels=levels)
-        ends = [seg.src_offset for seg in table.segments[1:]] + [n]
-        coded = sum(round((end - seg.src_offset) * scale[seg.dst_offset])
-                    for seg, end in zip(table.segments, ends))
-        return coded, scratch[:n], table, sub.nbytes
+        return sample_coded(lay, self.region(k), levels, max_bytes)
 
     def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
         """weight_codec="auto": code the raw blocks ``ks`` with ``codec`` where they lie (each

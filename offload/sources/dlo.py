@@ -289,7 +289,7 @@ class ShardSource:
         streams.access("write", ("shard", slot), block)
         self.shard_loaded[slot].record(cs)
         comm.wait_event(self.shard_loaded[slot])
-        if after is not None and self._gather_waits_free(slot, tag):
+        if after is not None and self._gather_waits_free(k, slot, tag):
             comm.wait_event(after)  # compute no longer reads what the gather writes
         with streams.stream(comm):
             if rec is not None:
@@ -311,8 +311,8 @@ class ShardSource:
         """Where block ``k``'s gather lands: the block slot itself (the coded source: a coded buffer)."""
         return self.slots[slot][: self.world * self.store.shard_bytes[k]]
 
-    def _gather_waits_free(self, slot: int, tag) -> bool:
-        """Whether the gather into ``slot`` waits for the slot's release: it writes the block slot itself."""
+    def _gather_waits_free(self, k: int, slot: int, tag) -> bool:
+        """Whether block ``k``'s gather into ``slot`` waits for the slot's release: it writes the block slot itself."""
         return True
 
     def _after_gather(self, k: int, slot: int, after, tag) -> None:

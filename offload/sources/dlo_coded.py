@@ -44,9 +44,12 @@ from ...kernels.codec import DecodeTable, decode, decode_tensor, decode_torch
 from ..dlo_control import ShardPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
+from ..progress import Progress
+from .codec_names import AUTO
 from .coded import CodedCaptureStaleError, codec_levels
+from .coded_auto import SAMPLE_BYTES, sample_coded
 from .coded_encode import _slack, encode_image, encoded_in_order
-from .dlo import ShardedHostViews, ShardSource
+from .dlo import ShardedHostViews, ShardSource, _raw_bytes
 from .pinned import SourceRequest, drop_storage
 
 __all__ = ["CodedShardSource", "CodedShardStore", "CodedPiece", "merge_coded_shards"]
@@ -64,6 +67,17 @@ def decode_into(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> Non
 
 def _joined(blobs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(blobs) if blobs else torch.empty(0, dtype=torch.uint8)
+
+
+def _image_of(lay: BlockLayout, tensors) -> torch.Tensor:
+    """Block ``lay``'s raw image (CPU, uint8) from its tensors (alignment gaps zero)."""
+    image = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for spec, t in zip(lay.tensors, tensors):
+            raw = _raw_bytes(t, spec)  # the shape / dtype check, then its bytes
+            if spec.nbytes:
+                image[spec.offset : spec.offset + spec.nbytes].copy_(raw)
+    return image
 
 
 class CodedShardStore:
@@ -94,11 +108,12 @@ class CodedShardStore:
         lo = self.rank * self.shard_bytes[k]
         return lo, lo + self.shard_bytes[k]
 
-    def set(self, k: int, coded: torch.Tensor, table: DecodeTable) -> bool:
+    def set(self, k: int, coded: torch.Tensor, table: DecodeTable, *, fresh: bool = False) -> bool:
         """Store this rank's share of block ``k``'s coded image; True when it was re-sharded
-        (a new shard size: the coded image outgrew ``N * shard``)."""
+        (a new shard size: the coded image outgrew ``N * shard``). ``fresh``: sized anew from the
+        coded bytes (a raw block becoming coded)."""
         old = self.shard_bytes[k]
-        resharded = old == 0 or coded.numel() > self.world * old
+        resharded = fresh or old == 0 or coded.numel() > self.world * old
         if resharded:
             self.shard_bytes[k] = shard_size(coded.numel() + _slack(self.layouts[k]), self.world)
         sb = self.shard_bytes[k]
@@ -111,6 +126,20 @@ class CodedShardStore:
         self._shards[k].copy_(share)
         self.coded[k], self.tables[k] = coded.numel(), table
         return resharded and old != 0
+
+    def set_raw(self, k: int, image: torch.Tensor) -> None:
+        """Store this rank's share of block ``k``'s raw image (``image``: the block image, uint8;
+        ``weight_codec='auto'`` before a plan codes the block): gathered, it is the image itself."""
+        sb = shard_size(self.layouts[k].nbytes, self.world)
+        lo = self.rank * sb
+        if self.shard_bytes[k] != sb or self._shards[k] is None:
+            self.shard_bytes[k] = sb
+            self._shards[k] = self._alloc(k, sb)
+        share = self._shards[k]
+        part = image[lo : lo + sb]
+        share[: part.numel()].copy_(part)
+        share[part.numel() :].zero_()
+        self.coded[k], self.tables[k] = 0, None
 
     def _alloc(self, k: int, n: int) -> torch.Tensor:
         self._pinned[k] = False
@@ -176,7 +205,11 @@ class CodedShardSource(ShardSource):
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
-        self.levels = codec_levels(req.config.weight_codec)  # blocks built and re-encoded with this codec
+        self.auto = req.config.weight_codec == AUTO  # every block raw until a plan codes some (code_blocks)
+        # blocks built and re-encoded with this codec (auto: the plan's, None until then)
+        self.levels = None if self.auto else codec_levels(req.config.weight_codec)
+        self.codec = None if self.auto else req.config.weight_codec
+        self.raw = [self.auto] * len(req.layouts)  # block k's share is of its raw image (no decode)
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
         self.layouts = list(req.layouts)
@@ -184,7 +217,9 @@ class CodedShardSource(ShardSource):
         self.timeout_s, self._failure, self.ncoll = timeout_s, failure, 0
         self.store = CodedShardStore(self.layouts, world, rank, pin=req.pin, budget_bytes=req.pin_budget())
         self._pack(req)
-        self.slot_bytes = max(lay.nbytes for lay in self.layouts)
+        # a raw block is gathered into the slot itself: its image plus the last share's padding
+        self.slot_bytes = max([lay.nbytes for lay in self.layouts] +
+                              [world * sb for sb, r in zip(self.store.shard_bytes, self.raw) if r])
         self._ids = {id(t): (k, i) for k in range(len(self.layouts)) for i, t in enumerate(req.objects(k))}
         self._host_views = ShardedHostViews(self._ids, world)
         self.slots, self.shard_slots, self.streams = [], [], None
@@ -196,16 +231,20 @@ class CodedShardSource(ShardSource):
     def _pack(self, req: SourceRequest) -> None:
         """Encode (worker threads), keep this rank's share; originals are dropped only when
         every share is stored (a failure part-way leaves the model as it was)."""
-        from ..progress import Progress
-
         n = len(self.layouts)
-        bar = Progress(f"coding {n} blocks, keeping this rank's 1/{self.world} share",
+        what = "packing" if self.auto else "coding"
+        bar = Progress(f"{what} {n} blocks, keeping this rank's 1/{self.world} share",
                        sum(lay.nbytes for lay in self.layouts), req.config.progress)
         try:
             objs = [req.objects(k) for k in range(n)]
-            for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs, levels=self.levels)):
-                self.store.set(k, _joined(blobs), table)
-                bar.update(self.layouts[k].nbytes)
+            if self.auto:  # raw shares; a plan codes blocks later (code_blocks)
+                for k, lay in enumerate(self.layouts):
+                    self.store.set_raw(k, _image_of(lay, objs[k]))
+                    bar.update(lay.nbytes)
+            else:
+                for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs, levels=self.levels)):
+                    self.store.set(k, _joined(blobs), table)
+                    bar.update(self.layouts[k].nbytes)
         except BaseException:
             self.store.close()
             raise
@@ -220,28 +259,34 @@ class CodedShardSource(ShardSource):
         self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=device) for _ in slots]
         self._decode_tag = [_NO_DECODE] * len(slots)  # capture context of each coded buffer's last decode
         # every table on the device now (never inside a capture); re-encodes update these in place
-        self._dev_tables = {k: t.upload(self.device) for k, t in enumerate(self.store.tables) if t.num_tiles}
+        self._dev_tables = {k: t.upload(self.device) for k, t in enumerate(self.store.tables)
+                            if t is not None and t.num_tiles}
         if device.type == "cuda" and streams is not None:
             for t in self.coded_bufs:
                 t.record_stream(self.comm_stream)
 
     def _coded_buf_bytes(self) -> int:
-        return max(self.world * sb for sb in self.store.shard_bytes)
+        """A coded buffer holds a gathered coded image (raw blocks are gathered into the slot)."""
+        return max([self.world * sb for sb, r in zip(self.store.shard_bytes, self.raw) if not r], default=0)
 
     def _gather_out(self, k: int, slot: int) -> torch.Tensor:
+        if self.raw[k]:
+            return self.slots[slot][: self.world * self.store.shard_bytes[k]]
         return self.coded_bufs[slot][: self.world * self.store.shard_bytes[k]]
 
-    def _gather_waits_free(self, slot: int, tag) -> bool:
-        """The gather writes the slot's coded buffer, not the slot, so it runs while compute still
+    def _gather_waits_free(self, k: int, slot: int, tag) -> bool:
+        """A raw block's gather writes the slot: it waits for the slot's release. A coded one's writes the slot's coded buffer, not the slot, so it runs while compute still
         reads the slot (only the decode waits for the release): the communication stream's order
         puts it after the decode that last read that buffer. A decode issued in another capture
         context (eager vs a graph, or another graph) is not in that order: then the gather waits
         for the slot's release, which follows that decode's block."""
-        return self._decode_tag[slot] != tag
+        return self.raw[k] or self._decode_tag[slot] != tag
 
     def _after_gather(self, k: int, slot: int, after, tag) -> None:
         """The decode of the gathered coded image into the block slot (communication stream),
-        once compute no longer reads the slot (``after``)."""
+        once compute no longer reads the slot (``after``); a raw block was gathered into the slot."""
+        if self.raw[k]:
+            return
         st, key, block = self.streams, ("coded", slot), self.layouts[k].index
         if st is not None:
             st.access("write", key, block)  # the gather just wrote it, on this stream
@@ -257,6 +302,66 @@ class CodedShardSource(ShardSource):
         if tag is not None:
             self._captured = True
         return super().load(k, slot, position=position, after=after, tag=tag)
+
+    # -- weight_codec="auto" (offload/auto_codec.py: GatherAutoCodec plans, every rank alike) -------------
+    coding_active = False  # blocks are coded at once, on every rank together (never in the background)
+
+    def sample(self, k: int, codecs, max_bytes: int | None = SAMPLE_BYTES) -> dict:
+        """Raw block ``k`` (a collective: its image is gathered) encoded aside with each codec of
+        ``codecs``, nothing stored: codec -> :func:`.coded_auto.sample_coded`'s (whole block's
+        coded bytes, coded sample, table, bytes it decodes to). The encoder is deterministic, so
+        every rank computes the same sizes."""
+        if not self.raw[k]:
+            raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
+        lay = self.layouts[k]
+        image = self.image(k).cpu()[: lay.nbytes]
+        return {c: sample_coded(lay, image, codec_levels(c), max_bytes) for c in codecs}
+
+    def coded_shard_bytes(self, k: int, coded: int) -> int:
+        """This rank's link bytes for block ``k`` coded in ``coded`` bytes (its share of them, slack included)."""
+        return shard_size(coded + _slack(self.layouts[k]), self.world)
+
+    def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
+        """weight_codec="auto": code raw blocks ``ks`` with ``codec`` now. A collective, in block
+        order, the same on every rank: each block's raw image is gathered, encoded (deterministic:
+        the same bytes everywhere), and this rank keeps its share of the coded image, sized anew.
+        Between steps only, before any CUDA graph is captured."""
+        if background:
+            raise ValueError("code_blocks: background=True is not allowed with DLO AllGather: every rank switches "
+                             "a block to coded at the same step; allowed: background=False")
+        ks = sorted(set(ks))
+        bad = [k for k in ks if not isinstance(k, int) or not 0 <= k < len(self.layouts) or not self.raw[k]]
+        if bad:
+            raise ValueError(f"code_blocks: blocks {bad} are not raw blocks of this source; allowed: indices of "
+                             f"raw blocks ({[k for k, r in enumerate(self.raw) if r]})")
+        levels = codec_levels(codec)
+        if self.levels is not None and levels != self.levels:
+            raise ValueError(f"code_blocks: codec={codec!r}, but this source codes with {self.codec!r}; one codec "
+                             "per source")
+        if self._captured:
+            raise CodedCaptureStaleError("code_blocks: CUDA graphs were captured over the raw blocks' gathers; "
+                                         "disable() the model and wrap it again")
+        if not ks:
+            return
+        self.ready_to_gather("coding blocks (weight_codec='auto')")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # between steps: in-flight copies may read the shares
+        self.levels, self.codec = levels, codec
+        bar = Progress(f"coding {len(ks)} blocks with {codec}, keeping this rank's 1/{self.world} share",
+                       sum(self.layouts[k].nbytes for k in ks), progress)
+        try:
+            for k in ks:
+                lay = self.layouts[k]
+                image = self.image(k).cpu()[: lay.nbytes]
+                blobs, table = encode_image(lay, [spec.view_of(image) for spec in lay.tensors], levels=levels)
+                self.store.set(k, _joined(blobs), table, fresh=True)
+                self.raw[k] = False
+                if self.slots and table.num_tiles:
+                    self._dev_tables[k] = table.upload(self.device)
+                bar.update(lay.nbytes)
+        finally:
+            bar.close()
+            self._fit_buffers()
 
     def check(self) -> None:
         """Step start / before a replay: refuse graphs captured before a re-shard."""
@@ -274,8 +379,11 @@ class CodedShardSource(ShardSource):
 
     # -- host side -----------------------------------------------------------------------
     def image(self, k: int) -> torch.Tensor:
-        """Block ``k``'s decoded image in a fresh device tensor (a collective: gather, then decode)."""
+        """Block ``k``'s decoded image in a fresh device tensor (a collective: gather, then decode;
+        a raw block's gathered image as it is)."""
         coded = super().image(k)
+        if self.raw[k]:
+            return coded
         out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
         decode_into(coded, out, self.store.tables[k])
         return out
@@ -311,6 +419,9 @@ class CodedShardSource(ShardSource):
         specs = self.layouts[k].tensors
         for i, v in patch.items():
             specs[i].view_of(image).copy_(v)
+        if self.raw[k]:  # a raw block keeps its raw share (same size)
+            self.store.set_raw(k, image)
+            return
         blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs], levels=self.levels)
         if self.store.set(k, _joined(blobs), table):
             self._resharded()
@@ -325,16 +436,22 @@ class CodedShardSource(ShardSource):
             dev.copy_(table._host)  # same size: one record per tensor, fixed tile counts
             table._device[self.device] = dev
 
-    def _resharded(self) -> None:
+    def _fit_buffers(self) -> None:
+        """Shard slots and coded buffers large enough for every block's share (between steps)."""
         if not self.slots:
             return
-        need = max(self.store.max_shard, self._coded_buf_bytes())
-        if self.store.max_shard > self.shard_slots[0].numel() or need > self.coded_bufs[0].numel():
+        have = self.coded_bufs[0].numel() if self.coded_bufs else 0
+        if self.store.max_shard > self.shard_slots[0].numel() or self._coded_buf_bytes() > have:
             self.shard_slots = [torch.empty(self.store.max_shard, dtype=torch.uint8, device=self.device)
                                 for _ in self.slots]
             self.coded_bufs = [torch.empty(self._coded_buf_bytes(), dtype=torch.uint8, device=self.device)
                                for _ in self.slots]
             self._decode_tag = [_NO_DECODE] * len(self.slots)
+
+    def _resharded(self) -> None:
+        if not self.slots:
+            return
+        self._fit_buffers()
         if self._captured:
             self._stale = ("a weight update made a coded block larger than the coded shards the captured CUDA "
                            "graphs copy and gather for it; disable() the model and wrap it again (or use "
@@ -343,6 +460,8 @@ class CodedShardSource(ShardSource):
     def local_piece(self, name: str, k: int, index: int):
         """This rank's coded bytes of tensor ``index`` of block ``k`` as a :class:`CodedPiece`
         (an empty tensor for an empty one); :func:`merge_coded_shards` joins every rank's."""
+        if self.raw[k]:
+            return super().local_piece(name, k, index)
         spec = self.layouts[k].tensors[index]
         if not spec.nbytes:
             return torch.empty(spec.shape, dtype=spec.dtype)
@@ -361,11 +480,14 @@ class CodedShardSource(ShardSource):
         coded16 = [(g.header.nbytes, g.header.numel) for t in s.tables if t is not None for g in t._live
                    if g.header.k != 8 or g.header.dtype != torch.int16]
         c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+        # a raw block (weight_codec='auto', not coded by the plan) moves its raw image
+        moved = sum(lay.nbytes if r else c for lay, r, c in zip(self.layouts, self.raw, s.coded))
         return {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
                 "pin_failure": s.pin_failure, "h2d_bytes_per_step": sum(s.shard_bytes),
                 "slot_bytes": self.slot_bytes, "gather": self.gather, "shard_bytes": sum(s.shard_bytes),
-                "coded_bytes": sum(s.coded), "raw_bytes": raw, "coded_ratio": sum(s.coded) / raw if raw else 0.0,
+                "coded_bytes": moved, "raw_bytes": raw, "coded_ratio": moved / raw if raw else 0.0,
                 "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+                "coded_blocks": len(self.raw) - sum(self.raw), "codec": self.codec,
                 "gathered_bytes_per_step": self.world * sum(s.shard_bytes)}
 
     def remove(self) -> None:
