@@ -32,7 +32,10 @@ N >= 4: step <= 1.05 x resident, pinned per rank <= 1/N + 0.01 x model
 ``dlo-allgather-coded`` (issue 14): AllGather of losslessly coded shards
 (``weight_codec="exp-k"``: each rank copies its share of the coded image, the
 gather moves coded bytes, each rank decodes); ``-coded2`` / ``-codedp``: the
-same with ``exp-k2`` / ``exp-kp``. ``--num-slots`` sets the device block slots
+same with ``exp-k2`` / ``exp-kp``; ``-codeda``: ``weight_codec="auto"`` (the ranks
+plan together after the first warm-up step and code only the blocks the link
+needs: ``coded_blocks`` and the plan in ``codec_plan``; needs ``--warmup`` >= 2,
+so the timed steps run on the coded shares). ``--num-slots`` sets the device block slots
 (recorded as ``num_slots``); ``--profile-dir`` adds rank 0's profile of two more
 steps per offloaded mode (``profile_rank0``: copy lane, kernel ms per class --
 nccl, decode, other -- and per stream). A run with it fills every weight
@@ -73,9 +76,9 @@ if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
 
 SCENARIO = "flux-12b-1024"
 MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded", "dlo-allgather-coded2",
-         "dlo-allgather-codedp")
+         "dlo-allgather-codedp", "dlo-allgather-codeda")
 CODED_MODES = {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
-               "dlo-allgather-codedp": "exp-kp"}  # their runs fill Student-t
+               "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codeda": "auto"}  # their runs fill Student-t
 CODED_TARGET = 1.10  # issue 14: 2x H200, coded AllGather step <= 1.10 x resident
 FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
 FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
@@ -133,6 +136,9 @@ def parse_args(argv=None):
     args.modes = modes
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if "dlo-allgather-codeda" in args.modes and args.warmup < 2:
+        p.error(f"--warmup {args.warmup} is not allowed with dlo-allgather-codeda; allowed: >= 2 (the first step "
+                "is measured and planned, the blocks coded after it)")
     if args.num_slots < 2:
         p.error(f"--num-slots {args.num_slots} is not allowed; choose an integer >= 2")
     if args.profile_dir and args.tiny:
@@ -294,7 +300,10 @@ def run_mode(mode, model, inputs, ref, args, ctx):
         shard_group_size=s.get("shard_group_size", 1), setup_s=setup_s, restore_s=restore_s,
         peak_device_gb=peak, pin_failure=s["pin_failure"],
     )
-    fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio") if k in s})
+    fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio", "coded_blocks") if k in s})
+    if s.get("codec_plan"):  # weight_codec="auto": what the ranks planned together, and its prediction
+        fig["codec_plan"] = {k: s["codec_plan"][k] for k in ("codec", "coded_blocks", "predicted_ms", "uncoded_ms",
+                                                             "compute_ms", "h2d_gbps", "decode_gbps", "plan_s")}
     if prof is not None:
         fig["profile"] = prof
     clock.log(f"{mode}: median {fig['step_ms']:.1f} ms/step (rank {ctx['rank']}), bit-exact {exact}, pinned "

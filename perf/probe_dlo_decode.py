@@ -13,6 +13,11 @@ from host memory to device memory, so each load is a device-to-device copy of th
 - ``coded`` / ``coded2`` / ``codedp``: ``exp-k`` / ``exp-k2`` / ``exp-kp``, copy + decode;
 - ``graphs-<mode>``: the same with ``cuda_graphs="on"`` (the copies and decodes captured).
 
+``--coded-fraction F`` (coded modes): only that share of the blocks coded, evenly spread, the
+others raw (what ``weight_codec="auto"`` leaves when the link needs only part of the step coded:
+offload/auto_codec_gather.py under DLO AllGather); the wrap is ``weight_codec="auto"`` with its
+planner removed and the blocks coded at once (``code_blocks``).
+
 Per mode: median step, ``ratio_to_resident``, bit-exactness against the resident step, the bytes
 copied per step, and with ``--profile-dir`` rank 0's kernel time per class (perf/lanes.py) over
 two more steps. ``coded`` minus ``raw`` is what the decode adds to a rank's step; a 2-rank run adds
@@ -80,12 +85,34 @@ def store_on(source, device) -> callable:
     raise TypeError(f"store_on: {type(source).__name__} is not a PinnedSource or CodedSource")
 
 
-def _mode_config(mode: str, num_slots: int):
+def _mode_config(mode: str, num_slots: int, fraction: float = 1.0):
     from weightstream import OffloadConfig
 
     base = mode.removeprefix("graphs-")
-    return OffloadConfig.layerwise(weight_codec=CODECS[base], num_slots=num_slots,
+    codec = CODECS[base] if fraction == 1.0 or base == "raw" else "auto"
+    return OffloadConfig.layerwise(weight_codec=codec, num_slots=num_slots,
                                    cuda_graphs="on" if mode.startswith("graphs-") else "off", progress=True)
+
+
+def spread(n: int, fraction: float) -> list[int]:
+    """``round(n * fraction)`` of ``range(n)``, evenly spread (0 < fraction <= 1)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--coded-fraction {fraction!r} is not allowed; allowed: 0 < F <= 1")
+    m = max(1, round(n * fraction))
+    return sorted({min(n - 1, int((i + 0.5) * n / m)) for i in range(m)})
+
+
+def code_part(om, mode: str, fraction: float) -> list[int]:
+    """With a fraction below 1: remove the auto planner and code ``spread`` blocks at once."""
+    base = mode.removeprefix("graphs-")
+    if fraction == 1.0 or base == "raw":
+        return []
+    planner = om._streamed.codec_planner
+    planner.remove()
+    src = om._streamed.source
+    ks = spread(len(src.layouts), fraction)
+    src.code_blocks(ks, CODECS[base], progress=True, background=False)
+    return ks
 
 
 def run_mode(mode: str, model, inputs, ref, args, device):
@@ -94,7 +121,8 @@ def run_mode(mode: str, model, inputs, ref, args, device):
     from weightstream import OffloadedTransformer
 
     t0 = time.perf_counter()
-    om = OffloadedTransformer(model, _mode_config(mode, args.num_slots), device=device)
+    om = OffloadedTransformer(model, _mode_config(mode, args.num_slots, args.coded_fraction), device=device)
+    coded_ks = code_part(om, mode, args.coded_fraction)
     setup_s = time.perf_counter() - t0
     source = om._streamed.source  # the probe's one reach inside: where the block store lies
     back = store_on(source, device)
@@ -116,10 +144,16 @@ def run_mode(mode: str, model, inputs, ref, args, device):
     s = om.stats()
     model = om.disable()
     del om
-    copied = s.get("coded_bytes", s["streamed_bytes_per_step"])
+    copied = s["h2d_bytes_per_step"] if coded_ks else s.get("coded_bytes", s["streamed_bytes_per_step"])
     fig = {"step_ms": round(statistics.median(t.ms), 3), "step_ms_all": [round(x, 3) for x in t.ms],
            "bit_exact": exact, "setup_s": round(setup_s, 2), "copied_gb_per_step": round(copied / 1e9, 4),
-           "decoded_gb_per_step": round(s["streamed_bytes_per_step"] / 1e9, 4) if "coded_bytes" in s else 0.0}
+           "decoded_gb_per_step": 0.0}
+    if "coded_bytes" in s:
+        decoded = sum(lay.nbytes for k, lay in enumerate(source.layouts) if not source.raw[k]) \
+            if coded_ks else s["streamed_bytes_per_step"]
+        fig["decoded_gb_per_step"] = round(decoded / 1e9, 4)
+    if coded_ks:
+        fig.update(coded_fraction=args.coded_fraction, coded_block_count=len(coded_ks), blocks=len(source.layouts))
     fig.update({k: s[k] for k in ("coded_bytes", "bits_per_weight", "coded_ratio") if k in s})
     if prof is not None:
         fig["profile"] = prof
@@ -168,10 +202,16 @@ def main(argv=None) -> int:
     p.add_argument("--num-slots", type=int, default=2)
     p.add_argument("--profile-dir", default=None, help="two more steps per mode under torch.profiler")
     p.add_argument("--keep-trace", action="store_true", help="with --profile-dir: keep each gzipped trace too")
+    p.add_argument("--coded-fraction", type=float, default=1.0,
+                   help="coded modes: code only this share of the blocks, evenly spread (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
     args = p.parse_args(argv)
     try:
         args.modes = parse_modes(args.modes)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        spread(1, args.coded_fraction)
     except ValueError as e:
         p.error(str(e))
     if args.steps < 1 or args.warmup < 0 or args.num_slots < 2:
@@ -179,7 +219,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_dlo_decode needs a CUDA device", file=sys.stderr)
         return 2
-    save_result(args.out, "dlodecode", measure(args), suffix="" if args.num_slots == 2 else f"-s{args.num_slots}")
+    suffix = ("" if args.num_slots == 2 else f"-s{args.num_slots}") + (
+        "" if args.coded_fraction == 1.0 else f"-f{round(args.coded_fraction * 100)}")
+    save_result(args.out, "dlodecode", measure(args), suffix=suffix)
     return 0
 
 

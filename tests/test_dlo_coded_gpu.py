@@ -3,7 +3,8 @@
 Run on a multi-GPU machine: ``python3 -m pytest -q -m multigpu tests/test_dlo_coded_gpu.py``
 (``WEIGHTSTREAM_TEST_GPUS=N``: the first N GPUs). Tiny Flux in bf16 (tensors large
 enough to code), bit-exact against the resident model on each GPU: eager, CUDA
-graphs, rank-local coded, update_weights with a re-shard, the event log's gather lane.
+graphs, rank-local coded, update_weights with a re-shard, the event log's gather lane,
+weight_codec="auto" (the ranks plan together; eager and graphs).
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def scenario_gpu(rank, world):
     c.run("rank_local", _rank_equal, "flux", dp, rank, device=device, forwards=3, transfer="rank-local")
     c.run("weights", _rank_weights, dp, rank, device=device)
     c.run("events", _events, dp, rank, device)
+    c.run("auto", _rank_equal, "flux", dp, rank, device=device, forwards=4, codec="auto")
+    c.run("auto_graphs", _rank_equal, "flux", dp, rank, device=device, forwards=6, codec="auto", cuda_graphs="on")
     return c.report
 
 
@@ -113,3 +116,18 @@ def test_nccl_coded_event_log_has_gathers(gpus):
     for rep in get(gpus, "events"):
         assert rep["lanes"]["gather"] == rep["lanes"]["copy"] > 0 and rep["lanes"]["compute"] > 0, rep
         assert rep["pinned"]
+
+
+@pytest.mark.parametrize("name", ["auto", "auto_graphs"])
+def test_nccl_auto_codec_plans_alike_on_every_rank(gpus, name):
+    """weight_codec='auto' over NCCL: the ranks join their measurements and code the same blocks
+    (the same coded shares on every rank); eager and with CUDA graphs captured after the plan."""
+    reps = get(gpus, name)
+    for r, rep in enumerate(reps):
+        assert all(rep["equal"]) and rep["restored"] and rep["back"], (r, rep["equal"])
+        assert rep["plan"] is not None and rep["plan"]["h2d_gbps"] > 0, rep["plan"]
+    assert len({tuple(rep["plan"]["coded_blocks"]) for rep in reps}) == 1
+    assert len({rep["stats"]["shard_bytes"] for rep in reps}) == 1
+    assert all(rep["stats"]["coded_blocks"] == len(rep["plan"]["coded_blocks"]) for rep in reps)
+    merged = merge_coded_shards([rep["local"] for rep in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())

@@ -79,3 +79,39 @@ def test_decode_placement_gates_on_the_named_child():
         place.main(["--codec", "exp-q"])
     if not torch.cuda.is_available():
         assert place.main(["--placements", "start"]) == 2
+
+
+def test_spread_picks_an_even_share():
+    assert probe.spread(10, 0.5) == [1, 3, 5, 7, 9]
+    assert probe.spread(57, 1.0) == list(range(57))
+    assert len(probe.spread(57, 0.6)) == 34 and len(set(probe.spread(57, 0.6))) == 34
+    assert probe.spread(3, 0.01) == [1]
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="--coded-fraction"):
+            probe.spread(10, bad)
+    with pytest.raises(SystemExit):
+        probe.main(["--coded-fraction", "0"])
+
+
+@pytest.mark.parametrize("mode", ["coded", "coded2"])
+def test_code_part_codes_the_share_and_the_moved_store_stays_exact(mode):
+    """--coded-fraction: an auto wrap with its planner removed, a share of the blocks coded at
+    once; the moved store (raw and coded regions) still gives the resident outputs."""
+    model = tiny_flux(dtype=torch.bfloat16, num_attention_heads=4)
+    inputs = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        om = OffloadedTransformer(model, probe._mode_config(mode, 2, 0.6), device="cpu")
+        ks = probe.code_part(om, mode, 0.6)
+        source = om._streamed.source
+        assert ks == probe.spread(5, 0.6) and [not r for r in source.raw] == [k in ks for k in range(5)]
+        assert om._streamed.codec_planner.state == "removed"
+        back = probe.store_on(source, torch.device("cpu"))
+        try:
+            assert all(torch.equal(om(**inputs)[0], ref) for _ in range(2))
+        finally:
+            back()
+        assert om.stats()["coded_blocks"] == 3
+        model = om.disable()
+        assert torch.equal(model(**inputs)[0], ref)
+    assert probe.code_part(None, "raw", 0.6) == [] and probe._mode_config("raw", 2, 0.6).weight_codec == "none"
