@@ -446,6 +446,10 @@ def assemble(args, everyone: list[dict], world: int, gpu: str) -> dict:
             modes[mode]["pin_failure"] = f0["pin_failure"]
         if mode in CODED_MODES:
             modes[mode].update(coded_figures(f0, resident, h2d, world, step))
+        if f0.get("codec_plan"):  # weight_codec="auto": the same plan on every rank
+            modes[mode]["codec_plan"] = f0["codec_plan"]
+            modes[mode]["coded_blocks"] = f0["coded_blocks"]
+            modes[mode]["plans_agree"] = len({tuple(f["codec_plan"]["coded_blocks"]) for f in figs}) == 1
     targets = targets_for(world) if world >= 2 else None
     met = targets_met(modes.get("dlo-allgather"), targets) if h2d > 0 else None
     coded = [modes[m] for m in CODED_MODES if m in modes]  # met when one coded mode meets it
