@@ -36,7 +36,7 @@ def test_measured_plan_on_cuda_is_bit_exact(graphs):
     """Nothing given: the step, the link and the decodes are measured on the device; whatever the
     plan codes, every output is bit for bit and the weights come back."""
     model, x = _model("flux", device="cuda")
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(DEV)
     om = _wrap(model, cuda_graphs=graphs)
     with torch.no_grad():
         want = _first(ref(**x))
@@ -48,13 +48,13 @@ def test_measured_plan_on_cuda_is_bit_exact(graphs):
     if graphs == "on":
         assert om.graphs.counts["replay"] >= 1, om.graphs.counts
     plain = om.disable()
-    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+    assert all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
 
 
 @pytest.mark.parametrize("graphs", ["off", "on"])
 def test_slow_link_codes_every_block_then_replays_coded(graphs):
     model, x = _model("flux", device="cuda")
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(DEV)
     om = _wrap(model, h2d_gbps=1e-6, cuda_graphs=graphs)
     src = om._streamed.source
     raw_shards = list(src.store.shard_bytes)
@@ -68,7 +68,7 @@ def test_slow_link_codes_every_block_then_replays_coded(graphs):
     if graphs == "on":
         assert om.graphs.counts["replay"] >= 1, om.graphs.counts
     plain = om.disable()
-    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+    assert all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
 
 
 def test_mixed_raw_and_coded_loads_on_cuda():
@@ -76,7 +76,7 @@ def test_mixed_raw_and_coded_loads_on_cuda():
     both kinds of load): bit for bit."""
     for graphs in ("off", "on"):
         model, x = _model("flux", device="cuda")
-        ref = copy.deepcopy(model)
+        ref = copy.deepcopy(model).to(DEV)
         om = _wrap(model, cuda_graphs=graphs)
         om._streamed.codec_planner.remove()
         src = om._streamed.source
@@ -87,7 +87,7 @@ def test_mixed_raw_and_coded_loads_on_cuda():
             assert [not r for r in src.raw] == [False, True, False, False, True]
             assert all(torch.equal(_first(om(**x)), want) for _ in range(4)), graphs
         plain = om.disable()
-        assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
+        assert all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
         del plain, om
 
 
