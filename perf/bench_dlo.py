@@ -32,7 +32,7 @@ N >= 4: step <= 1.05 x resident, pinned per rank <= 1/N + 0.01 x model
 ``dlo-allgather-coded`` (issue 14): AllGather of losslessly coded shards
 (``weight_codec="exp-k"``: each rank copies its share of the coded image, the
 gather moves coded bytes, each rank decodes); ``-coded2`` / ``-codedp``: the
-same with ``exp-k2`` / ``exp-kp``; ``-codeda``: ``weight_codec="auto"`` (the ranks
+same with ``exp-k2`` / ``exp-kp``; ``-codedauto``: ``weight_codec="auto"`` (the ranks
 plan together after the first warm-up step and code only the blocks the link
 needs: ``coded_blocks`` and the plan in ``codec_plan``; needs ``--warmup`` >= 2,
 so the timed steps run on the coded shares). ``--num-slots`` sets the device block slots
@@ -76,9 +76,9 @@ if str(REPO) not in sys.path:  # `python perf/bench_dlo.py`
 
 SCENARIO = "flux-12b-1024"
 MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded", "dlo-allgather-coded2",
-         "dlo-allgather-codedp", "dlo-allgather-codeda")
+         "dlo-allgather-codedp", "dlo-allgather-codedauto")
 CODED_MODES = {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
-               "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codeda": "auto"}  # their runs fill Student-t
+               "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codedauto": "auto"}  # their runs fill Student-t
 CODED_TARGET = 1.10  # issue 14: 2x H200, coded AllGather step <= 1.10 x resident
 FLUX_12B = dict(guidance_embeds=True)  # FluxTransformer2DModel defaults are Flux.1-dev sized
 FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
@@ -136,8 +136,8 @@ def parse_args(argv=None):
     args.modes = modes
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    if "dlo-allgather-codeda" in args.modes and args.warmup < 2:
-        p.error(f"--warmup {args.warmup} is not allowed with dlo-allgather-codeda; allowed: >= 2 (the first step "
+    if "dlo-allgather-codedauto" in args.modes and args.warmup < 2:
+        p.error(f"--warmup {args.warmup} is not allowed with dlo-allgather-codedauto; allowed: >= 2 (the first step "
                 "is measured and planned, the blocks coded after it)")
     if args.num_slots < 2:
         p.error(f"--num-slots {args.num_slots} is not allowed; choose an integer >= 2")

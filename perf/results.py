@@ -28,11 +28,11 @@ RESIDENT_MODES = ("resident", "resident-graph", "resident-compile", "resident-tf
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|resident-compile|resident-tfill|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded[2pa]?)?|dlo-rank-local"
+    r"^(resident|resident-graph|resident-compile|resident-tfill|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codeda], "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], copy[-variant...], triton[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")

@@ -686,11 +686,11 @@ def test_bench_student_t_fill_and_mode_names():
     validate_mode_name("dlo-allgather-codedp")
     assert "dlo-allgather-coded" in bench.parse_args(["--modes", "dlo-allgather-coded"]).modes
     assert bench.CODED_MODES == {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
-                                 "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codeda": "auto"}
-    validate_mode_name("dlo-allgather-codeda")
-    assert bench.parse_args(["--modes", "dlo-allgather-codeda"]).warmup == 2
+                                 "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codedauto": "auto"}
+    validate_mode_name("dlo-allgather-codedauto")
+    assert bench.parse_args(["--modes", "dlo-allgather-codedauto"]).warmup == 2
     with pytest.raises(SystemExit):  # the first step is measured: timed steps need the coded shares
-        bench.parse_args(["--modes", "dlo-allgather-codeda", "--warmup", "1"])
+        bench.parse_args(["--modes", "dlo-allgather-codedauto", "--warmup", "1"])
     normal = bench.build_model(bench.FLUX_TINY, "cpu")
     heavy = bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="student-t")
     w_n = normal.transformer_blocks[0].attn.to_q.weight
@@ -703,7 +703,7 @@ def test_bench_student_t_fill_and_mode_names():
 
 
 def test_bench_dlo_tiny_coded_mode(tmp_path):
-    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded,...-coded2,...-codedp,...-codeda --num-slots 3`:
+    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded,...-coded2,...-codedp,...-codedauto --num-slots 3`:
     all bit-exact over gloo, the coded modes report their coded sizes and the Student-t fill."""
     import json
     import subprocess
@@ -715,7 +715,7 @@ def test_bench_dlo_tiny_coded_mode(tmp_path):
     proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "2", "--steps", "2",
                            "--warmup", "2", "--modes",
                            "dlo-allgather,dlo-allgather-coded,dlo-allgather-coded2,dlo-allgather-codedp,"
-                           "dlo-allgather-codeda",
+                           "dlo-allgather-codedauto",
                            "--num-slots", "3", "--out", str(tmp_path)],
                           cwd=repo, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -732,7 +732,7 @@ def test_bench_dlo_tiny_coded_mode(tmp_path):
     assert two["bit_exact"] is True and 0 < two["coded_bytes"] and res["num_slots"] == 3
     assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
     assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
-    auto = res["modes"]["dlo-allgather-codeda"]  # the ranks planned together (whatever the CPU measured)
+    auto = res["modes"]["dlo-allgather-codedauto"]  # the ranks planned together (whatever the CPU measured)
     assert auto["bit_exact"] is True and auto["codec_plan"]["coded_blocks"] is not None
     assert auto["coded_blocks"] == len(auto["codec_plan"]["coded_blocks"]) and auto["codec_plan"]["h2d_gbps"] > 0
     assert auto["plans_agree"] is True
