@@ -18,6 +18,12 @@ pipeline, gathering coded bytes):
 
 Each rank's link moves ``coded / N`` bytes per block, the gather ``coded``.
 
+``weight_codec='auto'`` (:mod:`..auto_codec_gather` plans, the same on every
+rank): every block starts as a share of its *raw* image (``raw[k]``), gathered
+straight into the block slot with no decode, as :class:`.dlo.ShardSource` does;
+:meth:`CodedShardSource.code_blocks` then codes the planned blocks at once (a
+gather of each raw image, the deterministic encode, this rank's share of it).
+
 Updates (``update_weights``, a collective as for :class:`ShardSource`: every
 rank calls it with the same weights): ``write`` keeps the new values; the
 executor's ``reload`` then gathers and decodes each written block (in block
@@ -275,7 +281,8 @@ class CodedShardSource(ShardSource):
         return self.coded_bufs[slot][: self.world * self.store.shard_bytes[k]]
 
     def _gather_waits_free(self, k: int, slot: int, tag) -> bool:
-        """A raw block's gather writes the slot: it waits for the slot's release. A coded one's writes the slot's coded buffer, not the slot, so it runs while compute still
+        """A raw block's gather writes the slot: it waits for the slot's release. A coded block's
+        gather writes the slot's coded buffer, not the slot, so it runs while compute still
         reads the slot (only the decode waits for the release): the communication stream's order
         puts it after the decode that last read that buffer. A decode issued in another capture
         context (eager vs a graph, or another graph) is not in that order: then the gather waits
