@@ -4,7 +4,9 @@ over a fake group of one (the gather a device copy on the communication stream).
 Runs the CUDA paths two ranks cannot add to: the first step measured from CUDA events, the
 sampled decodes timed from a CUDA graph, the blocks coded between steps (device synchronised,
 coded buffers allocated), raw and coded loads in one ring, and CUDA graphs captured after the
-plan. The NCCL runs are in tests/test_dlo_coded_gpu.py (``auto`` cases, 2 GPUs).
+plan. Then two real ranks on the one GPU over gloo (its gathers of CUDA tensors go through the
+host: slow, the same bytes), so the ranks' joined plan and the coded gathers run on CUDA without
+a second GPU. The NCCL runs are in tests/test_dlo_coded_gpu.py (``auto`` cases, 2 GPUs).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import copy
 import pytest
 import torch
 
-from test_dlo_coded import FAST_DECODE, FakeCodedGather, _first, _model
+from test_distributed import Checks, get, run_ranks
+from test_dlo_coded import FAST_DECODE, FakeCodedGather, _first, _model, _rank_equal
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
 
@@ -103,3 +106,31 @@ def test_decode_rates_given_skip_the_timing():
     plan = om.stats()["codec_plan"]
     assert plan["decode_gbps"] == FAST_DECODE and plan["plan_parts_s"]["decode_s"] < 5.0
     om.disable()
+
+
+# --------------------------------------------------------------------------- two ranks on one GPU (gloo)
+def scenario_one_gpu(rank, world):
+    dp = ParallelConfig.data_parallel()
+    c = Checks()
+    c.run("auto", _rank_equal, "flux", dp, rank, device="cuda:0", forwards=4, codec="auto")
+    c.run("coded", _rank_equal, "flux", dp, rank, device="cuda:0", forwards=3)
+    return c.report
+
+
+@pytest.fixture(scope="module")
+def two_on_one(tmp_path_factory):
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_auto_one_gpu"), "test_dlo_auto_codec_gpu:scenario_one_gpu",
+                     backend="gloo", timeout=300)
+
+
+@pytest.mark.parametrize("name", ["auto", "coded"])
+def test_two_ranks_on_one_gpu_plan_alike_and_stay_exact(two_on_one, name):
+    reps = get(two_on_one, name)
+    for r, rep in enumerate(reps):
+        assert all(rep["equal"]) and rep["restored"] and rep["back"], (r, rep["equal"])
+        assert rep["stats"]["source"] == "dlo-allgather-coded" and rep["stats"]["transfer"] == "allgather"
+    assert len({rep["stats"]["shard_bytes"] for rep in reps}) == 1
+    if name == "auto":
+        assert all(rep["plan"] is not None and rep["plan"]["h2d_gbps"] > 0 for rep in reps)
+        assert len({tuple(rep["plan"]["coded_blocks"]) for rep in reps}) == 1
+        assert all(rep["stats"]["coded_blocks"] == len(rep["plan"]["coded_blocks"]) for rep in reps)
