@@ -38,10 +38,12 @@ PRELOAD = [
 
 
 # --------------------------------------------------------------------------- launcher
-def run_ranks(world: int, tmpdir, target: str, *, backend: str = "gloo", timeout: float = 240.0) -> list[dict]:
+def run_ranks(world: int, tmpdir, target: str, *, backend: str = "gloo", timeout: float = 240.0,
+              cuda: bool = False) -> list[dict]:
     """Run ``target`` ("module:function", called as fn(rank, world)) on ``world``
-    ranks of a fresh process group; return each rank's report dict."""
-    if backend == "nccl":
+    ranks of a fresh process group; return each rank's report dict. ``cuda``: the
+    ranks use CUDA (gloo over CUDA tensors), so they are spawned as for NCCL."""
+    if backend == "nccl" or cuda:
         # CUDA cannot be initialised in a process forked from one that touched it
         # (the forkserver imports torch and the test modules): spawn fresh ranks.
         ctx = mp.get_context("spawn")

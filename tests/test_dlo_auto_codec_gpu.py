@@ -120,7 +120,7 @@ def scenario_one_gpu(rank, world):
 @pytest.fixture(scope="module")
 def two_on_one(tmp_path_factory):
     return run_ranks(2, tmp_path_factory.mktemp("dlo_auto_one_gpu"), "test_dlo_auto_codec_gpu:scenario_one_gpu",
-                     backend="gloo", timeout=300)
+                     backend="gloo", timeout=300, cuda=True)
 
 
 @pytest.mark.parametrize("name", ["auto", "coded"])
