@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from test_distributed import Checks, get, run_ranks
-from test_dlo_coded import FAST_DECODE, FakeCodedGather, _first, _model, _rank_equal
+from test_dlo_coded import FAST_DECODE, FakeCodedGather, _first, _model, _rank_auto, _rank_equal
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
 
@@ -114,6 +114,7 @@ def scenario_one_gpu(rank, world):
     c = Checks()
     c.run("auto", _rank_equal, "flux", dp, rank, device="cuda:0", forwards=4, codec="auto")
     c.run("coded", _rank_equal, "flux", dp, rank, device="cuda:0", forwards=3)
+    c.run("auto_forced", _rank_auto, dp, rank, device="cuda:0")  # a slow link on rank 1: both code every block
     return c.report
 
 
@@ -134,3 +135,17 @@ def test_two_ranks_on_one_gpu_plan_alike_and_stay_exact(two_on_one, name):
         assert all(rep["plan"] is not None and rep["plan"]["h2d_gbps"] > 0 for rep in reps)
         assert len({tuple(rep["plan"]["coded_blocks"]) for rep in reps}) == 1
         assert all(rep["stats"]["coded_blocks"] == len(rep["plan"]["coded_blocks"]) for rep in reps)
+
+
+def test_two_ranks_on_one_gpu_join_their_measurements(two_on_one):
+    """Rank 0 measures a fast link, rank 1 a slow one (set as the planner's inputs): both code every
+    block, from the first step on; the coded shares merge back bit for bit."""
+    from weightstream.offload.sources.dlo_coded import merge_coded_shards
+
+    reps = get(two_on_one, "auto_forced")
+    for r in reps:
+        assert r["errors"] == [None] * 3 and r["equal"] == [True] * 3 and r["usable"] and r["back"], r["errors"]
+        assert r["plans"][0] == list(range(5)) and not any(r["raw"]) and r["codec"] == "exp-k2"
+    assert reps[0]["shards"] == reps[1]["shards"] and reps[0]["ncoll"] == reps[1]["ncoll"]
+    merged = merge_coded_shards([r["local"] for r in reps])
+    assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())

@@ -470,14 +470,14 @@ def _codec_differs(parallel, rank, other=None):
     return None
 
 
-def _rank_auto(parallel, rank, *, fail_first=False):
+def _rank_auto(parallel, rank, *, fail_first=False, device="cpu"):
     """weight_codec='auto' where DLO resolves to AllGather (no weight_transfer given). The ranks
     measure differently (rank 0 a fast link, rank 1 a slow one, set as the planner's inputs): the
     joined, slowest, measurements code every block on both ranks. ``fail_first``: rank 1 raises
     inside a block in the first forward; both ranks raise, then plan after the next forward."""
-    model, x = _model("flux", seed_inputs=1 + rank)
-    ref = copy.deepcopy(model)
-    om = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="auto", progress=False), device="cpu",
+    model, x = _model("flux", seed_inputs=1 + rank, device=device)
+    ref = copy.deepcopy(model).to(device)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="auto", progress=False), device=device,
                               parallel=parallel)
     planner = om._streamed.codec_planner
     planner.h2d_gbps = 1e6 if rank == 0 else 1e-6
@@ -507,8 +507,8 @@ def _rank_auto(parallel, rank, *, fail_first=False):
                usable=om._streamed.usable, ncoll=src.ncoll)
     local = om.local_state_dict()
     plain = om.disable()
-    out["back"] = all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())
-    out["local"], out["ref"] = local, {k: v.clone() for k, v in ref.state_dict().items()}
+    out["back"] = all(torch.equal(v.cpu(), ref.state_dict()[k].cpu()) for k, v in plain.state_dict().items())
+    out["local"], out["ref"] = local, {k: v.cpu().clone() for k, v in ref.state_dict().items()}
     return out
 
 
