@@ -123,6 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny Flux on CPU ranks (gloo): a smoke test")
     p.add_argument("--out", default=None, help="result folder (default: perf/results; none with --tiny)")
     p.add_argument("--num-slots", type=int, default=2, help="device block slots of the offloaded modes (>= 2)")
+    p.add_argument("--plan-h2d-gbps", type=float, default=None,
+                   help="the auto mode plans with this link rate instead of the measured one (what a slower or "
+                        "faster link would code; recorded in codec_plan.h2d_gbps)")
     p.add_argument("--profile-dir", default=None,
                    help="after each offloaded mode's timed steps, 2 more under torch.profiler on rank 0: lanes, "
                         "kernel time per class and stream (perf/lanes.py) into the result and this folder")
@@ -136,6 +139,8 @@ def parse_args(argv=None):
     args.modes = modes
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.plan_h2d_gbps is not None and not args.plan_h2d_gbps > 0:
+        p.error(f"--plan-h2d-gbps {args.plan_h2d_gbps} is not allowed; allowed: a number > 0")
     if "dlo-allgather-codedauto" in args.modes and args.warmup < 2:
         p.error(f"--warmup {args.warmup} is not allowed with dlo-allgather-codedauto; allowed: >= 2 (the first step "
                 "is measured and planned, the blocks coded after it)")
@@ -268,6 +273,8 @@ def run_mode(mode, model, inputs, ref, args, ctx):
     else:
         om = OffloadedTransformer(model, cfg, device=device, parallel=ParallelConfig.data_parallel())
     setup_s = time.perf_counter() - t0
+    if args.plan_h2d_gbps is not None and om._streamed.codec_planner is not None:
+        om._streamed.codec_planner.h2d_gbps = args.plan_h2d_gbps  # plan as if the link ran at this rate
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

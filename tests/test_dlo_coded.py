@@ -770,3 +770,27 @@ def test_happens_before_catches_a_mutated_coded_load(method, line, rules):
     v = check(rec.trace)
     broken = {r for r in RULES if v[r]}
     assert rules <= broken, broken
+
+
+def test_bench_dlo_one_rank_auto_plans_with_the_given_link(tmp_path):
+    """`--nproc 1 --plan-h2d-gbps`: AllGather over one rank runs rank-local; the auto mode plans with
+    the given link rate (recorded). The tiny model's blocks code no smaller than raw (a load copies
+    the coded bytes plus slack), so nothing is coded here; the bench's wait for background coding
+    runs at Flux scale only."""
+    import json
+    import subprocess
+    import sys
+
+    repo, _ = _bench()
+    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "1", "--steps", "2",
+                           "--warmup", "2", "--modes", "dlo-allgather-codedauto", "--plan-h2d-gbps", "1e-6",
+                           "--out", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    auto = json.loads(path.read_text())["modes"]["dlo-allgather-codedauto"]
+    assert auto["bit_exact"] is True and auto["plans_agree"] is True
+    plan = auto["codec_plan"]
+    assert plan["h2d_gbps"] == 1e-6 and plan["coded_blocks"] == [] and auto["coded_blocks"] == 0, plan
+    with pytest.raises(SystemExit):
+        _bench()[1].parse_args(["--plan-h2d-gbps", "0"])
