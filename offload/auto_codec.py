@@ -85,9 +85,13 @@ class AutoCodec(RemovableHooks):
         ex = self.streamed.executor
         if sig is None or sys.exc_info()[1] is not None or ex.mid_step:
             return  # a failed or cut-short step measures nothing; the next call does
+        self.plan_and_apply(sig, ex.take_events())
+
+    def plan_and_apply(self, sig, events) -> None:
+        """Plan from a measured step's ``events`` (for input signature ``sig``), print it, code."""
         t0 = time.perf_counter()
         self.plan_parts = {"sample_s": 0.0, "decode_s": 0.0}
-        plan = self._plan(ex.take_events())
+        plan = self._plan(events)
         self.plans[sig] = plan
         announce("auto codec", plan.describe(), self.streamed.config.progress)
         t1 = time.perf_counter()

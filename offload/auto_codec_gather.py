@@ -36,7 +36,6 @@ import time
 from . import planner
 from .auto_codec import AutoCodec, _decode_ms, _layout_key
 from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
-from .progress import announce
 from .sources.codec_names import AUTO_CODECS
 from .streamed import _all_tensors, tensor_bytes
 
@@ -97,15 +96,7 @@ class GatherAutoCodec(AutoCodec):
         if guard.failure is not None:
             return  # no collective may run any more
         try:
-            t0 = time.perf_counter()
-            self.plan_parts = {"sample_s": 0.0, "decode_s": 0.0}
-            plan = self._plan(events)
-            self.plans[sig] = plan
-            announce("auto codec", plan.describe(), self.streamed.config.progress)
-            t1 = time.perf_counter()
-            self.apply(plan)
-            self.plan_parts["apply_s"] = time.perf_counter() - t1
-            self.plan_s = time.perf_counter() - t0
+            self.plan_and_apply(sig, events)
         except Exception as e:
             guard.mark_failed(f"{type(e).__name__}: {e} (planning or coding weight_codec='auto' after step "
                               f"{self.streamed.executor.position // self.streamed.executor.schedule.n})")

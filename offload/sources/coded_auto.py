@@ -30,7 +30,7 @@ from .codec_names import CodedCaptureStaleError, codec_levels
 from .coded_background import MAX_WAITING, BackgroundCoding
 from .coded_encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
 
-__all__ = ["AutoCoding", "SAMPLE_BYTES", "sample_coded"]
+__all__ = ["AutoCoding", "SAMPLE_BYTES", "checked_blocks", "sample_coded"]
 
 SAMPLE_BYTES = 64 << 20  # a sampled block (the codec planner's) is about this large at most
 SAMPLE_RUN = 1 << 16  # elements per sampled run (a whole number of codec tiles)
@@ -72,6 +72,25 @@ def sample_coded(lay: BlockLayout, region: torch.Tensor, levels: int,
     coded = sum(round((end - seg.src_offset) * scale[seg.dst_offset])
                 for seg, end in zip(table.segments, ends))
     return coded, scratch[:n], table, sub.nbytes
+
+
+def checked_blocks(src, ks, codec: str, loads: str) -> tuple[list[int], int]:
+    """``code_blocks``' checks, for a source with ``layouts``, ``raw``, ``levels``, ``codec`` and
+    ``_captured``: ``ks`` sorted (each a raw block's index) and ``codec``'s levels (the source's one
+    codec); ``loads`` names what captured graphs replay over the raw blocks."""
+    ks = sorted(set(ks))
+    bad = [k for k in ks if not isinstance(k, int) or not 0 <= k < len(src.layouts) or not src.raw[k]]
+    if bad:
+        raise ValueError(f"code_blocks: blocks {bad} are not raw blocks of this source; allowed: indices of "
+                         f"raw blocks ({[k for k, r in enumerate(src.raw) if r]})")
+    levels = codec_levels(codec)
+    if src.levels is not None and levels != src.levels:
+        raise ValueError(f"code_blocks: codec={codec!r}, but this source codes with {src.codec!r}; one codec "
+                         "per source")
+    if src._captured:
+        raise CodedCaptureStaleError(f"code_blocks: CUDA graphs were captured over the raw blocks' {loads}; "
+                                     "disable() the model and wrap it again")
+    return ks, levels
 
 
 @dataclasses.dataclass
@@ -121,20 +140,9 @@ class AutoCoding:
         ``background``: encode on a thread and return at once; each step start swaps in the
         blocks finished by then (:meth:`check`), the others keep streaming raw; CUDA graphs wait
         for the job (:meth:`capture_deferred`): none may be captured over raw loads before."""
-        ks = sorted(set(ks))
+        ks, levels = checked_blocks(self, ks, codec, "loads")
         if not ks:
             return
-        bad = [k for k in ks if not 0 <= k < len(self.layouts) or not self.raw[k]]
-        if bad:
-            raise ValueError(f"code_blocks: blocks {bad} are not raw blocks of this source; allowed: indices of "
-                             f"raw blocks ({[k for k, r in enumerate(self.raw) if r]})")
-        levels = codec_levels(codec)
-        if self.levels is not None and levels != self.levels:
-            raise ValueError(f"code_blocks: codec={codec!r}, but this source codes with {self.codec!r}; one codec "
-                             "per source")
-        if self._captured:
-            raise CodedCaptureStaleError("code_blocks: CUDA graphs were captured over the raw blocks' loads; "
-                                         "disable() the model and wrap it again")
         if self._coding is not None:
             raise ValueError("code_blocks: a background coding job is still running; let the steps finish it")
         if self.device.type == "cuda":

@@ -53,7 +53,7 @@ from ..layout import BlockLayout, TensorSpec
 from ..progress import Progress
 from .codec_names import AUTO
 from .coded import CodedCaptureStaleError, codec_levels
-from .coded_auto import SAMPLE_BYTES, sample_coded
+from .coded_auto import SAMPLE_BYTES, checked_blocks, sample_coded
 from .coded_encode import _slack, encode_image, encoded_in_order
 from .dlo import ShardedHostViews, ShardSource, _raw_bytes
 from .pinned import SourceRequest, drop_storage
@@ -336,18 +336,7 @@ class CodedShardSource(ShardSource):
         if background:
             raise ValueError("code_blocks: background=True is not allowed with DLO AllGather: every rank switches "
                              "a block to coded at the same step; allowed: background=False")
-        ks = sorted(set(ks))
-        bad = [k for k in ks if not isinstance(k, int) or not 0 <= k < len(self.layouts) or not self.raw[k]]
-        if bad:
-            raise ValueError(f"code_blocks: blocks {bad} are not raw blocks of this source; allowed: indices of "
-                             f"raw blocks ({[k for k, r in enumerate(self.raw) if r]})")
-        levels = codec_levels(codec)
-        if self.levels is not None and levels != self.levels:
-            raise ValueError(f"code_blocks: codec={codec!r}, but this source codes with {self.codec!r}; one codec "
-                             "per source")
-        if self._captured:
-            raise CodedCaptureStaleError("code_blocks: CUDA graphs were captured over the raw blocks' gathers; "
-                                         "disable() the model and wrap it again")
+        ks, levels = checked_blocks(self, ks, codec, "gathers")
         if not ks:
             return
         self.ready_to_gather("coding blocks (weight_codec='auto')")
