@@ -157,14 +157,18 @@ class AutoCodec(RemovableHooks):
             return
         sb = self.streamed
         sb.executor.synchronize()
-        # in the background; CUDA graphs capture once it is done (graphs.runner: eager-settling
-        # steps meanwhile), except where ranks must agree on each capture (DLO): coded at once
-        background = sb.config.cuda_graphs != "on" or sb.executor.guard is None
+        background = self._background()
         if background and sb.config.progress:
             print(f"weightstream auto codec: coding {len(plan.added)} blocks with {plan.codec} in the background; "
                   "the steps stream them raw until each is coded", file=sys.stderr)
         sb.source.code_blocks([sb.executor.k_of[i] for i in plan.added], plan.codec,
                               progress=sb.config.progress, background=background)
+
+    def _background(self) -> bool:
+        """Code in the background; CUDA graphs capture once it is done (graphs.runner: eager-settling
+        steps meanwhile), except where ranks must agree on each capture (DLO): coded at once."""
+        sb = self.streamed
+        return sb.config.cuda_graphs != "on" or sb.executor.guard is None
 
     def stats(self) -> dict:
         if self.plan is None:

@@ -157,14 +157,8 @@ class GatherAutoCodec(AutoCodec):
                  decoded_bytes[c] / (max(decode_ms[c], 1e-6) * 1e6) for c in codecs}
         return {"coded": coded, "decode": rates}
 
-    def apply(self, plan: CodecPlan) -> None:
-        self.plan = plan
-        if not plan.added:
-            return
-        sb = self.streamed
-        sb.executor.synchronize()
-        sb.source.code_blocks([sb.executor.k_of[i] for i in plan.added], plan.codec,
-                              progress=sb.config.progress, background=False)
+    def _background(self) -> bool:
+        return False  # every rank switches a block to coded at the same step
 
 
 def _key_name(lay) -> str:
