@@ -794,3 +794,30 @@ def test_bench_dlo_one_rank_auto_plans_with_the_given_link(tmp_path):
     assert plan["h2d_gbps"] == 1e-6 and plan["coded_blocks"] == [] and auto["coded_blocks"] == 0, plan
     with pytest.raises(SystemExit):
         _bench()[1].parse_args(["--plan-h2d-gbps", "0"])
+
+
+def test_a_failed_share_allocation_keeps_the_old_share():
+    """Coding a raw block whose new share cannot be allocated: the raw share, its size and the block's
+    state stay as they were (no half-switched block), and the outputs stay exact."""
+    model, x = _model("flux")
+    ref = copy.deepcopy(model)
+    om = _fake(model, codec="auto")
+    om._streamed.codec_planner.remove()
+    src, store = om._streamed.source, om._streamed.source.store
+    before = (list(store.shard_bytes), store.image(2).clone(), list(store.coded))
+
+    def no_memory(k, n):
+        raise MemoryError("injected: no host memory for the coded share")
+
+    store._alloc = no_memory
+    with pytest.raises(MemoryError, match="injected"):
+        src.code_blocks([2], "exp-k")
+    del store._alloc
+    assert src.raw[2] and store.shard_bytes == before[0] and store.coded == before[2]
+    assert torch.equal(store.image(2), before[1]) and store.tables[2] is None
+    with torch.no_grad():
+        assert torch.equal(_first(om(**x)), _first(ref(**x)))
+    src.code_blocks([2], "exp-k")  # with memory again it codes
+    assert not src.raw[2]
+    plain = om.disable()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())

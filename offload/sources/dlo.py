@@ -48,6 +48,18 @@ def _raw_bytes(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return tmp
 
 
+def write_share(share: torch.Tensor, lo: int, spec: TensorSpec, t: torch.Tensor) -> None:
+    """Write the bytes of tensor ``spec`` (value ``t``) that fall in ``share``: bytes
+    ``[lo, lo + share.numel())`` of the block image (a tensor outside it is only checked)."""
+    a, b = max(lo, spec.offset), min(lo + share.numel(), spec.offset + spec.nbytes)
+    if a >= b:
+        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+            _raw_bytes(t, spec)  # raises the shape/dtype error
+        return
+    raw = _raw_bytes(t, spec)
+    share[a - lo : b - lo].copy_(raw[a - spec.offset : b - spec.offset])
+
+
 class ShardedStore:
     """This rank's share of every block image, in one pinned host arena.
 
@@ -78,14 +90,7 @@ class ShardedStore:
 
     def write(self, k: int, spec: TensorSpec, t: torch.Tensor) -> None:
         """Write the part of tensor ``spec`` (value ``t``) that falls in this rank's share."""
-        lo, hi = self.range(k)
-        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
-        if a >= b:
-            if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-                _raw_bytes(t, spec)  # raises the shape/dtype error
-            return
-        raw = _raw_bytes(t, spec)
-        self.image(k)[a - lo : b - lo].copy_(raw[a - spec.offset : b - spec.offset])
+        write_share(self.image(k), self.range(k)[0], spec, t)
 
     def pack(self, k: int, tensors: list[torch.Tensor]) -> None:
         specs = self.layouts[k].tensors

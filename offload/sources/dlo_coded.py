@@ -55,7 +55,7 @@ from .codec_names import AUTO
 from .coded import CodedCaptureStaleError, codec_levels
 from .coded_auto import SAMPLE_BYTES, checked_blocks, sample_coded
 from .coded_encode import _slack, encode_image, encoded_in_order
-from .dlo import ShardedHostViews, ShardSource, _raw_bytes
+from .dlo import ShardedHostViews, ShardSource, write_share
 from .pinned import SourceRequest, drop_storage
 
 __all__ = ["CodedShardSource", "CodedShardStore", "CodedPiece", "merge_coded_shards"]
@@ -73,17 +73,6 @@ def decode_into(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> Non
 
 def _joined(blobs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(blobs) if blobs else torch.empty(0, dtype=torch.uint8)
-
-
-def _image_of(lay: BlockLayout, tensors) -> torch.Tensor:
-    """Block ``lay``'s raw image (CPU, uint8) from its tensors (alignment gaps zero)."""
-    image = torch.zeros(lay.nbytes, dtype=torch.uint8)
-    with torch.no_grad():
-        for spec, t in zip(lay.tensors, tensors):
-            raw = _raw_bytes(t, spec)  # the shape / dtype check, then its bytes
-            if spec.nbytes:
-                image[spec.offset : spec.offset + spec.nbytes].copy_(raw)
-    return image
 
 
 class CodedShardStore:
@@ -120,44 +109,47 @@ class CodedShardStore:
         coded bytes (a raw block becoming coded)."""
         old = self.shard_bytes[k]
         resharded = fresh or old == 0 or coded.numel() > self.world * old
-        if resharded:
-            self.shard_bytes[k] = shard_size(coded.numel() + _slack(self.layouts[k]), self.world)
-        sb = self.shard_bytes[k]
+        sb = shard_size(coded.numel() + _slack(self.layouts[k]), self.world) if resharded else old
         lo = self.rank * sb
         share = torch.zeros(sb, dtype=torch.uint8)
         part = coded[lo : lo + sb]
         share[: part.numel()] = part
-        if resharded:
-            self._shards[k] = self._alloc(k, sb)
-        self._shards[k].copy_(share)
-        self.coded[k], self.tables[k] = coded.numel(), table
+        self._store(k, share, coded.numel(), table)
         return resharded and old != 0
 
-    def set_raw(self, k: int, image: torch.Tensor) -> None:
-        """Store this rank's share of block ``k``'s raw image (``image``: the block image, uint8;
-        ``weight_codec='auto'`` before a plan codes the block): gathered, it is the image itself."""
+    def set_raw(self, k: int, tensors) -> None:
+        """Store this rank's share of block ``k``'s raw image, from its tensors (``weight_codec='auto'``
+        before a plan codes the block): gathered, the shares are the image itself."""
         sb = shard_size(self.layouts[k].nbytes, self.world)
-        lo = self.rank * sb
-        if self.shard_bytes[k] != sb or self._shards[k] is None:
-            self.shard_bytes[k] = sb
-            self._shards[k] = self._alloc(k, sb)
-        share = self._shards[k]
-        part = image[lo : lo + sb]
-        share[: part.numel()].copy_(part)
-        share[part.numel() :].zero_()
-        self.coded[k], self.tables[k] = 0, None
+        share = torch.zeros(sb, dtype=torch.uint8)  # alignment gaps and the last rank's padding
+        with torch.no_grad():
+            for spec, t in zip(self.layouts[k].tensors, tensors):
+                write_share(share, self.rank * sb, spec, t)
+        self._store(k, share, 0, None)
 
-    def _alloc(self, k: int, n: int) -> torch.Tensor:
-        self._pinned[k] = False
+    def _store(self, k: int, share: torch.Tensor, coded: int, table: DecodeTable | None) -> None:
+        """Block ``k``'s new share, in fresh host memory where its size changed. Nothing of the
+        block's state changes before the bytes are in place (a failed allocation keeps the old share)."""
+        sb = share.numel()
+        if self._shards[k] is not None and self._shards[k].numel() == sb:
+            dst, pinned = self._shards[k], self._pinned[k]
+        else:
+            dst, pinned = self._alloc(k, sb)
+        dst.copy_(share)
+        self.shard_bytes[k], self._shards[k], self._pinned[k] = sb, dst, pinned
+        self.coded[k], self.tables[k] = coded, table
+
+    def _alloc(self, k: int, n: int) -> tuple[torch.Tensor, bool]:
+        """``n`` bytes of host memory for block ``k``'s share, and whether they are pinned."""
         if not self.want_pin or self.pin_failure is not None:
-            return torch.empty(n, dtype=torch.uint8)
-        if self.budget is not None and self.pinned_bytes + n > self.budget:
+            return torch.empty(n, dtype=torch.uint8), False
+        others = sum(sb for j, (sb, p) in enumerate(zip(self.shard_bytes, self._pinned)) if p and j != k)
+        if self.budget is not None and others + n > self.budget:
             self.pin_failure = (f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; coded shards from "
                                 f"{self.layouts[k].name!r} on stay in pageable memory (slower H2D, same results)")
-            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=4)
-            return torch.empty(n, dtype=torch.uint8)
-        self._pinned[k] = True
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=5)
+            return torch.empty(n, dtype=torch.uint8), False
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True), True
 
     @property
     def nbytes(self) -> int:
@@ -245,7 +237,7 @@ class CodedShardSource(ShardSource):
             objs = [req.objects(k) for k in range(n)]
             if self.auto:  # raw shares; a plan codes blocks later (code_blocks)
                 for k, lay in enumerate(self.layouts):
-                    self.store.set_raw(k, _image_of(lay, objs[k]))
+                    self.store.set_raw(k, objs[k])
                     bar.update(lay.nbytes)
             else:
                 for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs, levels=self.levels)):
@@ -416,7 +408,7 @@ class CodedShardSource(ShardSource):
         for i, v in patch.items():
             specs[i].view_of(image).copy_(v)
         if self.raw[k]:  # a raw block keeps its raw share (same size)
-            self.store.set_raw(k, image)
+            self.store.set_raw(k, [s.view_of(image) for s in specs])
             return
         blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs], levels=self.levels)
         if self.store.set(k, _joined(blobs), table):
