@@ -43,6 +43,14 @@ RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident
 # other processes and larger later inputs (planner.auto_budget_bytes).
 AUTO_DEVICE_MARGIN_GB = 2.0
 
+# numeric keys: what the code computes from them must stay representable
+GB = 10**9  # the size keys are in GB (1e9 bytes), never GiB; messages say GB too
+MAX_INT = 2**63 - 1  # ints, and byte counts made from sizes, must fit an int64 (torch, CUDA, C)
+MIN_BUDGET_GB = 1e-9  # one byte: a smaller budget would be 0 bytes, and budgets are > 0
+MAX_BUDGET_GB = MAX_INT // GB  # 9223372036 GB: int(budget * 1e9) bytes is still an int64
+MIN_TIMEOUT_S = 1e-3  # collective waits take whole milliseconds, and 0 ms means "no timeout"
+MAX_TIMEOUT_S = 1e9  # about 31.7 years; datetime.timedelta and int64 milliseconds both hold it
+
 # vLLM-Omni's older flat flags (engine arguments before diffusion_offload_config).
 # Mapped: the new spelling is unambiguous; a DeprecationWarning names it.
 # Rejected: no exact equivalent; the message gives the new spelling to choose.
@@ -90,26 +98,33 @@ def _check_bool(path: str, value: Any) -> None:
 def _check_int(path: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _wrong_type(path, value, f"an int >= {minimum}")
-    if value < minimum:
-        raise _reject(path, value, f"expected an int >= {minimum}")
+    if not minimum <= value <= MAX_INT:
+        raise _reject(path, value, f"expected an int >= {minimum} (at most {MAX_INT}, an int64)")
+
+
+def _check_real(path: str, value: Any, low: float, high: float, allowed: str) -> float:
+    """A finite int or float in [low, high], as a float (``allowed`` says so in words). Ints
+    are compared exactly: one too large for a float fails here, not as an OverflowError later."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(path, value, allowed)
+    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+        raise _reject(path, value, f"expected {allowed}")
+    return float(value)
 
 
 def _check_timeout(path: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(path, value, "a number of seconds > 0")
-    if not math.isfinite(value) or value <= 0:
-        raise _reject(path, value, "expected a finite number of seconds > 0")
-    return float(value)
+    return _check_real(path, value, MIN_TIMEOUT_S, MAX_TIMEOUT_S,
+                       f"a finite number of seconds > 0, from {MIN_TIMEOUT_S:g} (one millisecond) "
+                       f"to {MAX_TIMEOUT_S:g}")
 
 
 def _check_budget(path: str, value: Any) -> float | None:
+    """GB (1e9 bytes): at least one byte, at most what an int64 of bytes holds; or None."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(path, value, "a number > 0 (GiB) or null")
-    if not math.isfinite(value) or value <= 0:
-        raise _reject(path, value, "expected a finite number > 0 (GiB) or null")
-    return float(value)
+    return _check_real(path, value, MIN_BUDGET_GB, MAX_BUDGET_GB,
+                       f"a finite number > 0 of GB (1e9 bytes), from {MIN_BUDGET_GB:g} (one byte) to "
+                       f"{MAX_BUDGET_GB} (an int64 of bytes), or null")
 
 
 _RESIDENT_ALLOWED = "an int >= 0, 'auto', or a list of block indices (ints >= 0)"
@@ -127,16 +142,16 @@ def _check_resident(path: str, value: Any) -> int | str | tuple[int, ...]:
             if isinstance(b, bool) or not isinstance(b, int):
                 raise _wrong_type(f"{path}[{i}]" if not isinstance(value, (set, frozenset)) else path, b,
                                   "a block index (an int >= 0)")
-            if b < 0:
-                raise _reject(path, value, "block indices are ints >= 0")
+            if not 0 <= b <= MAX_INT:
+                raise _reject(path, value, f"block indices are ints >= 0 (at most {MAX_INT}, an int64)")
         out = tuple(sorted(set(value)))
         if len(out) != len(value):
             raise _reject(path, value, "each block index at most once")
         return len(out) if out == tuple(range(len(out))) else out
     if isinstance(value, bool) or not isinstance(value, int):
         raise _wrong_type(path, value, _RESIDENT_ALLOWED)
-    if value < 0:
-        raise _reject(path, value, f"expected {_RESIDENT_ALLOWED}")
+    if not 0 <= value <= MAX_INT:
+        raise _reject(path, value, f"expected {_RESIDENT_ALLOWED}; ints at most {MAX_INT} (an int64)")
     return value
 
 
@@ -230,7 +245,8 @@ class OffloadConfig:
         let copies run further ahead of compute at the cost of device memory.
     pinned_memory_budget_gb: number > 0 or None (no cap). Cap on pinned /
         registered host memory in GB (1e9 bytes); host weights beyond it stay pageable
-        (warning about that is the caller's job).
+        (warning about that is the caller's job). Both budgets lie in [MIN_BUDGET_GB
+        (one byte), MAX_BUDGET_GB] (their byte count, ``*_budget_bytes``, is an int64).
     device_memory_budget_gb: number > 0 or None (no cap). Cap on device memory
         for weights (resident modules + slots) in GB (1e9 bytes); checked at setup.
         With resident_layers="auto" it is the planner's budget; without it the
@@ -240,7 +256,7 @@ class OffloadConfig:
     progress: print progress while pinning large host stores.
     debug_graph_addresses: CUDA-graph debug mode; at each replay check that
         static input addresses did not move.
-    dlo_timeout_s: number > 0, default 60. Distributed layerwise offload (DLO):
+    dlo_timeout_s: number > 0 in [0.001, 1e9], default 60. Distributed layerwise offload (DLO):
         bound, in seconds, of every wait on a DLO collective (setup checks,
         gathers, agreements); a failure on any rank becomes an error on every
         rank within it instead of the process group's own timeout.
@@ -376,6 +392,9 @@ class OffloadConfig:
             raise _wrong_type("components", components,
                               f"a list of component names; {_choices(COMPONENTS)}")
         components = tuple(components)
+        for i, comp in enumerate(components):  # before any sort or lookup of them
+            if not isinstance(comp, str):
+                raise _wrong_type(f"components[{i}]", comp, f"a component name; {_choices(COMPONENTS)}")
         if self.enable_cpu_offload:
             if mode not in (None, "module"):
                 raise _reject("mode", mode, "enable_cpu_offload=True maps to mode='module'; "
@@ -395,8 +414,6 @@ class OffloadConfig:
         allowed = COMPONENTS if mode == "module" else LAYER_COMPONENTS
         for i, comp in enumerate(components):
             path = f"components[{i}]"
-            if not isinstance(comp, str):
-                raise _wrong_type(path, comp, f"a component name; {_choices(COMPONENTS)}")
             if comp not in COMPONENTS:
                 raise _reject(path, comp, _choices(COMPONENTS))
             if comp not in allowed:
@@ -461,12 +478,14 @@ class OffloadConfig:
             kw["layer_options"] = {"dit": LayerOptions(
                 weight_transfer=weight_transfer,
                 resident_layers=0 if resident_layers is None else resident_layers)}
+        _check_keywords("OffloadConfig.layerwise()", kw, fixed=("mode",))
         kw.setdefault("components", ("dit",))
         return cls(mode="layer", **kw)
 
     @classmethod
     def module(cls, components=("dit", "text_encoder"), **kw: Any) -> "OffloadConfig":
         """Module (model-level) mode over ``components``."""
+        _check_keywords("OffloadConfig.module()", kw, fixed=("mode",))
         return cls(mode="module", components=components, **kw)
 
     @classmethod
@@ -503,8 +522,11 @@ class OffloadConfig:
 
         try:
             d = json.loads(s, object_pairs_hook=no_duplicates)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"OffloadConfig={s!r} is not allowed; expected a JSON object ({e})") from e
+        except DuplicateKeyError:
+            raise
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an int of > 4300 digits, deep nesting
+            raise ValueError(f"OffloadConfig={_short_repr(s)} is not allowed; expected a JSON object "
+                             f"({type(e).__name__}: {e})") from e
         if not isinstance(d, dict):
             raise _wrong_type("OffloadConfig", d, "a JSON object")
         return cls.from_dict(d)
@@ -524,6 +546,7 @@ class OffloadConfig:
 
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A new, validated config with ``changes`` applied."""
+        _check_keywords("OffloadConfig.replace()", changes)
         return dataclasses.replace(self, **changes)
 
     # -------------------------------------------------------------- serialise
@@ -555,6 +578,17 @@ class OffloadConfig:
             for f in dataclasses.fields(self)))
 
     # -------------------------------------------------------------- accessors
+    @property
+    def pinned_memory_budget_bytes(self) -> int | None:
+        """``pinned_memory_budget_gb`` in bytes (None: no cap); the one conversion of it
+        (checked to fit an int64)."""
+        return _budget_bytes(self.pinned_memory_budget_gb)
+
+    @property
+    def device_memory_budget_bytes(self) -> int | None:
+        """``device_memory_budget_gb`` in bytes (None: no cap); the one conversion of it."""
+        return _budget_bytes(self.device_memory_budget_gb)
+
     def layer_option(self, component: str) -> LayerOptions:
         """Options of ``component`` (defaults when it has none)."""
         if component not in COMPONENTS:
@@ -576,6 +610,32 @@ class OffloadConfig:
     def weight_transfer(self) -> str | None:
         """dit's weight transfer ("allgather" | "rank-local" | None)."""
         return self.layer_option("dit").weight_transfer
+
+
+def _budget_bytes(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * GB)
+
+
+def _short_repr(s: Any, limit: int = 200) -> str:
+    """``repr(s)``, cut to about ``limit`` characters (a config string may be megabytes)."""
+    text = repr(s)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(s)} characters)"
+
+
+def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...] = ()) -> None:
+    """Keyword arguments that become config fields: a named ConfigTypeError (a TypeError, as
+    Python's own, and a ValueError) for one that is not a field or that ``where`` sets itself."""
+    names = [f.name for f in dataclasses.fields(OffloadConfig)]
+    for key, value in kw.items():
+        if key in fixed:
+            raise ConfigTypeError(
+                f"{where} got {key}={value!r}, which is not allowed: it sets {key} itself; build "
+                f"OffloadConfig({key}=...) or use OffloadConfig.from_dict for another {key}")
+        if key not in names:
+            legacy = LEGACY_MAPPED.get(key) or LEGACY_REJECTED.get(key)
+            hint = f"; it is a legacy vLLM-Omni flag: write {legacy} instead" if legacy else ""
+            raise ConfigTypeError(
+                f"{where} got unknown keyword {key!r}, which is not allowed{hint}; {_choices(names)}")
 
 
 def _map_legacy(d: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,30 +6,93 @@ The pure planners decide which page ranges of mapped checkpoint files a
 budget allows and whether a block may be copied straight from them. Every
 source registers through here: the pinned host store (anonymous arena), the
 DLO shards and the mmap source (read-only file mappings).
+
+Host buffers are allocated through :func:`map_anonymous` / :func:`empty_host`, so that a
+failed allocation is a :class:`~.misuse.HostMemoryError` naming the bytes asked for, what
+the process already held, and how to need less, instead of a bare ENOMEM.
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 
 import torch
 
 from .layout import align_up
+from .misuse import HostMemoryError
+from .progress import format_bytes
 
 REGISTER_CHUNK = 1 << 30  # at most this many bytes per registration (a copy may not span two)
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+# what a HostMemoryError tells the caller to do
+HOST_MEMORY_ADVICE = (
+    "free host memory, or make weightstream need less of it: keep more blocks on the device "
+    "(layer_options.dit.resident_layers), store them coded (weight_codec='exp-k'), stream from the "
+    "checkpoint file (offload_from_safetensors maps it instead of copying it), lower "
+    "pinned_memory_budget_gb (pinned buffers), or use a smaller model"
+)
 
 
 def _cuda_register(ptr: int, size: int, flags: int = 0) -> str | None:
-    """Register a host range; return None on success or the reason it failed."""
+    """Register a host range; return None on success or the reason it failed (with the size
+    and CUDA's name of the error)."""
     try:
         rt = torch.cuda.cudart()
         code = rt.cudaHostRegister(ptr, size, flags)
     except Exception as e:  # binding missing in this torch build
         return f"cudaHostRegister unavailable ({e})"
-    code = int(code)  # torch's binding returns the enum with the error already cleared
-    if code != 0:
-        return f"cudaHostRegister returned CUDA error {code}"
+    if int(code) != 0:  # torch's binding returns the enum with the error already cleared
+        return (f"cudaHostRegister of {format_bytes(size)} returned CUDA error {int(code)} "
+                f"({_cuda_error_name(rt, code)})")
     return None
+
+
+def _cuda_error_name(rt, code) -> str:
+    try:
+        return str(rt.cudaGetErrorString(rt.cudaError(int(code))))
+    except Exception as e:  # pragma: no cover - a binding without the name lookup
+        return f"no description: {type(e).__name__}"
+
+
+def host_memory_state() -> str:
+    """What this process and the machine hold now, for an allocation failure's message
+    (Linux ``/proc``; elsewhere it says it does not know). Read only on failure paths."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * mmap.PAGESIZE
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line)
+        avail = int(info["MemAvailable"].split()[0]) * 1024  # /proc/meminfo's "kB" are KiB
+    except (OSError, KeyError, ValueError, IndexError):
+        return "what this process already holds is unknown here (no /proc)"
+    return (f"this process already holds {format_bytes(rss)} resident; the machine has "
+            f"{format_bytes(avail)} available")
+
+
+def _host_memory_error(nbytes: int, what: str, e: BaseException) -> HostMemoryError:
+    return HostMemoryError(
+        f"could not allocate {what}: {format_bytes(nbytes)} ({nbytes} bytes) of host memory "
+        f"({type(e).__name__}: {e}); {host_memory_state()}. To fix: {HOST_MEMORY_ADVICE}")
+
+
+def map_anonymous(nbytes: int, what: str) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes`` (a host arena); HostMemoryError (naming
+    ``what``, e.g. "the host store of 24 blocks") when the OS refuses it."""
+    try:
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError, MemoryError) as e:  # ENOMEM; a size over ssize_t
+        raise _host_memory_error(nbytes, what, e) from e
+
+
+def empty_host(nbytes: int, what: str, *, pin: bool = False) -> torch.Tensor:
+    """``torch.empty(nbytes, dtype=uint8, pin_memory=pin)``; HostMemoryError (naming ``what``)
+    when torch cannot allocate it (its CPU and pinned allocators raise RuntimeError)."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except (RuntimeError, MemoryError) as e:
+        if pin and not torch.cuda.is_available():
+            raise  # no pinned allocator at all (torch says so): not a shortage of memory
+        raise _host_memory_error(nbytes, f"{what} ({'pinned' if pin else 'pageable'})", e) from e
 
 
 def _cuda_unregister(ptr: int) -> None:

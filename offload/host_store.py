@@ -7,7 +7,8 @@ registering each block's range with ``cudaHostRegister`` (chunks of at most
 ``REGISTER_CHUNK`` bytes), which costs about a tenth of allocating the same
 bytes pinned (DESIGN.md section 8). A pinned-memory budget is honoured; what
 lies beyond it stays pageable, with one warning. Nothing here allocates after
-construction.
+construction; an arena the OS refuses is a ``HostMemoryError`` naming its size
+(:func:`~.host_memory.map_anonymous`).
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import weakref
 
 import torch
 
-from .host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration  # noqa: F401
+from .host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration, map_anonymous  # noqa: F401
 from .layout import BlockLayout, align_up
-from .progress import Progress  # noqa: F401  (re-exported: callers import it from here)
+from .progress import Progress, format_bytes  # noqa: F401  (Progress re-exported: callers import it from here)
 
 PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
 
@@ -83,7 +84,7 @@ class HostStore:
             self.offsets.append(off)
             off = align_up(off + lay.nbytes, PAGE)
         self.nbytes = max(off, PAGE)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = map_anonymous(self.nbytes, f"the host store of {len(self.layouts)} blocks")
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -148,8 +149,8 @@ class HostStore:
                 return  # warned once
             left = [j for j in range(len(self.layouts)) if j not in self.pin_plan]
             self.pin_failure = (
-                f"pinned-memory budget of {self.budget / 1e9:.2f} GB reached; {len(left)} of "
-                f"{len(self.layouts)} blocks ({sum(self.layouts[j].nbytes for j in left) / 1e9:.2f} GB, "
+                f"pinned-memory budget of {format_bytes(self.budget)} reached; {len(left)} of "
+                f"{len(self.layouts)} blocks ({format_bytes(sum(self.layouts[j].nbytes for j in left))}, "
                 f"from {self.layouts[i].name!r}, spread between pinned ones) stay in pageable memory "
                 "(slower H2D, same results)"
             )
@@ -162,7 +163,8 @@ class HostStore:
             err = _cuda_register(base + done, n)
             if err is not None:
                 self._register_failed = True
-                self.pin_failure = f"{err} for {n} bytes of block {self.layouts[i].name!r}; host memory stays pageable"
+                self.pin_failure = (f"{err}, at offset {done} of block {self.layouts[i].name!r} "
+                                    f"({format_bytes(size)}); host memory stays pageable")
                 warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
                 return
             self._reg.ptrs.append(base + done)
@@ -177,6 +179,6 @@ class HostStore:
 
     def __repr__(self) -> str:
         return (
-            f"HostStore({len(self.layouts)} blocks, {self.nbytes / 1e9:.3f} GB, "
-            f"pinned {self.pinned_bytes / 1e9:.3f} GB)"
+            f"HostStore({len(self.layouts)} blocks, {format_bytes(self.nbytes)}, "
+            f"pinned {format_bytes(self.pinned_bytes)})"
         )

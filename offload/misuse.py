@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = [
     "OffloadMisuseError", "WeightUpdateError", "ConcurrentUseError", "StreamedWriteError", "SharedStorageError",
     "UnsupportedOperationError", "AlreadyOffloadedError", "StreamedModuleAccessError", "InferenceOnlyError",
-    "DuplicateKeyError",
+    "DuplicateKeyError", "HostMemoryError",
 ]
 
 
@@ -54,3 +54,8 @@ class InferenceOnlyError(OffloadMisuseError, RuntimeError):
 
 class DuplicateKeyError(OffloadMisuseError, ValueError):
     """A JSON config names one key twice in the same object."""
+
+
+class HostMemoryError(OffloadMisuseError, MemoryError):
+    """A host buffer (the block arena, a staging buffer) could not be allocated; the message
+    names the bytes asked for, what the process already held, and how to need less."""

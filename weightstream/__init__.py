@@ -43,6 +43,7 @@ _EXPORTS = {
     "StreamedModuleAccessError": "weightstream.offload.misuse",
     "InferenceOnlyError": "weightstream.offload.misuse",
     "DuplicateKeyError": "weightstream.offload.misuse",
+    "HostMemoryError": "weightstream.offload.misuse",
 }
 __all__ = list(_EXPORTS)
 
@@ -51,9 +52,9 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
     from weightstream.offload.distributed import ParallelConfig, validate_wave
     from weightstream.offload.misuse import (
-        AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, InferenceOnlyError, OffloadMisuseError,
-        SharedStorageError, StreamedModuleAccessError, StreamedWriteError, UnsupportedOperationError,
-        WeightUpdateError,
+        AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, HostMemoryError, InferenceOnlyError,
+        OffloadMisuseError, SharedStorageError, StreamedModuleAccessError, StreamedWriteError,
+        UnsupportedOperationError, WeightUpdateError,
     )
     from weightstream.offload.mmap_source import offload_from_safetensors
     from weightstream.offload.model_offload import offload_pipeline
