@@ -26,8 +26,9 @@ single-stream block of ~283 MB, a double-stream block of ~680 MB):
   arena, unpinned) at its default worker count (``triton-build-source``).
 
 Without a GPU (or with --cpu) only the coding figures and the encode rates are
-measured. Results: perf/results/codec-<gpu>-<commit>.json (codec-cpu-... on
-CPU) with the metadata keys of perf/results.py.
+measured. Results: merged into perf/results/codec-<gpu kind>.json (codec-cpu-cpu.json
+on CPU; this run's modes replace those of the same name, each mode names its commit)
+with the metadata keys of perf/results.py.
 
     python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
     python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import sys
 import time
 from pathlib import Path
@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # `python perf/bench_codec.py`
 
 from perf.bench_materialise import _flux_block  # noqa: E402  (Flux block tensor shapes)
 from perf.common import short_commit  # noqa: E402
-from perf.results import gpu_slug, validate_result  # noqa: E402
+from perf.results import validate_result, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GBPS = 300.0  # decoded bf16 per second on an H200
@@ -356,9 +356,7 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     validate_result(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{result['scenario']}-{gpu_slug(gpu)}-{commit}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, result)
     print(f"wrote {path}")
     low = [m for m, f in modes.items() if m.startswith("triton") and "gbps" in f and f["gbps"] < TARGET_GBPS]
     if on_gpu and low:

@@ -15,15 +15,13 @@ median time. The baseline is `dst[:n].copy_(src[:n])` for the same n bytes,
 timed the same way in the same run; the target is triton >= 0.8 x copy.
 Timing: CUDA events around each call after warm-up, median of `--iters`.
 
-    python perf/bench_materialise.py                # writes perf/results/materialise-<gpu>-<commit>.json
+    python perf/bench_materialise.py                # merges into perf/results/materialise-<gpu kind>.json
     python perf/bench_materialise.py --tile-bytes 8192 16384 32768 --check
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -258,10 +256,9 @@ def main(argv=None) -> int:
         result["triton"] = triton.__version__
     except ImportError:
         pass
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    path = args.out / f"materialise-{slug}-{commit}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    from perf.results import write_result
+
+    path = write_result(args.out, result)
 
     print(f"\n{'mode':<28} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'x copy':>7}")
     for name, m in modes.items():

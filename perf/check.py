@@ -5,7 +5,11 @@ A baseline file `perf/baselines/<gpu-slug>.json`:
     {"gpu": "NVIDIA H200",
      "scenarios": {"flux-12b-1024": {"layerwise": {"ratio_to_floor": 1.023, "ratio_to_resident": 2.56,
                                                    "ratio_to_best_peer": 0.77}, ...}, ...},
-     "sources": {"flux-12b-1024": {"commit": "<sha>", "date": "...", "file": "<result file>"}}}
+     "sources": {"flux-12b-1024": {"commit": "<sha>", "date": "...", "file": "<result file>"}},
+     "mode_sources": {"flux-12b-1024": {"layerwise": {"file": "...", "commit": "<sha>", "date": "..."}, ...}}}
+
+``mode_sources`` names the run of each mode (a result file merges the modes of
+several runs, each with its own commit and date; git history holds that run).
 
 Only ratios are compared, never absolute times: a ratio worsens when
 new > baseline * (1 + tolerance), or, for the ratios where higher is better
@@ -140,10 +144,12 @@ def baseline_main(results: list[str], out: str | None) -> int:
                 written.append(mode)
         base.setdefault("sources", {})[r["scenario"]] = {
             "commit": r["commit"], "date": r["date"], "file": Path(path).name}
-        # several result files may feed one scenario: name each mode's source
+        # a result file merges several runs: name each mode's own
         per_mode = base.setdefault("mode_sources", {}).setdefault(r["scenario"], {})
         for mode in written:
-            per_mode[mode] = Path(path).name
+            figs = r["modes"][mode]
+            per_mode[mode] = {"file": Path(path).name, "commit": figs.get("commit", r["commit"]),
+                              "date": figs.get("date", r["date"])}
         bpath.parent.mkdir(parents=True, exist_ok=True)
         bpath.write_text(json.dumps(base, indent=1, sort_keys=True) + "\n")
         print(f"baseline {bpath}: {r['scenario']} <- {', '.join(written) or 'nothing (no ratios)'} from {path}")

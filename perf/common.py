@@ -1,5 +1,4 @@
-"""What every benchmark shares: the commit, the GPU's name and slug, the H2D
-measurement, the timed-step loop, and the metadata every result carries.
+"""What every benchmark shares: the commit, the H2D measurement and the timed-step loop.
 
 One floor definition everywhere (DESIGN.md section 7): a step can be no faster
 than its compute (the resident step) nor than its streamed bytes over the best
@@ -12,10 +11,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-
-from perf.results import gpu_slug  # noqa: F401  (re-exported: one slug for every file name)
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -39,35 +35,6 @@ def git_commit() -> tuple[str, bool]:
 def short_commit() -> str:
     sha = git_commit()[0]
     return sha if sha == "unknown" else sha[:12]
-
-
-def gpu_name(device=None) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-
-
-def result_meta(gpus: int | None = None) -> dict:
-    """The keys every result file starts with."""
-    import torch
-
-    sha, dirty = git_commit()
-    n = torch.cuda.device_count() if gpus is None else gpus
-    return {"gpu": gpu_name(), "gpus": n, "commit": sha, "dirty": dirty, "torch": torch.__version__.split("+")[0],
-            "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")}
-
-
-def save_result(out: Path, kind: str, body: dict, suffix: str = "") -> Path:
-    """Write ``result_meta()`` + ``body`` to ``out/<kind>-<gpu slug>-<short commit><suffix>.json``
-    (the small benches' one result file); print and return its path."""
-    import json
-
-    res = {**result_meta(), **body}
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}-{gpu_slug(res['gpu'])}-{short_commit()}{suffix}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
-    return path
 
 
 def measure_h2d_gbps(device, nbytes: int = 1 << 30, reps: int = 7, barrier=None) -> tuple[float, list[float]]:

@@ -3,6 +3,10 @@
 Order: (host-memory touch) -> resident (added when not asked for: the floor
 and ratio_to_resident need it) -> the other modes as given. After each mode
 the result file is rewritten, so a run killed part-way keeps what finished.
+The file is ``<scenario>-<gpu kind>.json``: this run's modes replace the
+ones of the same name, the others stay (each mode names its own commit and
+date). DLO modes (perf/dlo.py) and the module-swap scenario
+(perf/module_swap.py) run through ``run_cli``.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from perf.common import git_commit
 from perf.modes import CODED_FILL, parse_mode
-from perf.results import markdown_table, result_filename, summarise, validate_result
+from perf.results import load_prior, markdown_table, result_filename, summarise, validate_result
 from perf.scenarios import checkpoint_dir, existing_checkpoint, get_scenario, scenario_label, warm_page_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +38,9 @@ MODE_KEYS = (
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
     "coded_bytes", "coded_blocks", "codec_plan", "coding_step_ms_all", "coding_s", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
     "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb",
+    "setup_s_per_gb", "checkpoint_fs", "staging_after_steps", "staging_pack_gbps",
 )
+RATIOS_OF_THE_RUN = ("floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")
 
 
 class Clock:
@@ -151,48 +157,64 @@ def run_worker(label: str, mode: str, *, steps: int, warmup: int, device: str | 
     return result
 
 
+def _prior_modes(prior: dict | None, workers: dict) -> tuple[dict, dict]:
+    """The modes of the file this run merges into that it did not measure (not run, or failed this
+    time): (those whose ratios are worked out again against this run's resident step and H2D
+    rate, those kept as measured). DLO modes are kept: their floor is per rank, their resident
+    the slowest rank's."""
+    again, kept = {}, {}
+    for m, f in (prior or {}).get("modes", {}).items():
+        if workers.get(m, {}).get("ok"):
+            continue
+        f = {"commit": prior["commit"], "date": prior["date"], **f}
+        if m.startswith("dlo-"):
+            kept[m] = dict(f)
+        else:
+            again[m] = {k: v for k, v in f.items() if k not in RATIOS_OF_THE_RUN}
+    return again, kept
+
+
 def assemble(label: str, workers: dict[str, dict], failed: dict[str, str], *, commit: str, dirty: bool,
              prior: dict | None = None) -> dict:
-    """The result dict (DESIGN.md section 7) from worker outputs."""
+    """The result dict (DESIGN.md section 7) from worker outputs, merged over ``prior`` (the file
+    already there): its other modes stay, each with its own commit and date."""
     ok = {m: w for m, w in workers.items() if w.get("ok")}
     first = next(iter(ok.values()), {})
     rates = [w["h2d_gbps"] for w in ok.values() if w.get("h2d_gbps")]
     # one floor for every mode: the best H2D measured in this run (a mode that
     # slowed the link must not get a kinder floor of its own)
     h2d = round(max(rates), 2) if rates else None
-    raw = {}
-    if prior:
-        for m, f in prior.get("modes", {}).items():
-            if m not in workers:
-                raw[m] = {k: v for k, v in f.items()
-                          if k not in ("floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")}
+    date = datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    raw, kept = _prior_modes(prior, workers)
     for m, w in ok.items():
         raw[m] = {k: w[k] for k in MODE_KEYS if w.get(k) is not None}
+        raw[m].update(commit=commit, date=date)
         if w.get("streamed_bytes") is not None:
             raw[m]["streamed_bytes"] = w["streamed_bytes"]
-    modes = summarise(raw, h2d)
+    modes = {**summarise(raw, h2d), **kept}
     for m, f in modes.items():
         f.pop("streamed_bytes", None)
         # compiled modes run other kernels: they compare with the compiled resident model; modes
         # with other weights (the coded modes' Student-t fill) with the resident model of that fill
         yardstick = _yardstick(m)
         ref = modes.get(yardstick, {}).get("output_sha1")
-        if m != yardstick and ref and f.get("output_sha1"):
-            # same seed, same weights: a different output means different kernels or a bug
+        if m != yardstick and ref and f.get("output_sha1") and (m in ok or "output_equals_resident" not in f):
+            # same seed, same weights: a different output means different kernels or a bug (an
+            # earlier run's mode keeps the comparison made in its own run)
             f["output_equals_resident"] = f["output_sha1"] == ref
     model_gb = first.get("model_gb") or (prior or {}).get("model_gb")
     result = {
+        **{k: v for k, v in (prior or {}).items() if k not in ("modes", "failed", "merged_from")},
         "scenario": label, "gpu": first.get("gpu") or (prior or {}).get("gpu", "unknown"),
         "gpus": first.get("gpus", (prior or {}).get("gpus", 0)), "commit": commit, "dirty": dirty,
         "torch": first.get("torch") or (prior or {}).get("torch", "unknown"),
-        "date": datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
-        "h2d_gbps": h2d, "driver": first.get("driver"), "model_gb": model_gb,
+        "date": date, "h2d_gbps": h2d, "driver": first.get("driver"), "model_gb": model_gb,
         "diffusers": first.get("diffusers"), "accelerate": first.get("accelerate"),
         "modes": modes,
     }
     if failed:
         result["failed"] = dict(failed)
-    if prior and any(m not in workers for m in prior.get("modes", {})):
+    if prior and any(not workers.get(m, {}).get("ok") for m in prior.get("modes", {})):
         result["merged_from"] = prior.get("date")
     return result
 
@@ -236,9 +258,9 @@ def _cuda_available() -> bool:
 
 def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out_dir: str | Path | None = None,
         tiny: bool = False, device: str | None = None, touch_gb: float | None = None, trace_dir: str | None = None,
-        mode_timeout: float | None = None, merge: bool = False, ckpt_dir: str | None = None,
+        mode_timeout: float | None = None, ckpt_dir: str | None = None, profile_dir: str | None = None,
         clock: Clock | None = None) -> tuple[dict | None, Path | None, bool]:
-    """Run the modes; returns (result, path, all_ok)."""
+    """Run the modes, merging into ``<out_dir>/<scenario>-<gpu kind>.json``; returns (result, path, all_ok)."""
     clock = clock or Clock()
     sc, tiny_name = get_scenario(scenario)
     tiny = tiny or tiny_name
@@ -248,6 +270,9 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
     if not tiny and (device == "cpu" or (device is None and not _cuda_available())):
         raise ValueError(f"scenario {scenario!r} is sized like the real model ({sc.approx_model_gb:.0f} GB) and "
                          "needs a CUDA GPU; on this machine add --tiny (a toy-sized model of the same structure)")
+    if profile_dir and (device == "cpu" or (device is None and not _cuda_available())):
+        raise ValueError("--profile-dir profiles the CUDA copy and compute lanes (perf/lanes.py): it needs a CUDA "
+                         "device; leave it out on a CPU")
     if out_dir is None:
         # tiny runs are smoke tests: their figures do not belong in perf/results
         out_dir = tempfile.mkdtemp(prefix="weightstream-perf-tiny-") if tiny else DEFAULT_OUT
@@ -275,35 +300,28 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
     ckpt_error = None
     if any(s.source == "mmap" for s in specs.values()):
         ckpt_error = write_checkpoint_once(label, ckpt_dir, clock)
+    prior = None
     for mode in modes:
         if specs[mode].source == "mmap" and ckpt_error:
             failed[mode] = ckpt_error
             all_ok = False
             continue
+        extra = ["--ckpt-dir", ckpt_dir] if ckpt_dir and specs[mode].source == "mmap" else []
+        if profile_dir:
+            extra += ["--profile-dir", profile_dir]
         w = run_worker(label, mode, steps=steps, warmup=warmup, device=device, trace_dir=trace_dir,
-                       timeout=mode_timeout, clock=clock,
-                       extra=["--ckpt-dir", ckpt_dir] if ckpt_dir and specs[mode].source == "mmap" else [])
+                       timeout=mode_timeout, clock=clock, extra=extra)
         workers[mode] = w
         if not w.get("ok"):
             failed[mode] = w.get("error", "failed")
             all_ok = False
             continue
-        prior = None
-        ok_first = next(w2 for w2 in workers.values() if w2.get("ok"))
-        path = out_dir / result_filename(label, ok_first.get("gpu", "unknown"), commit)
-        if merge and path.exists():
-            prior = json.loads(path.read_text())
-        result = assemble(label, workers, failed, commit=commit, dirty=dirty, prior=prior)
-        try:
-            validate_result(result)
-        except ValueError as e:
-            clock.log(f"result does not validate yet: {e}")
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        clock.log(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
-    if result is not None and failed and path is not None:
-        result = assemble(label, workers, failed, commit=commit, dirty=dirty,
-                          prior=json.loads(path.read_text()) if merge else None)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        if path is None:  # the GPU kind is known from the first mode that finished
+            path = out_dir / result_filename(label, w.get("gpu", "unknown"), w.get("gpus", 0))
+            prior = load_prior(path, label, w.get("gpu", "unknown"), w.get("gpus", 0))
+        result = _write(path, assemble(label, workers, failed, commit=commit, dirty=dirty, prior=prior), clock)
+    if result is not None and failed:
+        result = _write(path, assemble(label, workers, failed, commit=commit, dirty=dirty, prior=prior), clock)
     if result is not None:
         try:
             validate_result(result)
@@ -311,6 +329,149 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
             clock.log(f"INVALID result {path}: {e}")
             all_ok = False
         print(markdown_table(result), flush=True)
+        for line in verdicts(result):
+            clock.log(line)
     for mode, err in failed.items():
         clock.log(f"mode {mode} failed: {err}")
     return result, path, all_ok
+
+
+def _write(path: Path, result: dict, clock: Clock) -> dict:
+    try:
+        validate_result(result)
+    except ValueError as e:
+        clock.log(f"result does not validate yet: {e}")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    clock.log(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    return result
+
+
+# the mmap source's targets: step against the pinned store of the same run, setup per GB
+MMAP_TARGETS = {"layerwise-mmap": 1.05, "layerwise-mmap-staging": 1.10}
+MMAP_SETUP_TARGET_S_PER_GB = 0.2
+
+
+def verdicts(result: dict) -> list[str]:
+    """One line per target this run's figures can judge (the mmap source's, against layerwise)."""
+    lines = []
+    for m, f in result["modes"].items():
+        if f.get("commit", result["commit"]) != result["commit"]:
+            continue  # an earlier run's mode, judged in its own run
+        base = "layerwise-mmap-staging" if m.startswith("layerwise-mmap-staging") else m
+        target, r = MMAP_TARGETS.get(base), f.get("ratio_to_pinned")
+        if target is not None and r is not None:
+            lines.append(f"{m}: step {r:.3f}x pinned (target <= {target}) {'PASS' if r <= target else 'MISS'}")
+    s = result["modes"].get("layerwise-mmap", {}).get("setup_s_per_gb")
+    if s is not None:
+        lines.append(f"layerwise-mmap: setup {s:.3f} s/GB (target < {MMAP_SETUP_TARGET_S_PER_GB}) "
+                     f"{'PASS' if s < MMAP_SETUP_TARGET_S_PER_GB else 'MISS'}")
+    return lines
+
+
+# ------------------------------------------------------------------ `python -m perf run`: the three families
+
+WORKER_DEFAULT_MODES = ("resident", "layerwise", "diffusers-block", "diffusers-leaf")
+# options that only one family of modes takes (argparse dest -> the family)
+FAMILY_OPTIONS = {
+    "touch_gb": "worker", "trace_dir": "worker", "mode_timeout": "worker", "ckpt_dir": "worker",
+    "nproc": "dlo", "num_slots": "dlo", "plan_h2d_gbps": "dlo",
+    "encoder_gb": "module", "dit_gb": "module", "width": "module", "rounds": "module", "peer_rounds": "module",
+    "fill": "module", "run_mb": "module", "steps": "worker/dlo", "warmup": "worker/dlo", "tiny": "worker/dlo",
+    "profile_dir": "worker/dlo",
+}
+FAMILY_NAMES = {"worker": "single-GPU modes (one fresh process each)", "dlo": "dlo-* modes (--nproc ranks)",
+                "module": "--scenario module-swap"}
+
+
+def family_of(scenario: str, modes: list[str] | None, nproc: str | None) -> str:
+    """Which runner a `perf run` goes to: "module" (the module-swap scenario), "dlo" (a dlo-* mode
+    or --nproc: ranks), else "worker"; ValueError on a mix."""
+    from perf.dlo import MODES as DLO_MODES, is_dlo_mode
+    from perf.module_swap import SCENARIO as MODULE_SCENARIO
+
+    if scenario == MODULE_SCENARIO:
+        return "module"
+    if nproc is not None or any(is_dlo_mode(m) for m in modes or ()):
+        other = [m for m in modes or () if m not in DLO_MODES]
+        if any(is_dlo_mode(m) for m in other):
+            raise ValueError(f"--modes {','.join(m for m in other if is_dlo_mode(m))} is not allowed with DLO modes; "
+                             f"choose from: {', '.join(DLO_MODES)}")
+        if other:
+            raise ValueError(f"--modes mixes dlo-* modes with {','.join(other)}, which do not run on DLO ranks; "
+                             f"run them separately (with DLO: {', '.join(DLO_MODES)})")
+        return "dlo"
+    return "worker"
+
+
+def _check_options(family: str, given: dict) -> None:
+    for key, value in given.items():
+        owner = FAMILY_OPTIONS.get(key)
+        if value is not None and value is not False and owner and family not in owner.split("/"):
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} applies to {' / '.join(FAMILY_NAMES[o] for o in owner.split('/'))}, "
+                             f"not to {FAMILY_NAMES[family]}; leave it out")
+
+
+def run_cli(args) -> int:
+    """`python -m perf run` (argparse namespace in, exit code out): dispatch to the family."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
+    family = family_of(args.scenario, modes, args.nproc)
+    _check_options(family, {k: getattr(args, k) for k in FAMILY_OPTIONS})
+    steps, warmup = args.steps if args.steps is not None else 5, args.warmup if args.warmup is not None else 2
+    if family == "module":
+        from perf.module_swap import MODES as MODULE_MODES, SwapSizes, run_module_swap
+
+        sizes = SwapSizes(**{k: getattr(args, k) for k in ("encoder_gb", "dit_gb", "width", "rounds", "peer_rounds",
+                                                           "fill", "run_mb") if getattr(args, k) is not None})
+        _, path = run_module_swap(modes or MODULE_MODES, sizes, out_dir=args.out, device=args.device)
+        print(f"result: {path}")
+        return 0
+    if family == "dlo":
+        from perf.dlo import DEFAULT_MODES, SCENARIO as DLO_SCENARIO, dlo_run, parse_nproc, run_dlo
+
+        sc, tiny = get_scenario(args.scenario)
+        if sc.name != DLO_SCENARIO:
+            raise ValueError(f"DLO modes run the {DLO_SCENARIO} scenario (its Flux, one request per rank), "
+                             f"not {args.scenario!r}; give --scenario {DLO_SCENARIO}")
+        args.tiny = args.tiny or tiny
+        if args.device not in (None, "cpu" if args.tiny else "cuda"):
+            raise ValueError(f"--device {args.device} does not apply to DLO modes: they run on CUDA ranks (NCCL), "
+                             "or with --tiny on CPU ranks over gloo")
+        dlo = dlo_run(modes or DEFAULT_MODES, steps=steps, warmup=warmup, tiny=args.tiny,
+                      num_slots=args.num_slots or 2, plan_h2d_gbps=args.plan_h2d_gbps, profile_dir=args.profile_dir)
+        code, _, paths = run_dlo(dlo, parse_nproc(args.nproc or "2"), args.out)
+        for path in paths:
+            print(f"result: {path}")
+        return code
+    _, path, ok = run(args.scenario, modes or list(WORKER_DEFAULT_MODES), steps=steps, warmup=warmup,
+                      out_dir=args.out, tiny=args.tiny, device=args.device, touch_gb=args.touch_gb,
+                      trace_dir=args.trace_dir, mode_timeout=args.mode_timeout, ckpt_dir=args.ckpt_dir,
+                      profile_dir=args.profile_dir)
+    if path is None:
+        print("perf run: no mode finished; no result written", file=sys.stderr)
+        return 1
+    print(f"result: {path}")
+    return 0 if ok else 1
+
+
+def list_text() -> str:
+    """`python -m perf list`: every scenario and mode family, and what runs them."""
+    from perf.dlo import MODES as DLO_MODES
+    from perf.modes import PEER_MODES
+    from perf.module_swap import MODES as MODULE_MODES, SCENARIO as MODULE_SCENARIO
+    from perf.scenarios import SCENARIOS
+
+    lines = ["scenarios:"]
+    lines += [f"  {s.name:16s} {s.description}" for s in SCENARIOS.values()]
+    lines += [f"  {MODULE_SCENARIO:16s} T5-XXL-sized encoder and Flux-sized DiT (Linear stacks): arrivals and departures",
+              "  (each DiT scenario also as <name>-tiny: a toy-sized model of the same structure, runs on a CPU)", "",
+              "single-GPU modes (each in a fresh process):",
+              "  resident, resident-graph, resident-compile, resident-tfill (yardsticks)",
+              "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, mmap, staging, t<N>,",
+              "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu",
+              "  layerwise-pinned-half, layerwise-pageable-half",
+              "  peers: " + ", ".join(PEER_MODES) + " (accelerate-cpu: flux-12b-512 only)",
+              "dlo-* modes (flux-12b-1024, --nproc N[,N...] ranks, one per GPU; --tiny: CPU ranks over gloo):",
+              "  " + ", ".join(DLO_MODES),
+              f"--scenario {MODULE_SCENARIO} (GPU only):", "  " + ", ".join(MODULE_MODES)]
+    return "\n".join(lines)

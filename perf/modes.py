@@ -8,6 +8,10 @@
   the same random weights, mapped read-only: `offload_from_safetensors`; the
   harness writes the checkpoint first, untimed), `graphs` (CUDA graphs on);
   `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
+  `layerwise-mmap-staging` forces the mmap source's two-buffer staging copy path
+  (`copy_path="staging"`), `-t<N>` after it packs on N threads (`staging_threads`);
+  mmap modes report `setup_s_per_gb` (set-up over the checkpoint's GB), their
+  staging counters after the steps and `ratio_to_pinned` (against `layerwise`).
 - coded: `layerwise-coded`, `graphs-coded` (`-coded` combines like the others):
   `weight_codec="exp-k"`, block images stored losslessly coded, H2D of the
   coded bytes, decode on a decode stream beside the copy stream. Their weights are Student-t filled
@@ -56,7 +60,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # half-pinned modes -> PinnedSource(stage=...): True stages every unpinned block (also on a CPU
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
-_LAYERWISE_VARIANT = re.compile(r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu)$")
+_LAYERWISE_VARIANT = re.compile(
+    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 
@@ -74,6 +79,8 @@ class ModeSpec:
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
     coded_sidecar: str = "off"                      # offload_from_safetensors(coded_sidecar=...) of -mmap-coded
     encode_on: str = "cpu"                          # CodedSource(encode_on=...) of -coded modes (-encgpu: "device")
+    copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
+    staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
 
     @property
     def builds_on_device(self) -> bool:
@@ -101,6 +108,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         weight_fill = "normal"
         sidecar = "off"
         encode_on = "cpu"
+        copy_path, threads = "auto", None
         for v in variants:
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
@@ -111,7 +119,9 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "coded2 (weight_codec='exp-k2'), codedp (weight_codec='exp-kp'), "
                                  "codedauto (weight_codec='auto'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
-                                 "encgpu (with coded: encode the blocks on the GPU)")
+                                 "encgpu (with coded: encode the blocks on the GPU), "
+                                 "staging (with mmap: the two-buffer staging copy path), "
+                                 "t<N> (with mmap-staging: N packing threads, N >= 1)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -133,6 +143,10 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 sidecar = "read"
             elif v == "encgpu":
                 encode_on = "device"
+            elif v == "staging":
+                copy_path = "staging"
+            elif m.group(4) is not None:
+                threads = int(m.group(4))
             else:
                 kw["cuda_graphs"] = "on"
         if source == "mmap" and "weight_codec" in kw:
@@ -144,8 +158,13 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             raise ValueError(f"mode {name!r}: the sidecar variant needs -mmap-coded (a coded checkpoint source)")
         if encode_on != "cpu" and ("weight_codec" not in kw or source != "memory"):
             raise ValueError(f"mode {name!r}: the encgpu variant needs -coded from host memory (not -mmap)")
+        if copy_path != "auto" and source != "mmap":
+            raise ValueError(f"mode {name!r}: the staging variant needs -mmap (the checkpoint source's copy path)")
+        if threads is not None and copy_path != "staging":
+            raise ValueError(f"mode {name!r}: the t<N> variant needs -mmap-staging (it sets the staging threads)")
         return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
-                        weight_fill=weight_fill, coded_sidecar=sidecar, encode_on=encode_on)
+                        weight_fill=weight_fill, coded_sidecar=sidecar, encode_on=encode_on,
+                        copy_path=copy_path, staging_threads=threads)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -160,9 +179,10 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 "from pageable memory each step and would not finish inside the time budget; "
                 "it is allowed on: flux-12b-512")
         return ModeSpec(name, "accelerate-cpu")
-    raise ValueError(f"mode {name!r} is not implemented by the harness; implemented: resident, resident-graph, resident-tfill, "
-                     "resident-compile, layerwise[-r<N>|-mmap|-graphs|-compile|-coded|-coded2], "
-                     f"graphs[-nextstep|-ingraph|-coded|-coded2], {', '.join(PEER_MODES)}")
+    raise ValueError(f"mode {name!r} is not implemented by the harness's worker; implemented: resident, resident-graph, "
+                     "resident-tfill, resident-compile, layerwise[-r<N>|-mmap[-staging[-t<N>]]|-graphs|-compile|-coded|"
+                     f"-coded2], graphs[-nextstep|-ingraph|-coded|-coded2], {', '.join(PEER_MODES)}; module modes run "
+                     "with --scenario module-swap, dlo-* modes with --nproc (`python -m perf list`)")
 
 
 @dataclass
@@ -279,12 +299,32 @@ def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: tor
         raise RuntimeError(f"mode {spec.name!r}: the weightstream mmap source is not available ({e})") from e
     cfg = weightstream_config(spec, record_events)
     extra = {"coded_sidecar": spec.coded_sidecar} if spec.coded_sidecar != "off" else {}
-    m = offload_from_safetensors(model_on_meta, str(ckpt_dir), cfg, device=device, **extra)
+    m = offload_from_safetensors(model_on_meta, str(ckpt_dir), cfg, device=device, copy_path=spec.copy_path,
+                                 staging_threads=spec.staging_threads, **extra)
     stats = m.stats()
     pinned = stats.get("pinned_bytes", stats.get("registered_bytes"))
-    return Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
-                    events=m.events if record_events else None, pinned_bytes=pinned,
-                    notes={"config": cfg.to_dict(), "checkpoint": str(ckpt_dir)})
+    prepared = Prepared(m, streamed_bytes=int(stats["streamed_bytes_per_step"]), stats=stats,
+                        events=m.events if record_events else None, pinned_bytes=pinned,
+                        notes={"config": cfg.to_dict(), "checkpoint": str(ckpt_dir), "copy_path": spec.copy_path})
+
+    def refresh() -> None:  # the staging packer's counters once the steps ran
+        prepared.stats = m.stats()
+
+    prepared.refresh = refresh
+    return prepared
+
+
+def staging_figures(stats: dict) -> dict:
+    """A staged mmap mode's packer figures after the steps: its counters, and the packing rate
+    (packs x the mean streamed block over the packing time); empty when nothing was staged."""
+    if not stats.get("staging_packs"):
+        return {}
+    out = {"staging_after_steps": {k: stats[k] for k in ("staging_packs", "staging_pack_s", "staging_wait_s")
+                                   if k in stats}}
+    if stats.get("staging_pack_s"):
+        mean_block = stats["streamed_bytes_per_step"] / max(stats.get("blocks_streamed", 1), 1)
+        out["staging_pack_gbps"] = round(stats["staging_packs"] * mean_block / stats["staging_pack_s"] / 1e9, 2)
+    return out
 
 
 def half_pinned_budget_gb(model: nn.Module) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 GB = 1e9
@@ -180,12 +181,13 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
         if "resident-tfill" in out and any(p.startswith("coded") for p in mode.split("-")):
             # the coded modes' Student-t weights, resident: the same weights and output, so the
-            # ratio isolates what coding costs (the weights alone moved a compute-bound step
-            # by up to 0.7% on the H200: wan, 43c277b)
+            # ratio isolates what coding costs (the weights alone moved wan's compute-bound
+            # step by up to 0.7% on the H200)
             f["ratio_to_resident_tfill"] = _sig(f["step_ms"] / out["resident-tfill"]["step_ms"])
         if "resident-compile" in out and "compile" in mode.split("-"):
             f["ratio_to_resident_compile"] = _sig(f["step_ms"] / out["resident-compile"]["step_ms"])
-        if "layerwise" in out and mode.endswith("-half"):  # layerwise-pinned-half / -pageable-half
+        if "layerwise" in out and (mode.endswith("-half") or "mmap" in mode.split("-")):
+            # layerwise-pinned-half / -pageable-half, and the mmap source's modes: against the pinned store
             f["ratio_to_pinned"] = _sig(f["step_ms"] / out["layerwise"]["step_ms"])
     compare_placements(out)
     compare_auto_codec(out)
@@ -246,8 +248,79 @@ def gpu_slug(gpu: str) -> str:
     return slug or "unknown"
 
 
-def result_filename(scenario: str, gpu: str, commit: str) -> str:
-    return f"{scenario}-{gpu_slug(gpu)}-{commit[:12]}.json"
+def gpu_kind(gpu: str, gpus: int = 1) -> str:
+    """'NVIDIA H200', 2 -> 'nvidia-h200-x2': the GPU kind a result is filed under (the machine's
+    GPU count as the result records it; no suffix for one GPU or none)."""
+    return gpu_slug(gpu) + (f"-x{gpus}" if gpus > 1 else "")
+
+
+def result_filename(scenario: str, gpu: str, gpus: int = 1) -> str:
+    """One file per scenario and GPU kind: ``<scenario>-<gpu kind>.json`` (the latest run of
+    each mode; git history holds the older ones)."""
+    return f"{scenario}-{gpu_kind(gpu, gpus)}.json"
+
+
+class ResultFileError(ValueError):
+    """An existing result file that a run would merge into cannot be used (unreadable, invalid,
+    or another scenario or GPU kind): fix or move it before running."""
+
+
+def stamp_modes(result: dict) -> dict:
+    """Every mode without its own ``commit`` / ``date`` gets the result's (in place; returns it):
+    a merged file's modes come from several runs, and each names its own."""
+    for figs in result["modes"].values():
+        figs.setdefault("commit", result["commit"])
+        figs.setdefault("date", result["date"])
+    return result
+
+
+def load_prior(path: Path, scenario: str, gpu: str, gpus: int) -> dict | None:
+    """The result already filed at ``path`` (None when there is none), validated and checked to be
+    of ``scenario`` and this GPU kind; ResultFileError otherwise (before any mode runs)."""
+    import json
+
+    if not path.exists():
+        return None
+    try:
+        prior = json.loads(path.read_text())
+        validate_result(prior)
+    except (OSError, ValueError) as e:
+        raise ResultFileError(f"the result file {path} this run would merge into is not usable ({e}); "
+                              "fix it, or move it away to start a new one") from None
+    want, got = (scenario, gpu_kind(gpu, gpus)), (prior["scenario"], gpu_kind(prior["gpu"], prior["gpus"]))
+    if got != want:
+        raise ResultFileError(f"the result file {path} holds scenario {got[0]!r} on {got[1]!r}, this run is "
+                              f"{want[0]!r} on {want[1]!r}; move it away (its name no longer matches its content)")
+    return stamp_modes(prior)
+
+
+def merge_result(prior: dict | None, result: dict) -> dict:
+    """``result`` filed over ``prior`` (same scenario and GPU kind): this run's modes replace the
+    prior's of the same name, the prior's others stay as they were measured, each with its own
+    commit and date. Top-level keys are this run's; a key only the prior has stays."""
+    new = stamp_modes(dict(result, modes=dict(result["modes"])))
+    if prior is None:
+        return new
+    kept = {m: f for m, f in prior["modes"].items() if m not in new["modes"]}
+    merged = {**{k: v for k, v in prior.items() if k not in ("modes", "failed", "merged_from")}, **new}
+    merged["modes"] = {**kept, **new["modes"]}
+    if kept:
+        merged["merged_from"] = prior["date"]
+    return merged
+
+
+def write_result(out_dir: str | Path, result: dict, *, merge: bool = True) -> Path:
+    """Write ``result`` to ``out_dir/<scenario>-<gpu kind>.json``, merged over the file already
+    there (``merge_result``); validated before anything is written. Returns the path."""
+    import json
+
+    path = Path(out_dir) / result_filename(result["scenario"], result["gpu"], result.get("gpus", 1))
+    prior = load_prior(path, result["scenario"], result["gpu"], result.get("gpus", 1)) if merge else None
+    merged = merge_result(prior, result)
+    validate_result(merged)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    return path
 
 
 # ---------------------------------------------------------------- markdown
@@ -271,7 +344,52 @@ def markdown_table(result: dict) -> str:
         for _, key, fmt in _COLUMNS:
             v = f.get(key)
             cells.append(fmt.format(v) if _is_number(v) else "")
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        earlier = f.get("commit", result["commit"]) != result["commit"]  # kept from an earlier run of the file
+        name = f"{mode} (earlier: {str(f.get('date', '?'))[:10]})" if earlier else mode
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for mode, err in (result.get("failed") or {}).items():
         lines.append(f"| {mode} | failed: {str(err).splitlines()[0][:100]} |" + " |" * (len(_COLUMNS) - 1))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- DLO scaling
+
+def _cell(fig: dict | None, key: str, fmt: str) -> str:
+    v = (fig or {}).get(key)
+    return "" if v is None else format(v, fmt)
+
+
+def _per_rank(fig: dict | None, gb_key: str, fraction_key: str) -> str:
+    """'11.84 GB (0.497x)': GB per rank and its fraction of the model (older results: computed)."""
+    if not fig:
+        return ""
+    gb = fig[gb_key]
+    frac = fig.get(fraction_key, gb / fig["model_gb"] if fig.get("model_gb") else None)
+    return (f"{gb:.2f} GB" if gb >= 0.01 else f"{gb:.2g} GB") + ("" if frac is None else f" ({frac:.3f}x)")
+
+
+def scaling_table(results: dict[int, dict | str]) -> str:
+    """The DLO scaling table (markdown): one row per N from its result (perf/dlo.py), or why it has none."""
+    head = ("| N | resident | DLO AllGather | x resident | x floor | pinned per rank | host per rank | setup | "
+            "bit-exact | all-gather (bus) |")
+    lines = [head, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for n in sorted(results):
+        res = results[n]
+        if isinstance(res, str):
+            lines.append(f"| {n} | {res} |" + " |" * 8)
+            continue
+        ag = res["modes"].get("dlo-allgather")
+        # the resident step of the AllGather mode's own run (a merged file's resident mode may be a later run's)
+        resident = {"step_ms": (ag or {}).get("resident_ms", res["modes"].get("resident", {}).get("step_ms"))}
+        pinned, host = (_per_rank(ag, "pinned_host_gb_per_rank", "pinned_fraction"),
+                        _per_rank(ag, "host_gb_per_rank", "host_fraction"))
+        bus, alg = (ag or {}).get("allgather_busbw_gbps", res.get("allgather_busbw_gbps")), res.get("allgather_gbps")
+        if bus is None and alg:  # results before the bus figure: NCCL's (N - 1) / N of the output rate
+            bus = alg * (n - 1) / n
+        backend = res.get("allgather_backend", "gloo" if res.get("gpu") == "cpu" else "nccl")
+        lines.append(
+            f"| {n} | {_cell(resident, 'step_ms', '.1f')} ms | {_cell(ag, 'step_ms', '.1f')} ms | "
+            f"{_cell(ag, 'ratio_to_resident', '.3f')} | {_cell(ag, 'ratio_to_floor', '.3f')} | {pinned} | {host} | "
+            f"{_cell(ag, 'setup_s', '.1f')} s | {_cell(ag, 'bit_exact', '')} | "
+            f"{'' if bus is None else f'{bus:.3g} GB/s {backend}'} |")
     return "\n".join(lines)

@@ -400,6 +400,20 @@ def warm_page_cache(ckpt_dir: str | Path) -> int:
     return n
 
 
+def fs_type(path: str | Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/mounts; "unknown" elsewhere)."""
+    best, kind = "", "unknown"
+    try:
+        p = str(Path(path).resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and p.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
 def _make_room(ckpt_dir: Path, need_bytes: float, progress) -> None:
     """Delete other perf checkpoints (folders beside this one holding a
     perf-checkpoint.json) while the disk lacks room for this one."""

@@ -21,10 +21,10 @@ import traceback
 import torch
 
 from perf.common import measure_h2d_gbps, timed_steps
-from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, weightstream_config
+from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, staging_figures, weightstream_config
 from perf.results import GB, placement_figures
 from perf.scenarios import (
-    block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output,
+    block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output, fs_type,
     get_scenario, scenario_label, tensor_bytes, warm_page_cache, write_checkpoint,
 )
 
@@ -156,7 +156,7 @@ def run_mode(args, prefix: str) -> dict:
     if spec.kind == "weightstream":
         weightstream_config(spec, record_events)  # refuse before spending time on the build
 
-    ckpt = None
+    ckpt, info = None, None
     t = time.perf_counter()
     if spec.source == "mmap":
         ckpt = args.ckpt_dir or str(checkpoint_dir(label, args.seed))
@@ -254,6 +254,9 @@ def run_mode(args, prefix: str) -> dict:
         figs["stats"] = prepared.stats
         figs.update(placement_figures(prepared.stats))
         figs.update(coded_figures(prepared.stats))  # coded modes: coded_bytes, bits_per_weight
+    if info is not None:  # the mmap source: set-up per checkpoint GB, the staging packer's figures
+        figs.update(setup_s_per_gb=round(setup_s / (info["checkpoint_bytes"] / GB), 4), checkpoint_fs=fs_type(ckpt),
+                    **staging_figures(prepared.stats))
     if prepared.notes:
         figs["notes"] = prepared.notes
     if device.type == "cuda":
