@@ -9,10 +9,12 @@ by saved transfer per byte of budget) and the slot count; the placement is
 applied between steps:
 
 - a block that becomes resident gets a device copy of its image (its tensors
-  are views of it) and its entries leave the host views (``state_dict()``
-  returns its device tensors, as for any resident module);
-- a block that streams again first writes its device tensors back to the host
-  image (an edit made while resident is kept), then streams as before;
+  are views of it); the host image stays its master: ``state_dict()`` keeps
+  returning host views, and at every forward start (:meth:`AutoPlacement.sync`)
+  an edit of a resident tensor on the device is written to the host image and an
+  edit of the host views (a ``state_dict()`` taken before the plan, say) is
+  copied to the device copies, so neither is ever ignored;
+- a block that streams again first syncs, then streams as before;
 - the executor is rebuilt over the same source with the new schedule.
 
 Outputs are bit-exact under every placement (the bytes are the same); only
@@ -55,13 +57,15 @@ class AutoPlacement(RemovableHooks):
         self._pending: tuple | None = None  # signature whose first step is measuring now
         self.h2d_gbps: float | None = None  # the link rate to plan with (None: measured from the event log)
         self._device_images: dict[int, torch.Tensor] = {}  # source k -> device image of a resident block
-        self._saved_views: dict[int, dict] = {}  # source k -> its host views while resident
+        self._dev_versions: dict[int, list[int]] = {}  # source k -> its device tensors' versions when synced
+        self._host_version: int | None = None  # the source's host_version() when last synced
         m = streamed.module
         self._handles = [m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
                          m.register_forward_hook(self.post_forward, always_call=True)]
 
     # -- hooks ---------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
+        self.sync()
         sig = signature(args, kwargs)
         plan = self.plans.get(sig)
         if plan is None:
@@ -85,9 +89,8 @@ class AutoPlacement(RemovableHooks):
     # -- planning ----------------------------------------------------------------------
     def budget_bytes(self) -> int:
         sb = self.streamed
-        gb = sb.config.device_memory_budget_gb
-        if gb is not None:
-            return int(gb * 1e9)
+        if sb.config.device_memory_budget_bytes is not None:
+            return sb.config.device_memory_budget_bytes
         dev = sb.device
         free, _ = torch.cuda.mem_get_info(dev)
         weights = sum(lay.nbytes for lay in sb.source.layouts) + sb.resident_bytes
@@ -118,33 +121,71 @@ class AutoPlacement(RemovableHooks):
         old = set(self._device_images)
         new = {sb.executor.k_of[i] for i in resident}
         sb.executor.synchronize()
+        self.sync()
         for k in sorted(old - new):
             self._demote(k)
         for k in sorted(new - old):
             self._promote(k)
         sb.rebuild_executor(resident, plan.placement.num_slots)
+        self.snapshot()
         self.current = plan
 
     def _promote(self, k: int) -> None:
         """Block ``k`` becomes resident: its tensors view a device copy of its image."""
         sb = self.streamed
-        image = sb.source.image(k)
-        views, saved = sb.host_views, {}
+        ts = [t for _, _, t in sb.tensors[k]]
+        sb.placeholders.release_all(ts)  # their own classes: no longer streamed placeholders
+        self._bind_image(k, sb.source.image(k))
+
+    def _bind_image(self, k: int, image: torch.Tensor) -> None:
+        sb = self.streamed
         with torch.no_grad():
             for (_, _, t), spec in zip(sb.tensors[k], sb.source.layouts[k].tensors):
                 t.data = spec.view_of(image)
-                if id(t) in views:
-                    saved[id(t)] = views.pop(id(t))
         self._device_images[k] = image
-        self._saved_views[k] = saved
+        self._dev_versions[k] = [t._version for _, _, t in sb.tensors[k]]
 
     def _demote(self, k: int) -> None:
-        """Block ``k`` streams again: its device tensors (edits included) go back to the host image."""
-        sb = self.streamed
-        for i, (_, _, t) in enumerate(sb.tensors[k]):
-            sb.source.write(k, i, t.data)
-        sb.host_views.update(self._saved_views.pop(k))
+        """Block ``k`` streams again (synced first: its host image holds every edit)."""
         self._device_images.pop(k)  # the executor's unbind at its construction drops the views
+        self._dev_versions.pop(k)
+
+    def sync(self) -> None:
+        """Device copies and host images of the resident blocks agree again: a device
+        tensor written since the last sync goes to the host image; then, if the host
+        store was edited (host views, update_weights), the device copies are refreshed.
+        A few integer reads per resident tensor when nothing changed."""
+        if not self._device_images:
+            return
+        sb = self.streamed
+        src = sb.source
+        sb.executor.check_usable("auto placement's sync")  # a coded source re-encodes edited host copies here
+        host_edited = self._host_version_now() != self._host_version
+        for k in self._device_images:
+            ts = [t for _, _, t in sb.tensors[k]]
+            seen = [t._version for t in ts]
+            if seen != self._dev_versions[k]:
+                sb.executor.synchronize()
+                for i, (t, a, b) in enumerate(zip(ts, seen, self._dev_versions[k])):
+                    if a != b:
+                        src.write(k, i, t.data)
+                sb.executor.reload_pending()  # a coded source re-encodes what was just written
+        if host_edited:
+            sb.executor.synchronize()
+            for k in list(self._device_images):
+                self._bind_image(k, src.image(k))
+        self.snapshot()
+
+    def _host_version_now(self) -> int:
+        version = getattr(self.streamed.source, "host_version", None)  # optional source hook (sources/base.py)
+        return version() if version is not None else 0
+
+    def snapshot(self) -> None:
+        """The current state is in sync (after an update wrote host and device alike)."""
+        sb = self.streamed
+        self._host_version = self._host_version_now()
+        for k in self._device_images:
+            self._dev_versions[k] = [t._version for _, _, t in sb.tensors[k]]
 
     def resident_tensors(self) -> set[int]:
         """ids of the tensors of blocks the current plan keeps resident."""

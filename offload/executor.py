@@ -38,7 +38,9 @@ from .discovery import Block
 from .event_log import EventLog, _Record  # noqa: F401  (re-exported: sources log their own lanes)
 from .hooks import BlockHook, StepHook, guard_backward  # noqa: F401  (re-exported)
 from .layout import block_tensors
-from .misuse import ConcurrentUseError, StreamedWriteError
+from .misuse import StreamedWriteError
+from .ownership import Ownership
+from .placeholders import Placeholders
 from .schedule import Load, Schedule
 from .streams import resolve_streams
 
@@ -63,6 +65,8 @@ class LayerwiseExecutor:
         prime: str = "now",
         streams=None,
         guard=None,
+        ownership: Ownership | None = None,
+        placeholders: Placeholders | None = None,
     ):
         self.blocks = blocks
         self.source = source
@@ -143,9 +147,14 @@ class LayerwiseExecutor:
         self._host_version_of = getattr(source, "host_version", None)
         self._host_version = self._host_version_of() if self._host_version_of is not None else 0
         self._started: int | None = None  # position whose step-start work was done
-        self._owner: int | None = None  # thread running a step (or holding the model)
-        self._hold = 0  # nested acquire() of the owner
-        self._owner_lock = threading.Lock()
+        # the thread running a step, an update or disable() (shared with StreamedBlocks: one per model)
+        self.ownership = ownership if ownership is not None else Ownership()
+        self.ownership.add_entries(self, *(blocks[i].module for i in schedule.streamed))
+        # placeholders that refuse reads/writes between forwards (placeholders.py); per streamed
+        # block (own class, placeholder class) of each target, swapped at bind / unbind
+        self.ph = placeholders
+        self._classes = [[(type(t), placeholders.placeholder_class(type(t))) for t in objs]
+                         if placeholders is not None else None for objs in self.targets]
         for i in schedule.streamed:
             self._unbind(self.k_of[i])
         if prime not in ("now", "first_forward"):
@@ -168,32 +177,18 @@ class LayerwiseExecutor:
         (``root.forward(...)``) is caught by the step's first streamed block."""
         self.hooks.append(StepHook(self, root))
 
-    # -- one thread at a time ----------------------------------------------------
-    def acquire(self) -> None:
-        """Hold the model for the calling thread until :meth:`release` (re-entrant).
-        Another thread entering meanwhile gets ConcurrentUseError, never a slot."""
-        if self._owner != threading.get_ident():
-            self._claim()
-        self._hold += 1
+    # -- one thread at a time (ownership.py) ---------------------------------------
+    def acquire(self, what: str = "a forward") -> int:
+        """Hold the model for the calling thread until :meth:`release` (re-entrant); returns
+        the depth before, for :meth:`release_to`. Another thread entering meanwhile gets
+        ConcurrentUseError, never a slot."""
+        return self.ownership.acquire(what)
 
     def release(self) -> None:
-        if self._owner == threading.get_ident():
-            self._hold = max(0, self._hold - 1)
-            if not self._hold:
-                self._owner = None
+        self.ownership.release()
 
-    def _claim(self) -> None:
-        me = threading.get_ident()
-        with self._owner_lock:
-            if self._owner is not None and self._owner != me:
-                raise ConcurrentUseError(
-                    f"this offloaded model is in use by thread {self._owner}; thread {me} called it "
-                    "concurrently. One offloaded model streams its blocks through one set of device "
-                    "slots and cannot run two forwards at once: serialise the calls (a lock around "
-                    "the model or pipeline call) or build one offloaded model per thread. (If that "
-                    "thread's last forward raised part-way, call the model from it once more to release it.)"
-                )
-            self._owner = me
+    def release_to(self, depth: int) -> None:
+        self.ownership.release_to(depth)
 
     def begin_step(self) -> None:
         """Issue this step's step-start loads, after everything the compute stream
@@ -224,6 +219,8 @@ class LayerwiseExecutor:
         every host view shares the arena's version counter, so this is one integer
         read per step). Writes that bypass torch (numpy, ctypes, ``.data`` of a
         view) do not move the counter and are not detected."""
+        if self.ph is not None and self.ph.handed:
+            self.ph.flush()  # edited .data copies of unbound tensors: written like update_weights()
         version = self._host_version_of
         if version is None or version() == self._host_version:
             return
@@ -314,6 +311,10 @@ class LayerwiseExecutor:
     # -- binding ---------------------------------------------------------------
     def _bind(self, k: int, slot: int) -> None:
         ts = self.targets[k]
+        classes = self._classes[k]
+        if classes is not None:
+            for t, (own, _) in zip(ts, classes):
+                t.__class__ = own
         if [t._version for t in ts] != self._versions[k] or any(map(torch.Tensor.numel, ts)):
             self._refuse_placeholder_edit(k)
         for t, v in zip(ts, self.views[k][slot]):
@@ -323,11 +324,18 @@ class LayerwiseExecutor:
     def _unbind(self, k: int) -> list[int]:
         """Back to placeholders; returns the indices of tensors written while bound."""
         ts = self.targets[k]
+        classes = self._classes[k]
+        if classes and type(ts[0]) is not classes[0][0]:  # unbound already: own classes first
+            for t, (own, _) in zip(ts, classes):
+                t.__class__ = own
         for t, ph in zip(ts, self.placeholders[k]):
             t.data = ph
         if self._bound == k:
             self._bound = None
         seen = [t._version for t in ts]
+        if classes is not None:
+            for t, (_, sub) in zip(ts, classes):
+                t.__class__ = sub
         if seen == self._versions[k]:
             return []
         written = [i for i, (a, b) in enumerate(zip(seen, self._versions[k])) if a != b]
@@ -347,6 +355,9 @@ class LayerwiseExecutor:
         for t, ph in zip(ts, self.placeholders[k]):
             t.data = ph
         self._versions[k] = [t._version for t in ts]
+        if self._classes[k] is not None:
+            for t, (_, sub) in zip(ts, self._classes[k]):
+                t.__class__ = sub
         raise StreamedWriteError(
             f"streamed tensor(s) {self._names(k, idx)[:5]} were changed between forwards (in place, or "
             "`.data` replaced) while holding their empty placeholder; the change was NOT applied: the "
@@ -388,8 +399,9 @@ class LayerwiseExecutor:
             raise
 
     def _before_block(self, block: int) -> None:
-        if self._owner != threading.get_ident():
-            self._claim()
+        own = self.ownership
+        if own.owner != threading.get_ident():
+            own.claim("a streamed block's forward")
         if not self._primed:
             self._prime()
         interrupted = self._bound is not None  # a forward raised inside a block (its post-hook never ran)
@@ -397,7 +409,7 @@ class LayerwiseExecutor:
             self._unbind(self._bound)
         expected = self.schedule.block_at(self.position)
         if block != expected:
-            if not interrupted and self._hold:  # inside the DiT's forward: the blocks in between were skipped
+            if not interrupted and own.depth:  # inside the DiT's forward: the blocks in between were skipped
                 self._skip_to(block)
             elif block == self.schedule.first:
                 self._resync()
@@ -446,8 +458,8 @@ class LayerwiseExecutor:
         nxt = self.schedule.after_compute(p)
         if nxt is not None:
             self._issue(nxt)
-        if not self._hold and self.position % self.schedule.n == 0:
-            self._owner = None  # the step is over (a step held by acquire() ends at release())
+        if not self.ownership.depth and self.position % self.schedule.n == 0:
+            self.ownership.release_to(0)  # the step is over (a step held by acquire() ends at release())
         if written:
             raise self._written_in_forward(self.k_of[block], written)
 
@@ -670,6 +682,8 @@ class LayerwiseExecutor:
         stop = getattr(self.source, "remove", None)
         if stop is not None:
             stop()
+        if self.ph is not None:  # every tensor back to its own class (placeholders stay until restored)
+            self.ph.release_all(t for ts in self.targets for t in ts)
         self.slots = []
         self.views = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Mapping
 
@@ -26,6 +27,9 @@ from .layout import block_tensors, build_layout, check_not_shared
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
 )
+from .ownership import Ownership
+from .progress import format_bytes
+from .placeholders import Placeholders
 from .schedule import Schedule
 
 
@@ -99,12 +103,12 @@ class StreamedBlocks:
         rest = [t for t in _all_tensors(module) if id(t) not in streamed_ids]
         self.resident_bytes = sum(tensor_bytes(t) for t in rest)
         slot_total = self.schedule.ring_slots * max(lay.nbytes for lay in layouts)
-        budget = config.device_memory_budget_gb
-        if budget is not None and self.resident_bytes + slot_total > budget * 1e9:
+        budget = config.device_memory_budget_bytes
+        if budget is not None and self.resident_bytes + slot_total > budget:
             raise ValueError(
-                f"device_memory_budget_gb={budget} is too small: resident modules need "
-                f"{self.resident_bytes / 1e9:.3f} GB and {self.schedule.ring_slots} slots "
-                f"{slot_total / 1e9:.3f} GB; raise the budget or lower num_slots/resident_layers"
+                f"device_memory_budget_gb={config.device_memory_budget_gb} ({format_bytes(budget)}) is too small: "
+                f"resident modules need {format_bytes(self.resident_bytes)} and {self.schedule.ring_slots} slots "
+                f"{format_bytes(slot_total)}; raise the budget or lower num_slots/resident_layers"
             )
         self.tensors = tensors
         req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule)
@@ -120,11 +124,16 @@ class StreamedBlocks:
         self.host_views = self.source.host_views()
         self._where = {id(t): (k, i) for k, ts in enumerate(tensors) for i, (_, _, t) in enumerate(ts)}
         self.guard = guard
-        self.executor = self.executor_cls(self.blocks, self.source, self.schedule, device,
-                                          record_events=config.record_events, prime=prime, streams=self.streams,
-                                          guard=guard)
+        self.ownership = Ownership()  # one thread at a time, across executor rebuilds (auto placement)
+        self.ownership.add_entries(self, module)
+        self.placeholders = Placeholders(device, self._read_tensor, self._write_tensor)
+        for k, ts in enumerate(tensors):
+            for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
+                self.placeholders.register(t, self.layouts[k].name, spec.name, spec.shape, spec.stride, spec.dtype)
+        self.executor = self._new_executor(self.schedule, prime)
         self.executor.attach_root(module)
         self._root_hooks: list = []
+        self._forward_end: list[ForwardEndHook] = []
         self._stats_extra: list = []
         self.placement = None
         if self.auto:
@@ -169,10 +178,32 @@ class StreamedBlocks:
         self.executor.remove()
         schedule = dataclasses.replace(self._schedule(len(self.blocks), resident), num_slots=num_slots)
         self.schedule = schedule
-        self.executor = self.executor_cls(self.blocks, self.source, schedule, self.device,
-                                          record_events=self.config.record_events, prime="now",
-                                          streams=self.streams, guard=self.guard)
+        self.executor = self._new_executor(schedule, "now")
         self.executor.attach_root(self.module)
+
+    def _new_executor(self, schedule: Schedule, prime: str) -> LayerwiseExecutor:
+        return self.executor_cls(self.blocks, self.source, schedule, self.device,
+                                 record_events=self.config.record_events, prime=prime, streams=self.streams,
+                                 guard=self.guard, ownership=self.ownership, placeholders=self.placeholders)
+
+    def held(self, what: str):
+        """Context: the model held by this thread for ``what`` (an update, disable()):
+        ConcurrentUseError while another thread runs a forward or another such call."""
+        return _Held(self.ownership, what)
+
+    # -- .data of an unbound streamed tensor (placeholders.py) --------------------------------
+    def _read_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``t``'s current weights (its host view)."""
+        with self.held(f"reading .data of {self.placeholders.name(t)!r}"):
+            return self.host_views[id(t)].to(self.device, copy=True)
+
+    def _write_tensor(self, t: torch.Tensor, value) -> None:
+        """``t.data = value`` (or an edited ``.data`` copy): an update of that one tensor
+        (found by identity: adapters injected since may have renamed its key)."""
+        name = self.placeholders.name(t)
+        with self.held(f"writing .data of {name!r}"):
+            self.executor.check_usable(f"writing .data of {name!r}")
+            self._apply(self._plan_one(name, t, value))
 
     def add_stats(self, fn) -> None:
         """A front end's extra stats() keys (``fn() -> dict``)."""
@@ -181,6 +212,22 @@ class StreamedBlocks:
     def add_root_hook(self, handle) -> None:
         """A front end's hook on the DiT (DLO's forward checks); removed by restore()."""
         self._root_hooks.append(handle)
+
+    def add_forward_end(self, name: str, fn) -> None:
+        """Run ``fn(exc)`` once at the end of every forward of the DiT, ``exc`` the exception
+        that ended it or None. torch runs ``always_call`` hooks for ``Exception`` only: for any
+        other ``BaseException`` (KeyboardInterrupt, SystemExit, a cancellation) the front end
+        calls :meth:`forward_aborted`, so ``fn`` sees every way a forward can end."""
+        hook = ForwardEndHook(name, self.module, fn)
+        self._forward_end.append(hook)
+        self._root_hooks.append(hook)
+
+    def forward_aborted(self, exc: BaseException) -> None:
+        """A forward ended with ``exc``, a ``BaseException`` that is not an ``Exception``
+        (torch skipped its ``always_call`` hooks): run the end-of-forward handlers with it."""
+        for hook in list(self._forward_end):
+            if not hook.removed:
+                hook.end(exc)
 
     @property
     def store(self):
@@ -233,23 +280,24 @@ class StreamedBlocks:
         before anything is written: an update applies whole or not at all. ``where`` is
         (block, tensor index) for a streamed tensor, else the resident tensor's data."""
         current = self._current_for_update(state_dict, strict)
-        check_write = getattr(self.source, "check_write", None)  # a read-only source refuses here, before any write
         plan = []
         for key, new in state_dict.items():
-            obj = current[key]
-            loc = self._where.get(id(obj))
-            if loc is not None:
-                spec = self.layouts[loc[0]].tensors[loc[1]]
-                check_update_value(key, new, spec.shape, spec.dtype)
-                if check_write is not None:
-                    check_write(*loc)
-                plan.append((key, loc, new))
-                if self.placement is not None and id(obj) in self.placement.resident_tensors():
-                    plan.append((key, obj.data, new))  # resident under auto placement: its device copy too
-            else:
-                check_update_value(key, new, tuple(obj.shape), obj.dtype)
-                plan.append((key, obj.data, new))
+            plan += self._plan_one(key, current[key], new)
         return plan
+
+    def _plan_one(self, key: str, obj: torch.Tensor, new) -> list:
+        loc = self._where.get(id(obj))
+        if loc is None:
+            check_update_value(key, new, tuple(obj.shape), obj.dtype)
+            return [(key, obj.data, new)]
+        spec = self.layouts[loc[0]].tensors[loc[1]]
+        check_update_value(key, new, spec.shape, spec.dtype)
+        check_write = getattr(self.source, "check_write", None)  # a read-only source refuses here, before any write
+        if check_write is not None:
+            check_write(*loc)
+        if self.placement is not None and id(obj) in self.placement.resident_tensors():
+            return [(key, loc, new), (key, obj.data, new)]  # resident under auto placement: its device copy too
+        return [(key, loc, new)]
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
         """Write new weights: streamed tensors through the source, others in place.
@@ -262,8 +310,11 @@ class StreamedBlocks:
         AllGather a collective: call it on every rank with the same weights).
         Returns the keys written.
         """
-        self.executor.check_usable("update_weights()")
-        plan = self._plan_update(state_dict, strict)
+        with self.held("update_weights()"):
+            self.executor.check_usable("update_weights()")
+            return self._apply(self._plan_update(state_dict, strict))
+
+    def _apply(self, plan: list) -> list[str]:
         self.executor.synchronize()
         try:
             with torch.no_grad():
@@ -276,7 +327,18 @@ class StreamedBlocks:
             # slots prefetched before the update hold old weights (also after a
             # write that failed part-way, e.g. out of memory moving ``new``)
             self.executor.reload_pending()
+            if self.placement is not None:
+                self.placement.snapshot()  # host images and resident device copies were written alike
         return list(dict.fromkeys(key for key, _, _ in plan))
+
+    def flush_edits(self) -> None:
+        """Before any read of the host store (state_dict(), restore): write the ``.data``
+        copies of unbound tensors edited in place, and the device edits of blocks resident
+        under auto placement."""
+        if self.placeholders.handed:
+            self.placeholders.flush()
+        if self.placement is not None:
+            self.placement.sync()
 
     def _images(self) -> list[torch.Tensor]:
         self.executor.synchronize()
@@ -289,6 +351,11 @@ class StreamedBlocks:
         model plus one block image). Under DLO AllGather every block is gathered (a
         collective) before any tensor changes, so a failure part-way leaves everything
         as it was on every rank."""
+        with self.held("disable() / remove()"):
+            return self._restore()
+
+    def _restore(self) -> nn.Module:
+        self.flush_edits()
         images = self._images() if self.source.collective else None
         keep = self.placement.resident_tensors() if self.placement is not None else set()
         for h in self._root_hooks:
@@ -362,6 +429,10 @@ def check_update_value(key: str, new, shape: tuple, dtype: torch.dtype) -> None:
         raise WeightUpdateError(
             f"update_weights: {key!r} is a {type(new).__name__}, not a Tensor; nothing was written. "
             f"Pass a {dtype} tensor of shape {shape}")
+    if new.device.type == "meta":
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is a meta tensor (no data: e.g. built under init_empty_weights or "
+            "device='meta'); nothing was written. Pass a tensor with real values (load it first)")
     if tuple(new.shape) != shape or new.dtype != dtype:
         raise WeightUpdateError(
             f"update_weights: {key!r} is {new.dtype} {tuple(new.shape)}, the model has {dtype} {shape}; "
@@ -389,9 +460,11 @@ def check_wrappable(module: nn.Module, *, allow_meta: bool = False) -> None:
                 f"{where} carries accelerate offload/dispatch hooks (_hf_hook: {type(m._hf_hook).__name__}); "
                 "remove them first (accelerate.hooks.remove_hook_from_module(model, recurse=True), or load "
                 "the model without device_map / enable_model_cpu_offload / cpu_offload)")
-        if getattr(m, "_diffusers_hook", None) is not None:
+        registry = getattr(m, "_diffusers_hook", None)  # a diffusers HookRegistry (left empty by cache_context)
+        if registry is not None and getattr(registry, "hooks", True):
             raise AlreadyOffloadedError(
-                f"{where} carries diffusers hooks (_diffusers_hook, e.g. group offload or layerwise casting); "
+                f"{where} carries diffusers hooks ({', '.join(getattr(registry, 'hooks', {})) or '_diffusers_hook'}: "
+                "e.g. group offload or layerwise casting); "
                 "remove them first (model.disable_group_offload() / building the model without "
                 "enable_group_offload), then wrap it")
     if not allow_meta:
@@ -436,6 +509,56 @@ def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedM
     )
 
 
+class _Held:
+    """``with`` a model held (see :meth:`StreamedBlocks.held`); released whatever ends the block."""
+
+    def __init__(self, ownership: Ownership, what: str):
+        self.ownership, self.what = ownership, what
+
+    def __enter__(self):
+        self.depth = self.ownership.acquire(self.what)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ownership.release_to(self.depth)
+
+
+class ForwardEndHook:
+    """Named, removable ``always_call`` forward hook on the DiT: ``fn(exc)`` at the end of
+    every forward (``exc``: the exception it raised, or None); see
+    :meth:`StreamedBlocks.add_forward_end`."""
+
+    def __init__(self, name: str, module: nn.Module, fn):
+        self.name, self.fn = name, fn
+        self.armed = False  # a forward began and its end has not run yet
+        self._handles = [module.register_forward_pre_hook(self.pre_forward),
+                         module.register_forward_hook(self, always_call=True)]
+
+    def pre_forward(self, module, args) -> None:
+        self.armed = True
+
+    def __call__(self, module, args, output) -> None:
+        self.end(sys.exc_info()[1])
+
+    def end(self, exc: BaseException | None) -> None:
+        """``fn(exc)`` once per forward (torch's hook, or the front end's forward_aborted)."""
+        if self.armed:
+            self.armed = False
+            self.fn(exc)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def removed(self) -> bool:
+        return not self._handles
+
+    def __repr__(self) -> str:
+        return f"ForwardEndHook({self.name}, {'removed' if self.removed else 'active'})"
+
+
 class HostStateDictHook:
     """Named, removable ``state_dict`` post-hook: offloaded tensors read from their host owner.
 
@@ -450,14 +573,17 @@ class HostStateDictHook:
     or raises (a DLO AllGather rank holds no tensor whole).
     """
 
-    def __init__(self, name: str, module: nn.Module, lookup, offloaded):
+    def __init__(self, name: str, module: nn.Module, lookup, offloaded, before=None):
         self.name = name
         self._lookup = lookup
+        self._before = before  # called once per state_dict() before any lookup (pending edits written)
         # key relative to the module -> tensor object, for every offloaded tensor (tied ones under each key)
         self._keys = {k: t for k, t in module.state_dict(keep_vars=True).items() if offloaded(t)}
         self._handle = module.register_state_dict_post_hook(self)
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        if self._before is not None:
+            self._before()
         for key, t in self._keys.items():
             v = state_dict.get(prefix + key)
             if v is None or v is t:
@@ -485,7 +611,7 @@ def install_state_dict_hook(module: nn.Module, streamed: StreamedBlocks) -> Host
     views = streamed.host_views
     return HostStateDictHook(
         f"weightstream.state_dict[{type(module).__name__}]", module,
-        lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
+        lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views, before=streamed.flush_edits,
     )
 
 

@@ -91,6 +91,9 @@ class GraphForward:
             if named is not None:
                 raise named from e
             raise
+        except BaseException as e:  # torch runs no always_call hook for it
+            self.streamed.forward_aborted(e)
+            raise
 
     def __repr__(self) -> str:
         return f"GraphForward({self.name}, graphs={len(self.runner.graphs)})"
@@ -169,15 +172,16 @@ class LayerwiseOffloadHandle:
         """Stop streaming: every weight back on the device, hooks and the forward
         override removed; returns the (same) plain module."""
         self._check_live()
-        if self.forward_override is not None:
-            del self.module.__dict__["forward"]
-            self.forward_override = None
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
-        module = self.streamed.restore()
-        self.state_dict_hook.remove()
-        self.removed = True
+        with self.streamed.held("remove() / disable()"):  # nothing changes while another thread is inside
+            if self.forward_override is not None:
+                del self.module.__dict__["forward"]
+                self.forward_override = None
+            if self.graphs is not None:
+                self.graphs.release()
+                self.graphs = None
+            module = self.streamed.restore()
+            self.state_dict_hook.remove()
+            self.removed = True
         return module
 
     def __repr__(self) -> str:
@@ -238,6 +242,7 @@ class OffloadedTransformer(nn.Module):
                                         streamed=streamed, intercept=False, who="OffloadedTransformer")
         self.module = module
         self._handle = handle
+        handle.streamed.ownership.add_entries(self)  # a graph replay holds the model from the wrapper's frame
         # not `.config`: that name passes through to the wrapped model (diffusers'
         # pipelines read transformer.config.in_channels and the like)
         self.offload_config = handle.config
@@ -262,19 +267,22 @@ class OffloadedTransformer(nn.Module):
     def forward(self, *args, **kwargs):
         if self._disabled:
             raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
-        ex = self._streamed.executor
-        ex.acquire()  # ConcurrentUseError when another thread is inside (graph replays run no hooks)
+        sb = self._streamed
+        depth = sb.ownership.acquire("a forward")  # ConcurrentUseError when another thread is inside
         try:
             if self._graphs is not None:
                 return self._graphs(args, kwargs)
             return self.module(*args, **kwargs)
         except Exception as e:
-            named = explain_failure(e, self._streamed)
+            named = explain_failure(e, sb)
             if named is not None:
                 raise named from e
             raise
+        except BaseException as e:  # KeyboardInterrupt, SystemExit, a cancellation: torch ran no always_call hook
+            sb.forward_aborted(e)
+            raise
         finally:
-            ex.release()
+            sb.ownership.release_to(depth)  # whatever hold a BaseException left inside
 
     # -- operations that would break streaming: refused with a named error ------
     def to(self, *args, **kwargs):
@@ -315,6 +323,8 @@ class OffloadedTransformer(nn.Module):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped model's state dict; streamed weights are (CPU) views of the host store."""
+        if not self._disabled:
+            self._streamed.flush_edits()
         sd = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
         host = self._streamed.host_views if not self._disabled else {}
         for k, v in list(sd.items()):
@@ -341,10 +351,17 @@ class OffloadedTransformer(nn.Module):
         return self._streamed.local_state_dict() if sharded else self.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict`` (through :meth:`update_weights`): ``strict=False``
+        loads the keys the model has and reports the missing and unexpected ones."""
         if assign:
             raise ValueError("load_state_dict(assign=True) is not allowed on an OffloadedTransformer; use assign=False")
-        self.update_weights(state_dict, strict=strict)
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        if strict or not isinstance(state_dict, Mapping):
+            self.update_weights(state_dict, strict=strict)
+            return torch.nn.modules.module._IncompatibleKeys([], [])
+        have = self.module.state_dict(keep_vars=True)
+        self.update_weights({k: v for k, v in state_dict.items() if k in have}, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(
+            [k for k in have if k not in state_dict], [k for k in state_dict if k not in have])
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> list[str]:
         """Write new weights (streamed ones into the host store); the very next forward uses them.

@@ -146,3 +146,49 @@ def test_auto_placement_on_cuda_equals_resident():
     assert all(torch.equal(o, expected) for o in outs)
     s = wrapped.stats()
     assert s["placement"]["budget_bytes"] > 0 and s["blocks_resident"] == len(s["placement"]["resident_blocks"])
+
+
+def _auto_half(name, **kw):
+    model, ref, x = build(name, DEV)
+    probe = OffloadedTransformer(copy.deepcopy(model), OffloadConfig.layerwise(progress=False), device=DEV)
+    sizes, fixed = _image_bytes(probe), probe.stats()["resident_bytes"]
+    probe.disable()
+    wrapped = _auto(model, (fixed + 2 * max(sizes) + sum(sizes) // 2) / 1e9, **kw)
+    return model, ref, x, wrapped
+
+
+@pytest.mark.parametrize("codec", ["none", "exp-k"])
+@pytest.mark.parametrize("where", ["host-view", "device-param", "update"])
+def test_edits_of_a_block_made_resident_by_the_plan_take_effect(where, codec):
+    """The host image stays the master of a block the plan keeps resident: a state_dict()
+    tensor taken before the plan and edited after it, an in-place edit of the resident
+    parameter itself, and update_weights all reach the next forward, state_dict() and
+    disable() (none is silently ignored, none overwrites another later)."""
+    model, ref, x, wrapped = _auto_half("toy", weight_codec=codec)
+    before = wrapped.state_dict()  # host views, taken before the plan
+    with torch.no_grad():
+        wrapped(**x)  # measures, plans: some blocks become resident
+    resident = wrapped.stats()["resident_blocks"]
+    assert resident
+    blocks = list(model.double_blocks) + list(model.single_blocks)
+    ref_blocks = list(ref.double_blocks) + list(ref.single_blocks)
+    i = resident[0]
+    name = [n for n, _ in blocks[i].named_parameters()][0]
+    key = f"{'double' if i < len(model.double_blocks) else 'single'}_blocks." \
+          f"{i if i < len(model.double_blocks) else i - len(model.double_blocks)}.{name}"
+    delta = 0.125
+    with torch.no_grad():
+        if where == "host-view":
+            before[key].add_(delta)
+        elif where == "device-param":
+            dict(blocks[i].named_parameters())[name].add_(delta)
+        else:
+            wrapped.update_weights({key: before[key] + delta})
+        dict(ref_blocks[i].named_parameters())[name].add_(delta)
+        expected = first(ref(**x))
+        assert torch.equal(first(wrapped(**x)), expected)
+        assert torch.equal(wrapped.state_dict()[key], ref.state_dict()[key])
+        assert torch.equal(first(wrapped(**x)), expected)
+    back = wrapped.disable()
+    with torch.no_grad():
+        assert torch.equal(first(back(**x)), expected)

@@ -265,16 +265,31 @@ def test_counter_written_in_forward_is_an_error():
         assert torch.equal(wrapped(**x), ref(**x))
 
 
-@pytest.mark.parametrize("edit", ["mul_", "data", "zero_"])
-def test_edit_of_streamed_parameter_between_forwards_is_an_error(edit):
+@pytest.mark.parametrize("edit", ["mul_", "zero_", "copy_", "add_"])
+def test_inplace_op_on_streamed_parameter_between_forwards_is_refused(edit):
+    """An in-place op on a placeholder raises the named error at once and changes nothing."""
     model, ref, x = build("toy", DEV)
     wrapped = OffloadedTransformer(model, None, device=DEV)
     with torch.no_grad():
         wrapped(**x)
         p = model.single_blocks[2].up.weight
-        if edit == "data":
-            p.data = torch.zeros(5 * 32, 32)
-        else:
+        args = {"mul_": (2.0,), "zero_": (), "copy_": (torch.zeros(5 * 32, 32),), "add_": (torch.ones(5 * 32, 32),)}
+        with pytest.raises(StreamedWriteError, match=rf"{edit}\(\).*single_blocks\.2\.up\.weight.*update_weights"):
+            getattr(p, edit)(*args[edit])
+        assert torch.equal(wrapped(**x), ref(**x))  # the refused edit left the host weights as they were
+    assert torch.equal(wrapped.state_dict()["single_blocks.2.up.weight"], ref.single_blocks[2].up.weight)
+
+
+@pytest.mark.parametrize("edit", ["mul_", "zero_"])
+def test_edit_that_bypasses_the_placeholder_is_an_error_at_the_next_forward(edit):
+    """The version-counter backstop: an in-place op that skips __torch_function__ still moves
+    the placeholder's counter, and the next bind refuses it."""
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        wrapped(**x)
+        p = model.single_blocks[2].up.weight
+        with torch._C.DisableTorchFunctionSubclass():
             getattr(p, edit)() if edit == "zero_" else p.mul_(2.0)
         with pytest.raises(StreamedWriteError, match=r"single_blocks\.2\.up\.weight.*update_weights"):
             wrapped(**x)
@@ -282,6 +297,37 @@ def test_edit_of_streamed_parameter_between_forwards_is_an_error(edit):
             warnings.simplefilter("ignore")
             assert torch.equal(wrapped(**x), ref(**x))  # the refused edit left the host weights as they were
         assert torch.equal(wrapped.state_dict()["single_blocks.2.up.weight"], ref.single_blocks[2].up.weight)
+
+
+@pytest.mark.parametrize("how", ["assign", "iadd", "inplace-on-data", "safe-merge"])
+def test_data_write_between_forwards_takes_effect(how):
+    """``.data`` of an unbound streamed tensor is a device copy of its weights: assigning it,
+    or editing the copy in place, changes the weights from the next forward on (peft merge)."""
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    delta = torch.full((5 * 32, 32), 0.25)
+    with torch.no_grad():
+        wrapped(**x)
+        p = model.single_blocks[2].up.weight
+        if how == "assign":
+            p.data = ref.single_blocks[2].up.weight + delta
+        elif how == "iadd":
+            p.data += delta
+        elif how == "inplace-on-data":
+            p.data.add_(delta)  # the copy is dropped at once: its edit is still written
+        else:  # peft's safe_merge: clone, add, assign
+            w = p.data.clone()
+            w += delta
+            p.data = w
+        ref.single_blocks[2].up.weight.add_(delta)
+        assert torch.equal(first_out(wrapped, x), first_out(ref, x))
+        assert torch.equal(wrapped.state_dict()["single_blocks.2.up.weight"], ref.single_blocks[2].up.weight)
+        assert torch.equal(first_out(wrapped, x), first_out(ref, x))
+    assert torch.equal(wrapped.disable().single_blocks[2].up.weight, ref.single_blocks[2].up.weight)
+
+
+def first_out(m, x):
+    return first(m(**x))
 
 
 def test_storage_shared_across_blocks_is_rejected():
@@ -486,3 +532,43 @@ def test_direct_forward_call_runs_the_step_start(name, cfg):
         for how in ("forward", "forward", "call", "forward", "call", "call", "forward"):
             out = first(model.forward(**x) if how == "forward" else model(**x))
             assert torch.equal(out, expected), how
+
+
+def test_load_state_dict_non_strict_reports_missing_and_unexpected_keys():
+    """strict=False loads what matches and reports the rest, as nn.Module does (it used to say
+    "All keys matched" whatever was missing, and refuse unexpected keys)."""
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    sd["single_blocks.2.up.weight"].mul_(0.5)
+    missing = "single_blocks.0.up.bias"
+    del sd[missing]
+    sd["not.a.key"] = torch.zeros(1)
+    result = wrapped.load_state_dict(sd, strict=False)
+    assert result.missing_keys == [missing] and result.unexpected_keys == ["not.a.key"]
+    with torch.no_grad():
+        ref.single_blocks[2].up.weight.mul_(0.5)
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+    with pytest.raises(WeightUpdateError, match="not.a.key"):
+        wrapped.load_state_dict(sd, strict=True)
+
+
+def test_update_with_a_meta_tensor_is_refused():
+    model, ref, x = build("toy", DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with pytest.raises(WeightUpdateError, match=r"single_blocks\.2\.up\.weight.*meta"):
+        wrapped.update_weights({"single_blocks.2.up.weight": torch.empty(5 * 32, 32, device="meta")})
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+
+
+def test_wrapping_after_a_pipeline_ran_the_model_is_allowed():
+    """A pipeline's call leaves an empty diffusers hook registry on the transformer
+    (cache_context): that is not an offload hook, so wrapping still works, bit-exact."""
+    model, ref, x = build("flux", DEV)
+    with model.cache_context("cond"):
+        pass
+    assert model._diffusers_hook is not None and not model._diffusers_hook.hooks
+    wrapped = OffloadedTransformer(model, None, device=DEV)
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(ref(**x)))
