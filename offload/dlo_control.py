@@ -3,8 +3,9 @@
 Every wait here is bounded by ``dlo_timeout_s`` (:func:`bounded_wait`), so a
 failure anywhere becomes an error everywhere within it; the small control
 rows travel on a stream of their own. The setup digest (config, block layout,
-sampled weights) is compared in one collective; ``local_state_dict`` pieces
-merge back into full weights without any collective (:func:`merge_shards`);
+an exact digest of every byte of the weights) is compared in one collective;
+``local_state_dict`` pieces, raw or coded, merge back into full weights without
+any collective (:func:`merge_shards`);
 :func:`validate_wave` checks a DP request wave before any weight collective.
 """
 from __future__ import annotations
@@ -13,8 +14,10 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from .config import OffloadConfig
 from .dlo_topology import DLOPlan, ParallelConfig, resolve_transfer, _resolve_group  # noqa: F401
+from ..kernels.codec import decode_tensor
 from .layout import BlockLayout, TensorSpec
 
 # Request arguments that change what the transformer computes per step (shapes,
@@ -156,7 +160,8 @@ def _control_for(parallel: ParallelConfig, dlo: "DLOPlan", config: OffloadConfig
 
 
 # --------------------------------------------------------------------------- setup digest
-_DIGEST_SAMPLE_BYTES = 4096  # bytes sampled per block for dlo_verify_weights
+_HASH_CHUNK = 32 << 20  # bytes per hashing task: a tensor's digest joins its chunks' digests
+_HASH_WORKERS = 16  # hashlib releases the GIL on large buffers: one chunk per worker thread
 
 
 def _short(h) -> str:
@@ -171,28 +176,72 @@ def _layout_digest(lay: BlockLayout) -> str:
     return _short(h)
 
 
-def _weight_digest(tensors: list[torch.Tensor]) -> str:
-    """A digest of a few KB sampled evenly from every tensor of a block (first and last element included)."""
-    h = hashlib.sha1()
-    per = max(1, _DIGEST_SAMPLE_BYTES // max(1, len(tensors)))
-    with torch.no_grad():
-        for t in tensors:
-            flat = t.detach().reshape(-1)
-            n = flat.numel()
-            if n == 0:
-                continue
-            m = max(1, min(n, per // max(1, flat.element_size())))
-            # integer arithmetic: a float32 linspace rounds past n - 1 for tensors of tens of
-            # millions of elements (an out-of-range index, a device-side assert on CUDA)
-            idx = torch.arange(m, dtype=torch.int64, device=flat.device) * (n - 1) // max(m - 1, 1)
-            sample = flat.index_select(0, idx).contiguous().cpu()
-            h.update(sample.view(torch.uint8).numpy().tobytes())
-    return _short(h)
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in row-major order as uint8 (on ``t``'s device; a copy only when it is not contiguous)."""
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayout], tensors,
-                 num_blocks: int) -> dict:
-    """What every rank of a DLO group must agree on before its first collective."""
+def _hash_chunk(raw: torch.Tensor, a: int, b: int) -> bytes:
+    return hashlib.sha1(raw[a:b].cpu().numpy()).digest()  # a CUDA tensor: one chunk at a time to the host
+
+
+def tensor_digests(tensors: list[torch.Tensor]) -> list[str]:
+    """An exact digest (hex) of every byte of each tensor, with its dtype and shape: SHA-1 of the
+    SHA-1s of its 32 MiB chunks, the chunks hashed on worker threads (hashlib releases the GIL)."""
+    flats = [_flat_bytes(t) for t in tensors]
+    tasks = [(i, a, min(a + _HASH_CHUNK, raw.numel())) for i, raw in enumerate(flats)
+             for a in range(0, raw.numel(), _HASH_CHUNK)]
+    workers = max(1, min(_HASH_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count() or 1, len(tasks)))
+    with torch.no_grad(), ThreadPoolExecutor(workers, thread_name_prefix="weightstream-digest") as pool:
+        chunks = list(pool.map(lambda task: _hash_chunk(flats[task[0]], task[1], task[2]), tasks))
+    per: list[list[bytes]] = [[] for _ in tensors]
+    for (i, _, _), d in zip(tasks, chunks):
+        per[i].append(d)
+    return [hashlib.sha1(repr((str(t.dtype), tuple(t.shape))).encode() + b"".join(ds)).hexdigest()
+            for t, ds in zip(tensors, per)]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightDigest:
+    """One rank's weights, every byte (``dlo_verify_weights``): a digest per streamed tensor
+    (per block, layout order) and per resident tensor (sorted by name). Only short summaries
+    travel at setup (:meth:`summary`); :func:`weight_mismatches` asks for the rest where
+    the ranks differ."""
+
+    block_names: list[str]
+    tensor_names: list[list[str]]
+    blocks: list[list[str]]
+    resident_names: list[str]
+    resident: list[str]
+
+    @classmethod
+    def of(cls, layouts: list[BlockLayout], tensors, resident: Mapping[str, torch.Tensor]) -> "WeightDigest":
+        """``tensors``: per streamed block, its (name, kind, tensor) in layout order (a SourceRequest's)."""
+        names = sorted(resident)
+        flat = [t for ts in tensors for _, _, t in ts] + [resident[n] for n in names]
+        digests = iter(tensor_digests(flat))
+        blocks = [[next(digests) for _ in ts] for ts in tensors]
+        return cls([lay.name for lay in layouts], [[f"{lay.name}.{sp.name}" for sp in lay.tensors] for lay in layouts],
+                   blocks, names, list(digests))
+
+    def block(self, k: int) -> str:
+        return _short(hashlib.sha1("".join(self.blocks[k]).encode()))
+
+    def summary(self) -> dict:
+        """The setup digest's weight entries: one exact digest of everything, one per block, one of
+        the resident tensors."""
+        resident = _short(hashlib.sha1(json.dumps([self.resident_names, self.resident]).encode()))
+        blocks = [self.block(k) for k in range(len(self.blocks))]
+        total = hashlib.sha1(json.dumps([self.blocks, self.resident_names, self.resident]).encode()).hexdigest()
+        return {"weights": total, "block_weights": blocks, "resident_weights": resident}
+
+
+def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayout], num_blocks: int,
+                 resident: Mapping[str, torch.Tensor], weights: WeightDigest | None) -> dict:
+    """What every rank of a DLO group must agree on before its first collective; ``weights``
+    (``dlo_verify_weights``): the digests of every byte of the weights."""
     dtypes = sorted({str(sp.dtype) for lay in layouts for sp in lay.tensors})
     d = {
         "weight_transfer": dlo.transfer, "num_slots": config.num_slots,
@@ -202,13 +251,16 @@ def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayou
         "blocks": num_blocks, "streamed_blocks": len(layouts), "dtypes": dtypes,
         "block_names": [lay.name for lay in layouts],
         "block_layouts": [_layout_digest(lay) for lay in layouts],
+        "resident_tensors": _short(hashlib.sha1(repr(sorted(
+            (n, str(t.dtype), tuple(t.shape)) for n, t in resident.items())).encode())),
     }
-    if config.dlo_verify_weights:
-        d["block_weights"] = [_weight_digest([t for _, _, t in ts]) for ts in tensors]
+    if weights is not None:
+        d.update(weights.summary())
     return d
 
 
 _PER_BLOCK = ("block_layouts", "block_weights")
+_WEIGHTS = ("weights", "block_weights", "resident_weights")  # compared by weight_mismatches
 
 
 def fit_digest(d: dict, cap: int = _CONTROL_CAP // 2) -> dict:
@@ -223,10 +275,11 @@ def fit_digest(d: dict, cap: int = _CONTROL_CAP // 2) -> dict:
 
 
 def digest_mismatches(digests: list[dict]) -> list[str]:
-    """Human-readable differences of every rank's setup digest from rank 0's."""
+    """Human-readable differences of every rank's setup digest from rank 0's (the weights
+    apart: :func:`weight_mismatches`)."""
     errors = []
     base = digests[0]
-    for key in sorted(set().union(*digests)):
+    for key in sorted(set().union(*digests) - set(_WEIGHTS)):
         for r, d in enumerate(digests[1:], start=1):
             a, b = d.get(key), base.get(key)
             if a == b:
@@ -234,8 +287,7 @@ def digest_mismatches(digests: list[dict]) -> list[str]:
             if key in _PER_BLOCK and isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
                 names = base.get("block_names") or [str(i) for i in range(len(b))]
                 bad = [i for i in range(len(b)) if a[i] != b[i]]
-                what = "layout" if key == "block_layouts" else "weights (sampled digest)"
-                errors.append(f"block {names[bad[0]]!r} {what} differ: rank {r} {a[bad[0]]}, rank 0 {b[bad[0]]}"
+                errors.append(f"block {names[bad[0]]!r} layout differ: rank {r} {a[bad[0]]}, rank 0 {b[bad[0]]}"
                               + (f" (and {len(bad) - 1} more blocks)" if len(bad) > 1 else ""))
             elif key in _PER_BLOCK:
                 continue  # a block-count difference is reported by "blocks" / "block_names"
@@ -245,6 +297,44 @@ def digest_mismatches(digests: list[dict]) -> list[str]:
     return errors
 
 
+def weight_mismatches(control: "_Control", mine: WeightDigest, digests: list[dict]) -> list[str]:
+    """Where the ranks' weights differ from rank 0's, named to the first differing block and
+    tensor (or resident tensor) per rank. Called on every rank with the same ``digests``, so
+    every rank runs the same collectives: none when the weights agree, else at most two
+    small ones (the per-block digests when the setup digest folded them, then the per-tensor
+    digests of the first differing blocks)."""
+    base = digests[0]
+    bad = [r for r, d in enumerate(digests) if d.get("weights") != base.get("weights")]
+    if not bad:
+        return []
+    lists = [d.get("block_weights") for d in digests]
+    if not all(isinstance(x, list) for x in lists):  # folded to fit: ask for them
+        lists = [row["blocks"] for row in control.gather_json(
+            {"blocks": [mine.block(k) for k in range(len(mine.blocks))]}, "the DLO weight check")]
+    first = {r: next((k for k, (a, b) in enumerate(zip(lists[r], lists[0])) if a != b), None) for r in bad}
+    blocks = sorted({k for k in first.values() if k is not None})
+    resident = any(digests[r].get("resident_weights") != base.get("resident_weights") for r in bad)
+    rows = control.gather_json({"tensors": [mine.blocks[k] for k in blocks],
+                                "resident": mine.resident if resident else []}, "the DLO weight check")
+    return [_weight_difference(r, first[r], blocks, rows, mine, lists) for r in bad]
+
+
+def _weight_difference(r: int, k: int | None, blocks: list[int], rows: list[dict], mine: WeightDigest,
+                       lists: list[list[str]]) -> str:
+    """Rank ``r``'s first difference from rank 0 (``rows``: every rank's per-tensor digests)."""
+    if k is not None:
+        a, b = rows[r]["tensors"][blocks.index(k)], rows[0]["tensors"][blocks.index(k)]
+        names, where = mine.tensor_names[k], f"block {mine.block_names[k]!r} weights differ at tensor "
+    else:
+        a, b, names, where = rows[r]["resident"], rows[0]["resident"], mine.resident_names, "resident tensor "
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:  # only the joined digests differ (a block or tensor count): no one tensor to name
+        return f"weights differ: rank {r} digest {rows[r].get('weights', '?')}, rank 0 {rows[0].get('weights', '?')}"
+    more = sum(x != y for x, y in zip(lists[r], lists[0])) - 1 if k is not None else 0
+    return (where + f"{names[i]!r}" + (" differs" if k is None else "") + f": rank {r} {a[i][:16]}, rank 0 "
+            f"{b[i][:16]}" + (f" (and {more} more blocks)" if more > 0 else ""))
+
+
 def _show_digest(v) -> str:
     if isinstance(v, list) and len(v) > 6:
         return f"[{len(v)} entries: {', '.join(map(repr, v[:3]))}, ...]"
@@ -252,6 +342,11 @@ def _show_digest(v) -> str:
 
 
 # --------------------------------------------------------------------------- rank-local reads
+class ShardMergeError(ValueError):
+    """:func:`merge_shards` cannot join the pieces it was given into a tensor (missing bytes,
+    pieces of different codecs or layouts, bytes that disagree or do not decode)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardPiece:
     """The part of a streamed tensor one AllGather rank holds (see ``local_state_dict``).
@@ -266,36 +361,136 @@ class ShardPiece:
     start: int
     data: torch.Tensor
 
+    def tensor(self, joined: torch.Tensor) -> torch.Tensor:
+        """The tensor from ``joined``, every rank's bytes of ``spec`` put together."""
+        return self.spec.view_of(joined).clone()
+
+    def kind(self) -> tuple:
+        """What two pieces of one tensor must share to be joined."""
+        return (type(self).__name__, self.spec)
+
     def __repr__(self) -> str:
         return (f"ShardPiece({self.name!r}, bytes [{self.start}, {self.start + self.data.numel()}) of "
                 f"{self.spec.nbytes}: the rest is held by other ranks)")
 
 
+@dataclasses.dataclass(frozen=True)
+class CodedPiece(ShardPiece):
+    """A :class:`ShardPiece` of a tensor's coded bytes (``spec``: the coded blob, uint8);
+    ``target``: the decoded tensor's spec (offset 0). :func:`merge_shards` decodes the joined blob
+    on the CPU (the codec's torch reference decoder)."""
+
+    target: TensorSpec | None = None
+
+    def tensor(self, joined: torch.Tensor) -> torch.Tensor:
+        try:
+            raw = decode_tensor(joined).view(torch.uint8)
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ShardMergeError(
+                f"merge_shards: the coded bytes of {self.name!r} do not decode ({type(e).__name__}: {e}); "
+                "the local_state_dict()s come from different backends or were changed: pass the unchanged "
+                "local_state_dict() of every rank of one sharding group") from e
+        if raw.numel() < self.target.nbytes:
+            raise ShardMergeError(
+                f"merge_shards: the coded bytes of {self.name!r} decode to {raw.numel()} bytes, the tensor "
+                f"({self.target.dtype} {self.target.shape}) has {self.target.nbytes}: pass the unchanged "
+                "local_state_dict() of every rank of one sharding group")
+        return self.target.view_of(raw[: self.target.nbytes]).clone()
+
+    def kind(self) -> tuple:
+        return (type(self).__name__, self.spec, self.target)
+
+    def __repr__(self) -> str:
+        return (f"CodedPiece({self.name!r}, coded bytes [{self.start}, {self.start + self.data.numel()}) of "
+                f"{self.spec.nbytes}: join every rank's with merge_shards)")
+
+
 def merge_shards(local_state_dicts: list[Mapping]) -> dict[str, torch.Tensor]:
-    """The full state dict from every rank's ``local_state_dict()`` (any order; no collective)."""
-    out: dict[str, torch.Tensor] = {}
+    """The full state dict from every rank's ``local_state_dict()`` (any order; no collective).
+
+    Any codec: raw pieces (:class:`ShardPiece`) are joined, coded ones (:class:`CodedPiece`:
+    ``weight_codec`` 'exp-k', 'exp-k2', 'exp-kp', or the coded blocks of 'auto') joined and
+    decoded on the CPU, bit for bit. Pieces it cannot join into one tensor (of different
+    codecs or layouts, bytes that disagree, missing bytes) raise :class:`ShardMergeError`,
+    naming the tensor; so do whole tensors that differ between the dicts."""
+    whole: dict[str, list[torch.Tensor]] = {}
     pieces: dict[str, list[ShardPiece]] = {}
-    for sd in local_state_dicts:
+    for i, sd in enumerate(local_state_dicts):
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"merge_shards: entry {i} is a {type(sd).__name__}; pass a list of local_state_dict()s")
         for name, v in sd.items():
             if isinstance(v, ShardPiece):
                 pieces.setdefault(name, []).append(v)
+            elif isinstance(v, torch.Tensor):
+                whole.setdefault(name, []).append(v)
             else:
-                out.setdefault(name, v)
-    for name, ps in pieces.items():
-        if name in out:
-            continue
-        spec = ps[0].spec
-        buf = torch.zeros(spec.nbytes, dtype=torch.uint8)
-        have = torch.zeros(spec.nbytes, dtype=torch.bool)
-        for p in ps:
-            buf[p.start : p.start + p.data.numel()] = p.data
-            have[p.start : p.start + p.data.numel()] = True
-        if not bool(have.all()):
-            miss = int((~have).nonzero()[0])
-            raise ValueError(f"merge_shards: {name!r} misses bytes from {miss} of {spec.nbytes}: "
-                             "pass the local_state_dict() of every rank of the sharding group")
-        out[name] = spec.view_of(buf).clone()
+                raise TypeError(f"merge_shards: {name!r} in entry {i} is a {type(v).__name__}, not a tensor or "
+                                "ShardPiece; pass local_state_dict()s as they are")
+    out = {}
+    for name in dict.fromkeys([*whole, *pieces]):
+        out[name] = _merge_one(name, whole.get(name, []), pieces.get(name, []))
     return out
+
+
+def _merge_one(name: str, whole: list[torch.Tensor], ps: list[ShardPiece]) -> torch.Tensor:
+    kinds = {p.kind() for p in ps}
+    if len(kinds) > 1:
+        what = sorted({f"{type(p).__name__} of {p.spec.nbytes} bytes" for p in ps})
+        raise ShardMergeError(
+            f"merge_shards: {name!r} comes as pieces that do not belong to one tensor ({', '.join(what)}): the "
+            "local_state_dict()s come from backends with different codecs or layouts; pass the local_state_dict() "
+            "of every rank of one sharding group")
+    if whole:
+        return _merge_whole(name, whole, ps)
+    nbytes = ps[0].spec.nbytes
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    have = torch.zeros(nbytes, dtype=torch.bool)
+    for p in ps:
+        a, b = p.start, p.start + p.data.numel()
+        if a == b:
+            continue  # none of the tensor's bytes in that rank's share
+        if b > nbytes:
+            raise ShardMergeError(f"merge_shards: a piece of {name!r} holds bytes [{a}, {b}) of a {nbytes}-byte "
+                                  "tensor; pass local_state_dict()s as they are")
+        seen = have[a:b]
+        if bool(seen.any()) and not torch.equal(buf[a:b][seen], p.data[seen]):
+            raise ShardMergeError(f"merge_shards: two pieces of {name!r} disagree on bytes in [{a}, {b}): the "
+                                  "local_state_dict()s come from ranks with different weights")
+        buf[a:b] = p.data
+        have[a:b] = True
+    if not bool(have.all()):
+        miss = int((~have).nonzero()[0])
+        raise ShardMergeError(f"merge_shards: {name!r} misses bytes from {miss} of {nbytes}: "
+                              "pass the local_state_dict() of every rank of the sharding group")
+    return ps[0].tensor(buf)
+
+
+def _merge_whole(name: str, whole: list[torch.Tensor], ps: list[ShardPiece]) -> torch.Tensor:
+    """A tensor some dict holds whole (resident, or wholly in one rank's share): every whole copy and
+    every raw piece of it must agree with it."""
+    t = whole[0].detach().cpu()
+    for other in whole[1:]:
+        if other.dtype != t.dtype or other.shape != t.shape or not torch.equal(other.detach().cpu(), t):
+            raise ShardMergeError(f"merge_shards: {name!r} differs between the local_state_dict()s (the ranks "
+                                  "hold different weights); pass the local_state_dict() of every rank of one "
+                                  "sharding group")
+    if not ps:
+        return t.clone()
+    p = ps[0]
+    if type(p) is not ShardPiece or (t.dtype, tuple(t.shape)) != (p.spec.dtype, p.spec.shape):
+        raise ShardMergeError(
+            f"merge_shards: {name!r} is a whole {t.dtype} {tuple(t.shape)} tensor in one local_state_dict() and a "
+            f"{type(p).__name__} of {p.spec.dtype} {p.spec.shape} in another: the local_state_dict()s come from "
+            "backends with different codecs or layouts")
+    raw = torch.zeros(p.spec.nbytes, dtype=torch.uint8)
+    p.spec.view_of(raw).copy_(t)
+    for q in ps:
+        a, b = q.start, q.start + q.data.numel()
+        if a < b and (b > raw.numel() or not torch.equal(raw[a:b], q.data)):
+            raise ShardMergeError(f"merge_shards: a piece of {name!r} disagrees with the whole tensor another "
+                                  "local_state_dict() holds: the ranks hold different weights")
+    return t.clone()
+
 
 # --------------------------------------------------------------------------- request waves
 def _path_value(key: str, v: Any):

@@ -2,7 +2,7 @@
 
 The executor is one class for every source; what DLO adds to it is policy,
 held here and called through a few hooks (``check``, ``mark_failed``,
-``refuse_resync``, ``reset_target``, ``agree_capture``, ``capture_start``):
+``reset_target``, ``agree_capture``, ``capture_start``):
 
 - :class:`DLOGuard` (rank-local): a failed load makes the backend unusable,
   named, instead of leaving a half-loaded ring.
@@ -15,7 +15,7 @@ held here and called through a few hooks (``check``, ``mark_failed``,
 """
 from __future__ import annotations
 
-from .dlo_control import DLOCollectiveError, _Control
+from .dlo_control import _Control
 
 
 class DLOGuard:
@@ -64,19 +64,13 @@ class AllGatherGuard(DLOGuard):
         self.source = source  # the ShardSource (it counts the collectives); set by its factory
         self._reset_to: int | None = None  # step start every rank agreed to reset to (a capture failed somewhere)
         self._forward_start = 0  # position when the current forward began
+        self._open = False  # a forward began and its end (end_forward) has not run yet
 
     def _way_out(self) -> str:
         return (" or collective, so it cannot hang on ranks that are out of step; rebuild the "
                 "OffloadedTransformer on every rank of the sharding group")
 
     # -- executor hooks ---------------------------------------------------------------
-    def refuse_resync(self, ex) -> None:
-        """A forward stopped between streamed blocks: other ranks may have issued more
-        gathers than this one, so re-priming could pair wrong collectives."""
-        self.mark_failed(f"a forward stopped part-way through the streamed blocks (at position {ex.position}, "
-                         f"block {ex.blocks[ex.schedule.block_at(ex.position)].name!r})")
-        self.check()
-
     def reset_target(self, ex) -> int:
         """Re-priming on one rank alone would issue gathers its peers do not: only a
         reset every rank agreed to (agree_capture) runs; anything else stops."""
@@ -88,55 +82,83 @@ class AllGatherGuard(DLOGuard):
         return target
 
     def _agree(self, ex, flag: bool, what: str, note: str = "") -> list[dict]:
-        """Every rank's position, collectives issued, ``flag`` and ``note``: one small collective."""
+        """Every rank's position, collectives issued, ``flag`` and ``note``: one small collective.
+        Anything that stops it (a failed or timed-out collective, a KeyboardInterrupt while it
+        waits) ends the backend: this rank can no longer tell which collectives its peers ran."""
         src = self.source
-        rows = self.control.status([ex.position, src.ncoll, int(flag)], note, f"the DLO agreement on {what}")
+        try:
+            rows = self.control.status([ex.position, src.ncoll, int(flag)], note, f"the DLO agreement on {what}")
+        except BaseException as e:
+            self.mark_failed(f"{_what(e)} (in the DLO agreement on {what})")
+            raise
         src.ncoll += 1
         return [{"position": r[0], "ncoll": r[1], "flag": bool(r[2]), "note": n} for r, n in rows]
 
     def agree_capture(self, ex, ok: bool) -> bool:
         """Capture succeeded on every rank? One small collective per capture; when it did
         not everywhere, every rank resets to the captured step's start and runs it eagerly."""
-        try:
-            rows = self._agree(ex, not ok, "a CUDA-graph capture")
-        except DLOCollectiveError as e:
-            self.mark_failed(str(e))
-            raise
+        rows = self._agree(ex, not ok, "a CUDA-graph capture")
         agreed = not any(r["flag"] for r in rows)
         if not agreed:
             self._reset_to = self.capture_start
         return agreed
 
+    def _cut_short(self, exc: BaseException | None) -> bool:
+        """A load or gather of the source was stopped part-way (by a BaseException that is not an
+        Exception: those end the backend where they are raised): its collective may or may not
+        have run, and its slot holds part of a block. Nothing may read that slot or issue another
+        collective: the backend ends here, named (the peers' next collective fails within
+        dlo_timeout_s)."""
+        cut = self.source.cut_short() if self.source is not None else None
+        if cut is None:
+            return False
+        self.mark_failed(f"{cut} was cut short by {_what(exc) if exc is not None else 'an exception'}: this rank "
+                         "cannot tell whether its collective ran, nor use the slot it was filling")
+        return True
+
     # -- the root hooks (installed by distributed.build_streamed) ---------------------------------
     def begin_forward(self, ex) -> None:
+        """Before a forward issues anything: refuse a ring whose last transfer was cut short, or
+        whose last forward ended without its end-of-step agreement (an exception no one reported
+        to :meth:`end_forward`, e.g. a KeyboardInterrupt through a caller that did not call
+        ``StreamedBlocks.forward_aborted``): re-priming alone would pair this rank's gathers with
+        whatever its peers issue (a size mismatch aborts the process, a match decodes or computes
+        with another block's bytes)."""
+        if self._cut_short(None):
+            self.check()
+        if self._open:
+            self.mark_failed("the last forward on this rank ended without its end-of-step agreement (an exception "
+                             "that did not reach the DLO end-of-forward handler); the ranks may be out of step")
+            self.check()
+        self._open = True
         self._forward_start = ex.position
 
     def end_forward(self, ex, exc: BaseException | None) -> None:
-        """After every eager forward: a rank that stopped part-way first issues the
+        """After every eager forward, however it ended (an exception of any type inside a block,
+        a KeyboardInterrupt included): a rank that stopped part-way first issues the
         step's remaining gathers (its host shards are intact), so every rank issued
         the same collectives; then one small agreement: when any rank raised in
         this step, every rank that did not raises too. The ring stays in step and
-        usable. A failed collective instead marks the backend unusable."""
+        usable. A failed collective, or a load cut short, instead marks the backend unusable."""
+        self._open = False
         if ex.capture_tag is not None or self.failure is not None:
             return  # a capture (agree_capture decides) or no collective may run any more
+        if self._cut_short(exc):
+            return  # the caller re-raises exc; the next call names the failure
         n, start = ex.schedule.n, self._forward_start
         if exc is None and not ex.block_bound and ex.position % n and ex.position != start:
             ex.finish_step()  # its last blocks were skipped by design (SD3 skip_layers): not a failure
         stopped = exc is not None or ex.position % n != 0 or ex.position == start
         note = ""
         if stopped:
-            note = (f"{type(exc).__name__}: {exc}" if exc is not None else "the forward returned early") + (
+            note = (_what(exc) if exc is not None else "the forward returned early") + (
                 f" (after {ex.position - start} of {n} streamed blocks)")
             try:
                 ex.drain_step(start)
-            except Exception as e:
-                self.mark_failed(f"{type(e).__name__}: {e} (completing the step's gathers after: {note})")
+            except BaseException as e:
+                self.mark_failed(f"{_what(e)} (completing the step's gathers after: {note})")
                 raise
-        try:
-            rows = self._agree(ex, stopped, "the end of a step", note)
-        except DLOCollectiveError as e:
-            self.mark_failed(str(e))
-            raise
+        rows = self._agree(ex, stopped, "the end of a step", note)
         if len({(r["position"], r["ncoll"]) for r in rows}) > 1:
             self.mark_failed("the ranks are out of step after a step (" + ", ".join(
                 f"rank {i}: position {r['position']}, {r['ncoll']} collectives" for i, r in enumerate(rows)) + ")")
@@ -149,3 +171,9 @@ class AllGatherGuard(DLOGuard):
                 + ". This rank's output of the step is discarded; every rank completed the step's gathers, "
                 "so the next forward runs normally"
             )
+
+
+def _what(exc: BaseException) -> str:
+    """``exc`` as a note: its type, and its message where it has one (KeyboardInterrupt has none)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

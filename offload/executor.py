@@ -267,7 +267,7 @@ class LayerwiseExecutor:
         self.guard.check()
         try:
             self._issue_load(load, wait_free)
-        except Exception as e:
+        except BaseException as e:  # a KeyboardInterrupt too: the load it cut short is never issued
             self.guard.mark_failed(f"{type(e).__name__}: {e} (loading block {self.blocks[load.block].name!r}, "
                                    f"step {self.schedule.step_of(load.position)})")
             raise
@@ -394,7 +394,7 @@ class LayerwiseExecutor:
             return
         try:
             step(block)
-        except Exception as e:
+        except BaseException as e:  # a KeyboardInterrupt in the bookkeeping may leave a load unissued
             g.mark_failed(f"{type(e).__name__}: {e}")
             raise
 

@@ -5,6 +5,8 @@ groups of 2 ranks; outputs compare bit for bit with the unwrapped model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 
 import pytest
 import torch
@@ -122,20 +124,20 @@ def test_fake_update_weights_reshards_and_stays_exact(codec):
         om.state_dict()
 
 
-@pytest.mark.parametrize("codec", ["exp-k", "exp-k2"])
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2", "exp-kp"])
 def test_local_state_dict_gives_coded_pieces_that_merge(codec):
+    """merge_shards (the recovery the README names) decodes coded pieces: the weights bit for bit,
+    never coded bytes under a weight's name; merge_coded_shards is the same function."""
     model, x = _model("flux")
     ref = copy.deepcopy(model)
     om = _fake(model, codec=codec)
     local = om.local_state_dict()
     pieces = [v for v in local.values() if isinstance(v, CodedPiece)]
     assert pieces and all(p.data.dtype == torch.uint8 for p in pieces)
-    merged = merge_coded_shards([local])
+    merged = merge_shards([local])
     assert sorted(merged) == sorted(ref.state_dict())
-    assert all(torch.equal(merged[k], v) for k, v in ref.state_dict().items())
-    raw = merge_shards([local])  # the plain merge leaves coded bytes: not the weights
-    name = pieces[0].name
-    assert raw[name].dtype == torch.uint8 and raw[name].shape != ref.state_dict()[name].shape
+    assert all(v.dtype == merged[k].dtype and torch.equal(merged[k], v) for k, v in ref.state_dict().items())
+    assert merge_coded_shards is merge_shards
 
 
 def test_happens_before_over_the_fake_group():
@@ -280,7 +282,7 @@ def test_mixed_raw_and_coded_blocks_are_exact_ordered_and_give_weights_back():
     s = src.stats()
     assert s["coded_blocks"] == 2 and s["codec"] == "exp-k" and s["raw_bytes"] > s["coded_bytes"]
     local = om.local_state_dict()
-    merged = merge_coded_shards([local])
+    merged = merge_shards([local])
     assert sorted(merged) == sorted(ref.state_dict())
     assert all(torch.equal(merged[k], v) for k, v in ref.state_dict().items())
     g = torch.Generator().manual_seed(5)
@@ -352,8 +354,8 @@ def _rank_equal(kind, parallel, rank, device="cpu", forwards=2, **cfg_kw):
     src = om._streamed.source
     stats = dict(src.stats(), **{k: om.stats().get(k) for k in ("transfer", "pinned_host_gb_per_rank")})
     plan = om.stats().get("codec_plan")
-    stats["versions"] = sorted(_versions([t for t in (src.store.tables if hasattr(src, "store") else src.tables)
-                                          if t is not None]))  # weight_codec="auto": raw blocks have none
+    tables = getattr(src.store, "tables", []) if hasattr(src, "store") else src.tables  # no codec: no tables
+    stats["versions"] = sorted(_versions([t for t in tables if t is not None]))  # "auto": raw blocks have none
     local = om.local_state_dict()
     plain = om.disable()
     with torch.no_grad():
@@ -512,6 +514,26 @@ def _rank_auto(parallel, rank, *, fail_first=False, device="cpu"):
     return out
 
 
+def _rank_mixed(parallel, rank):
+    """weight_codec='auto' with blocks 0 and 3 coded (exp-k, on both ranks at once) and the others raw:
+    what a partial plan leaves. Outputs bit for bit; this rank's local_state_dict() (ShardPieces,
+    CodedPieces, whole tensors) for the merge."""
+    model, x = _model("toy", seed_inputs=1 + rank)
+    ref = copy.deepcopy(model)
+    om = OffloadedTransformer(model, _coded_cfg(codec="auto"), device="cpu", parallel=parallel)
+    om._streamed.codec_planner.remove()  # no plan: the ranks code the same blocks themselves
+    src = om._streamed.source
+    with torch.no_grad():
+        want = _first(ref(**x))
+        equal = [torch.equal(_first(om(**x)), want)]
+        src.code_blocks([0, 3], "exp-k")
+        equal.append(torch.equal(_first(om(**x)), want))
+    out = dict(equal=equal, raw=list(src.raw), local=om.local_state_dict(),
+               ref={k: v.clone() for k, v in ref.state_dict().items()})
+    om.disable()
+    return out
+
+
 def scenario_two(rank, world):
     from test_distributed import Checks
 
@@ -523,6 +545,8 @@ def scenario_two(rank, world):
     c.run("codec_differs", _codec_differs, par, rank)
     c.run("equal_flux_k2", _rank_equal, "flux", par, rank, codec="exp-k2")
     c.run("equal_flux_kp", _rank_equal, "flux", par, rank, codec="exp-kp")
+    c.run("equal_flux_none", _rank_equal, "flux", par, rank, codec="none")
+    c.run("mixed", _rank_mixed, par, rank)
     c.run("rank_local_k2", _rank_equal, "flux", par, rank, transfer="rank-local", codec="exp-k2")
     c.run("rank_local_auto", _rank_equal, "flux", par, rank, transfer="rank-local", codec="auto", forwards=3)
     c.run("auto_allgather", _rank_auto, par, rank)
@@ -538,7 +562,55 @@ def scenario_two(rank, world):
 def two(tmp_path_factory):
     from test_distributed import run_ranks
 
-    return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two")
+    return run_ranks(2, tmp_path_factory.mktemp("dlo_coded2"), "test_dlo_coded:scenario_two", timeout=420)
+
+
+def _merged_is_ref(merged, ref) -> bool:
+    return sorted(merged) == sorted(ref) and all(
+        merged[k].dtype == v.dtype and merged[k].shape == v.shape and torch.equal(merged[k], v) for k, v in ref.items())
+
+
+@pytest.mark.parametrize("kind", ["flux_none", "flux", "flux_k2", "flux_kp", "mixed", "auto_allgather"])
+def test_two_ranks_merge_shards_gives_the_weights_whatever_the_codec(two, kind):
+    """merge_shards, the recovery after a DLO failure, over two ranks' local_state_dict()s: no codec,
+    exp-k, exp-k2, exp-kp, auto with some blocks raw and some coded, auto with every block coded:
+    the model's weights bit for bit (never coded bytes under a weight's name), in any order."""
+    from test_distributed import get
+
+    reps = get(two, f"equal_{kind}" if kind.startswith("flux") else kind)
+    if kind == "mixed":
+        assert reps[0]["equal"] == [True, True] and reps[0]["raw"][:5] == [False, True, True, False, True]
+    locals_ = [r["local"] for r in reps]
+    kinds = {type(v).__name__ for local in locals_ for v in local.values()}
+    want = {"none": {"Tensor", "ShardPiece"}, "mixed": {"Tensor", "ShardPiece", "CodedPiece"}}
+    assert want.get(kind.removeprefix("flux_"), {"Tensor", "CodedPiece"}) <= kinds, kinds
+    assert _merged_is_ref(merge_shards(locals_), reps[0]["ref"])
+    assert _merged_is_ref(merge_shards(locals_[::-1]), reps[0]["ref"])
+
+
+def test_two_ranks_merge_shards_names_what_it_cannot_merge(two):
+    """Pieces of one tensor from backends with different codecs (exp-k with none, exp-k with
+    exp-k2, a coded block with a raw one), a corrupted coded piece, a missing rank: a named
+    ShardMergeError (a ValueError) naming the tensor, never bytes under a weight's name."""
+    from test_distributed import get
+
+    from weightstream.offload.distributed import ShardMergeError
+
+    k, k2, none, mixed, toy = (get(two, n) for n in ("equal_flux", "equal_flux_k2", "equal_flux_none", "mixed",
+                                                      "equal_toy"))
+    pairs = [(k[0], none[1]), (k[0], k2[1]), (mixed[0], toy[1]), (toy[0], mixed[1])]
+    for a, b in pairs:
+        with pytest.raises(ShardMergeError, match="do not belong to one tensor|a whole .* tensor"):
+            merge_shards([a["local"], b["local"]])
+    name, piece = next((n, v) for n, v in k[0]["local"].items() if isinstance(v, CodedPiece) and v.start == 0
+                       and v.data.numel() > 16)
+    bad = dict(k[0]["local"])
+    bad[name] = dataclasses.replace(piece, data=torch.zeros_like(piece.data))  # the coded header is gone
+    with pytest.raises(ShardMergeError, match=re.escape(repr(name)) + ".*do not decode"):
+        merge_shards([bad, k[1]["local"]])
+    with pytest.raises(ShardMergeError, match="misses bytes"):
+        merge_shards([k[0]["local"]])
+    assert issubclass(ShardMergeError, ValueError)
 
 
 @pytest.mark.parametrize("kind", ["toy", "flux", "flux_k2", "flux_kp"])
@@ -555,10 +627,10 @@ def test_two_ranks_bit_exact_and_each_holds_half_the_coded_bytes(two, kind):
     assert s0["coded_bytes"] == s1["coded_bytes"], "every rank encodes the same bytes"
     assert s0["shard_bytes"] == s1["shard_bytes"] < s0["coded_bytes"], (s0, s1)
     assert 2 * s0["shard_bytes"] >= s0["coded_bytes"] and s0["gathered_bytes_per_step"] == 2 * s0["shard_bytes"]
-    merged = merge_coded_shards([r["local"] for r in reps])
+    merged = merge_shards([r["local"] for r in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items()) and sorted(merged) == sorted(reps[0]["ref"])
     with pytest.raises(ValueError, match="merge_shards"):
-        merge_coded_shards([reps[0]["local"]])  # one rank's share is not enough
+        merge_shards([reps[0]["local"]])  # one rank's share is not enough
 
 
 def test_two_ranks_update_weights_and_gather_state_dict(two):
@@ -594,7 +666,7 @@ def test_two_ranks_auto_with_allgather_plan_together_and_stay_exact(two):
         assert "code 5 blocks with exp-k2" in r["plan"]["describe"] and r["plan"]["h2d_gbps"] == 1e-6
         assert r["plan"]["decode_gbps"] == {"exp-k": 1e3, "exp-k2": 2e2}  # rank 1's slower decode
     assert reps[0]["shards"] == reps[1]["shards"] and reps[0]["ncoll"] == reps[1]["ncoll"]
-    merged = merge_coded_shards([r["local"] for r in reps])
+    merged = merge_shards([r["local"] for r in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
 
 
@@ -647,177 +719,6 @@ def test_two_ranks_collective_failure_loses_nothing(two):
     reps = get(two, "collective_failure")
     for r in reps:
         assert r["first"] is not None and not r["usable"]
-        assert "merge_coded_shards" in r["gather"] and "unusable" in r["update"]
-    merged = merge_coded_shards([r["local"] for r in reps])
+        assert "merge_shards" in r["gather"] and "unusable" in r["update"]
+    merged = merge_shards([r["local"] for r in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
-
-
-# --------------------------------------------------------------------------- perf/bench_dlo.py
-def _bench():
-    import importlib
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    return repo, importlib.import_module("perf.bench_dlo")
-
-
-def test_bench_coded_figures_use_the_uncoded_floor():
-    """At N=2, 24 GB streamed, 55 GB/s, resident 170 ms: uncoded floor 24e9/2/55e9 = 218.2 ms; a coded
-    shard of 8 GB per rank would floor at 170 ms (resident); the ratio is to the uncoded one."""
-    _, bench = _bench()
-    f0 = {"streamed_gb": 24.0, "h2d_gb_per_rank": 8.0, "coded_bytes": 16_000_000_000, "bits_per_weight": 10.9,
-          "coded_ratio": 0.68}
-    out = bench.coded_figures(f0, 170.0, 55.0, 2, 200.0)
-    assert out["floor_ms"] == pytest.approx(24e9 / 2 / 55e9 * 1e3, abs=0.01)
-    assert out["coded_floor_ms"] == pytest.approx(170.0, abs=0.01)
-    assert out["ratio_to_floor"] == pytest.approx(200.0 / out["floor_ms"], rel=1e-3) and out["ratio_to_floor"] < 1
-    assert out["coded_bytes"] == 16_000_000_000 and out["bits_per_weight"] == 10.9
-    assert "floor_ms" not in bench.coded_figures(f0, 170.0, 0.0, 2, 200.0)  # CPU: no link measured
-
-
-def test_bench_student_t_fill_and_mode_names():
-    _, bench = _bench()
-    from perf.results import validate_mode_name
-
-    validate_mode_name("dlo-allgather-coded")
-    validate_mode_name("dlo-allgather-codedp")
-    assert "dlo-allgather-coded" in bench.parse_args(["--modes", "dlo-allgather-coded"]).modes
-    assert bench.CODED_MODES == {"dlo-allgather-coded": "exp-k", "dlo-allgather-coded2": "exp-k2",
-                                 "dlo-allgather-codedp": "exp-kp", "dlo-allgather-codedauto": "auto"}
-    validate_mode_name("dlo-allgather-codedauto")
-    assert bench.parse_args(["--modes", "dlo-allgather-codedauto"]).warmup == 2
-    with pytest.raises(SystemExit):  # the first step is measured: timed steps need the coded shares
-        bench.parse_args(["--modes", "dlo-allgather-codedauto", "--warmup", "1"])
-    normal = bench.build_model(bench.FLUX_TINY, "cpu")
-    heavy = bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="student-t")
-    w_n = normal.transformer_blocks[0].attn.to_q.weight
-    w_t = heavy.transformer_blocks[0].attn.to_q.weight
-    kurt = lambda w: float(((w - w.mean()) ** 4).mean() / w.var() ** 2)  # noqa: E731
-    assert abs(w_n.std().item() - 0.02) < 0.003 and abs(w_t.std().item() - 0.02) < 0.006
-    assert kurt(w_n) < 3.5 < kurt(w_t), (kurt(w_n), kurt(w_t))  # Student-t df=4: heavy tails
-    with pytest.raises(ValueError, match="weight_fill='uniform'"):
-        bench.build_model(bench.FLUX_TINY, "cpu", weight_fill="uniform")
-
-
-def test_bench_dlo_tiny_coded_mode(tmp_path):
-    """`perf/bench_dlo.py --tiny --modes dlo-allgather,dlo-allgather-coded,...-coded2,...-codedp,...-codedauto --num-slots 3`:
-    all bit-exact over gloo, the coded modes report their coded sizes and the Student-t fill."""
-    import json
-    import subprocess
-    import sys
-
-    from perf.results import validate_result
-
-    repo, _ = _bench()
-    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "2", "--steps", "2",
-                           "--warmup", "2", "--modes",
-                           "dlo-allgather,dlo-allgather-coded,dlo-allgather-coded2,dlo-allgather-codedp,"
-                           "dlo-allgather-codedauto",
-                           "--num-slots", "3", "--out", str(tmp_path)],
-                          cwd=repo, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("*.json")
-    res = json.loads(path.read_text())
-    validate_result(res)
-    assert res["weight_fill"] == "student-t"
-    coded, plain = res["modes"]["dlo-allgather-coded"], res["modes"]["dlo-allgather"]
-    assert coded["bit_exact"] is True and plain["bit_exact"] is True
-    assert coded["coded_bytes"] > 0 and coded["shard_group_size"] == 2
-    patched = res["modes"]["dlo-allgather-codedp"]
-    assert patched["bit_exact"] is True and patched["coded_bytes"] > 0
-    two = res["modes"]["dlo-allgather-coded2"]
-    assert two["bit_exact"] is True and 0 < two["coded_bytes"] and res["num_slots"] == 3
-    assert coded["h2d_gb_per_rank"] * 2 >= coded["coded_gb"]
-    assert "coded_met" in res["targets"] and res["targets"]["coded_ratio_max"] == 1.10
-    auto = res["modes"]["dlo-allgather-codedauto"]  # the ranks planned together (whatever the CPU measured)
-    assert auto["bit_exact"] is True and auto["codec_plan"]["coded_blocks"] is not None
-    assert auto["coded_blocks"] == len(auto["codec_plan"]["coded_blocks"]) and auto["codec_plan"]["h2d_gbps"] > 0
-    assert auto["plans_agree"] is True
-
-
-def _direct():
-    """The fake coded source with ShardSource.load itself (what CodedShardSource.load runs eagerly),
-    so that mutant() can edit its lines."""
-    from weightstream.offload.sources.dlo import ShardSource
-
-    return type("DirectCodedGather", (FakeCodedGather,), {"load": ShardSource.load})
-
-
-@pytest.mark.parametrize("method,line,rules", [
-    # the decode ignores slot-free
-    ("_after_gather", "self.comm_stream.wait_event(after)", {"write_after_previous_read", "no_concurrent_write"}),
-    ("load", "comm.wait_event(self.shard_loaded[slot])", {"read_after_load"}),  # gather before its shard's copy
-])
-def test_happens_before_catches_a_mutated_coded_load(method, line, rules):
-    """One-line mutations of the load the coded source runs keep the CPU outputs bit-exact
-    but break the ordering rules: the checks above can fail."""
-    from test_happens_before import RULES, _traced, mutant
-
-    rec = RecordingStreams()
-    model, x = _model("toy")
-    ref = copy.deepcopy(model)
-    cfg = OffloadConfig.layerwise(weight_codec="exp-k", progress=False)
-    from test_happens_before import fake_dlo
-
-    sb = fake_dlo(model, cfg, _traced(StreamedBlocks, rec, 2, "ring"), source_cls=mutant(_direct(), method, line))
-    om = OffloadedTransformer(sb.module, cfg, device=DEV, streamed=sb)
-    with torch.no_grad():
-        want = ref(**x)
-        assert all(torch.equal(om(**x), want) for _ in range(3))
-    v = check(rec.trace)
-    broken = {r for r in RULES if v[r]}
-    assert rules <= broken, broken
-
-
-def test_bench_dlo_one_rank_auto_plans_with_the_given_link(tmp_path):
-    """`--nproc 1 --plan-h2d-gbps`: AllGather over one rank runs rank-local; the auto mode plans with
-    the given link rate (recorded). The tiny model's blocks code no smaller than raw (a load copies
-    the coded bytes plus slack), so nothing is coded here; the bench's wait for background coding
-    runs at Flux scale only."""
-    import json
-    import subprocess
-    import sys
-
-    repo, _ = _bench()
-    proc = subprocess.run([sys.executable, "perf/bench_dlo.py", "--tiny", "--nproc", "1", "--steps", "2",
-                           "--warmup", "2", "--modes", "dlo-allgather-codedauto", "--plan-h2d-gbps", "1e-6",
-                           "--out", str(tmp_path)],
-                          cwd=repo, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("*.json")
-    auto = json.loads(path.read_text())["modes"]["dlo-allgather-codedauto"]
-    assert auto["bit_exact"] is True and auto["plans_agree"] is True
-    plan = auto["codec_plan"]
-    assert plan["h2d_gbps"] == 1e-6 and plan["coded_blocks"] == [] and auto["coded_blocks"] == 0, plan
-    with pytest.raises(SystemExit):
-        _bench()[1].parse_args(["--plan-h2d-gbps", "0"])
-
-
-def test_a_failed_share_allocation_keeps_the_old_share():
-    """Coding a raw block whose new share cannot be allocated: the raw share, its size and the block's
-    state stay as they were (no half-switched block), and the outputs stay exact."""
-    model, x = _model("flux")
-    ref = copy.deepcopy(model)
-    om = _fake(model, codec="auto")
-    om._streamed.codec_planner.remove()
-    src, store = om._streamed.source, om._streamed.source.store
-    before = (list(store.shard_bytes), store.image(2).clone(), list(store.coded))
-
-    def no_memory(k, n):
-        raise MemoryError("injected: no host memory for the coded share")
-
-    store._alloc = no_memory
-    with pytest.raises(MemoryError, match="injected"):
-        src.code_blocks([2], "exp-k")
-    del store._alloc
-    assert src.raw[2] and store.shard_bytes == before[0] and store.coded == before[2]
-    assert torch.equal(store.image(2), before[1]) and store.tables[2] is None
-    with torch.no_grad():
-        assert torch.equal(_first(om(**x)), _first(ref(**x)))
-    src.code_blocks([2], "exp-k")  # with memory again it codes
-    assert not src.raw[2]
-    plain = om.disable()
-    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plain.state_dict().items())

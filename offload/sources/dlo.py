@@ -261,7 +261,17 @@ class ShardSource:
             return dist.all_gather(parts, inp, group=self.group, async_op=async_op)
         return _all_gather_tensor_fn()(out, inp, group=self.group, async_op=async_op)
 
+    loading: int | None = None  # block whose load or gather is under way (left set when a BaseException stops it)
+
+    def cut_short(self) -> str | None:
+        """What a BaseException that is not an Exception (KeyboardInterrupt, SystemExit, a
+        cancellation) stopped part-way: a load (H2D, gather, decode) or a gather of a block,
+        whose collective may or may not have run and whose slot holds part of it; None."""
+        k = self.loading
+        return None if k is None else f"the transfer (load or gather) of block {self.layouts[k].name!r}"
+
     def load(self, k: int, slot: int, *, position: int, after, tag):
+        self.loading = k
         sb = self.store.shard_bytes[k]
         src = self.store.image(k)
         shard = self.shard_slots[slot][:sb]
@@ -280,6 +290,7 @@ class ShardSource:
                 rec.end = log.mark()
                 log.records.append(rec)
             self._after_gather(k, slot, None, None)
+            self.loading = None
             return None
         streams, comm = self.streams, self.comm_stream
         cs = streams.current_stream(self.device)  # the executor's copy stream
@@ -310,6 +321,7 @@ class ShardSource:
                 rec.end = log.mark(comm)
                 log.records.append(rec)
             self._after_gather(k, slot, after, tag)
+        self.loading = None
         return comm
 
     def _gather_out(self, k: int, slot: int) -> torch.Tensor:
@@ -344,6 +356,8 @@ class ShardSource:
         mismatch aborts the process), an NCCL one blocks its communicator. The
         host shards are intact, so the way out is rank-local."""
         failure = self._failure()
+        if failure is None and self.cut_short() is not None:
+            failure = f"{self.cut_short()} was cut short part-way"
         if failure is not None:
             raise RuntimeError(
                 f"{what} is a collective, and this rank's DLO collectives stopped after a failure "
@@ -354,6 +368,7 @@ class ShardSource:
     def image(self, k: int) -> torch.Tensor:
         """Block ``k``'s full image in a fresh device tensor (a collective; outside the hot path)."""
         self.ready_to_gather("this call")
+        self.loading = k
         sb = self.store.shard_bytes[k]
         full = torch.empty(self.world * sb, dtype=torch.uint8, device=self.device)
         shard = torch.empty(sb, dtype=torch.uint8, device=self.device)
@@ -362,6 +377,7 @@ class ShardSource:
         self.ncoll += 1
         bounded_wait(work, self.timeout_s, f"the gather of block {self.layouts[k].name!r}",
                      poll=self.device.type == "cuda")
+        self.loading = None
         return full
 
     def local_piece(self, name: str, k: int, index: int):

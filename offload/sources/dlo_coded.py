@@ -34,20 +34,20 @@ CUDA graphs captured before then refuse to replay: named error).
 ``state_dict()``: as :class:`ShardSource` (a rank holds a share: the error
 names ``gather_state_dict()``). ``local_state_dict()`` gives, per streamed
 tensor, a :class:`CodedPiece` (a :class:`ShardPiece` of the tensor's *coded*
-bytes that fall in this rank's share); :func:`merge_coded_shards` of every
-rank's result joins and decodes them into the full state dict (no collective).
+bytes that fall in this rank's share); :func:`..dlo_control.merge_shards` of every
+rank's result (any codec; ``merge_coded_shards`` is the same function) joins and
+decodes them into the full state dict (no collective).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
 
 import torch
 
-from ...kernels.codec import DecodeTable, decode, decode_tensor, decode_torch
-from ..dlo_control import ShardPiece, merge_shards
+from ...kernels.codec import DecodeTable, decode, decode_torch
+from ..dlo_control import CodedPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
 from ..progress import Progress
@@ -172,34 +172,15 @@ class CodedShardStore:
                 f"{self.nbytes / 1e9:.3f} GB coded share, pinned {self.pinned_bytes / 1e9:.3f} GB)")
 
 
-@dataclasses.dataclass(frozen=True)
-class CodedPiece(ShardPiece):
-    """A :class:`ShardPiece` of a tensor's coded bytes (``spec``: the coded blob, uint8);
-    ``target``: the decoded tensor's spec (offset 0). :func:`merge_coded_shards` decodes."""
-
-    target: TensorSpec | None = None
-
-    def __repr__(self) -> str:
-        return (f"CodedPiece({self.name!r}, coded bytes [{self.start}, {self.start + self.data.numel()}) of "
-                f"{self.spec.nbytes}: join every rank's with merge_coded_shards)")
-
-
-def merge_coded_shards(local_state_dicts: list[Mapping]) -> dict[str, torch.Tensor]:
-    """The full state dict from every rank's ``local_state_dict()`` under coded DLO AllGather
-    (no collective): :func:`merge_shards`, then each coded tensor decoded."""
-    targets = {name: v.target for sd in local_state_dicts for name, v in sd.items() if isinstance(v, CodedPiece)}
-    out = merge_shards(local_state_dicts)
-    for name, spec in targets.items():
-        raw = decode_tensor(out[name]).view(torch.uint8)[: spec.nbytes]
-        out[name] = spec.view_of(raw).clone()
-    return out
+# one merge for every codec (raw pieces joined, coded ones joined and decoded): the name the coded
+# tests and docs used, the same function
+merge_coded_shards = merge_shards
 
 
 class CodedShardSource(ShardSource):
     """DLO AllGather of coded shards, decoded into the slot after the gather (module docstring)."""
 
     name = "dlo-allgather-coded"
-    merge_hint = "weightstream.offload.sources.dlo_coded.merge_coded_shards([...])"
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
@@ -447,7 +428,7 @@ class CodedShardSource(ShardSource):
 
     def local_piece(self, name: str, k: int, index: int):
         """This rank's coded bytes of tensor ``index`` of block ``k`` as a :class:`CodedPiece`
-        (an empty tensor for an empty one); :func:`merge_coded_shards` joins every rank's."""
+        (an empty tensor for an empty one); :func:`merge_shards` joins every rank's."""
         if self.raw[k]:
             return super().local_piece(name, k, index)
         spec = self.layouts[k].tensors[index]
