@@ -260,9 +260,9 @@ class OffloadConfig:
         bound, in seconds, of every wait on a DLO collective (setup checks,
         gathers, agreements); a failure on any rank becomes an error on every
         rank within it instead of the process group's own timeout.
-    dlo_verify_weights: bool, default true. DLO: at setup compare a sampled
-        digest of every block's weights across the ranks (one collective; a
-        few KB read per block); a mismatch names the block and the ranks.
+    dlo_verify_weights: bool, default true. DLO: at setup compare an exact
+        digest (every byte) of every streamed block and resident tensor across
+        the ranks; a mismatch names the first differing tensor and the ranks.
     weight_codec: "none" (default) | "exp-k" | "exp-k2" | "exp-kp" | "auto". "exp-k" stores streamed
         block images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
