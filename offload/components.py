@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .discovery import resolve_path
+from .discovery_forward import resolve_path
 
 __all__ = [
     "Component",

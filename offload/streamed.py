@@ -106,7 +106,7 @@ class StreamedBlocks:
         budget = config.device_memory_budget_bytes
         if budget is not None and self.resident_bytes + slot_total > budget:
             raise ValueError(
-                f"device_memory_budget_gb={config.device_memory_budget_gb} ({format_bytes(budget)}) is too small: "
+                f"device_memory_budget_gb={config.device_memory_budget_gb} is too small ({format_bytes(budget)}): "
                 f"resident modules need {format_bytes(self.resident_bytes)} and {self.schedule.ring_slots} slots "
                 f"{format_bytes(slot_total)}; raise the budget or lower num_slots/resident_layers"
             )
