@@ -1,14 +1,16 @@
-"""Layer mode over a whole pipeline: each selected DiT (and text encoder)
-streams its blocks in place (:func:`~weightstream.offload.transformer.apply_layerwise_offload`);
-every other component moves to the device and stays there.
+"""Offloading a whole pipeline: :func:`offload_pipeline`, the one entry of both modes.
+
+Module mode (:class:`~weightstream.offload.module.ModuleOffload`) swaps whole
+components. Layer mode (:class:`LayerwisePipelineOffload`, here): each selected
+DiT (and text encoder) streams its blocks in place
+(:func:`~weightstream.offload.transformer.apply_layerwise_offload`); every other
+component moves to the device and stays there.
 
 The pipeline keeps its original module objects, also with ``cuda_graphs="on"``
 (the handle then sets the instance's ``forward`` to the graph runner's entry):
 streaming runs from hooks on the module itself, and a state_dict hook on it
 serves the host weights, so ``pipe.save_pretrained`` and ``model_index.json``
 see the real components.
-
-Reached through ``offload_pipeline(pipe, {"mode": "layer", ...})``.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .components import Components
+from .components import Components, discover_components
 from .config import OffloadConfig
 from .discovery import OffloadPlan
+from .module import ModuleOffload
+from .streamed import resolve_device
 from .transformer import LayerwiseOffloadHandle
 
 # Block containers of common text encoders (transformers' T5/UMT5 and CLIP
@@ -84,3 +88,26 @@ class LayerwisePipelineOffload:
 
     def __repr__(self) -> str:
         return f"LayerwisePipelineOffload({', '.join(self.wrapped) or 'disabled'} streamed on {self.device})"
+
+
+def offload_pipeline(pipe: Any, config: Any = None, *, device=None) -> ModuleOffload | LayerwisePipelineOffload:
+    """Offload a pipeline's components; returns the handle (:class:`ModuleOffload`).
+
+    ``pipe``: any object holding its components as attributes (a diffusers
+    pipeline, an ``nn.Module`` pipeline, a plain object). ``config``: an
+    :class:`OffloadConfig`, a dict or JSON string in the
+    ``diffusion_offload_config`` schema, or None (module mode over dit and
+    text_encoder). ``{"enable_cpu_offload": True}`` is the compatibility
+    spelling of that. ``device``: where components run (default CUDA if
+    available, else CPU; CPU runs the same mechanism).
+
+    ``mode="layer"`` replaces each selected DiT (and text encoder) on the
+    pipeline by an :class:`weightstream.OffloadedTransformer` and returns a
+    :class:`LayerwisePipelineOffload`.
+    """
+    cfg = OffloadConfig.module() if config is None else OffloadConfig.coerce(config)
+    dev = resolve_device(device)
+    components = discover_components(pipe)
+    if cfg.mode == "layer":
+        return LayerwisePipelineOffload(pipe, cfg, dev, components)
+    return ModuleOffload(pipe, cfg, dev, components)

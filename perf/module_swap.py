@@ -123,7 +123,7 @@ def med(xs: list[float]) -> float:
 def run_module(enc: nn.Module, dit: nn.Module, x: torch.Tensor, device: torch.device, rounds: int,
                mode: str = "module", run_mb: float | None = None) -> dict:
     from weightstream.offload.config import OffloadConfig
-    from weightstream.offload.model_offload import offload_pipeline
+    from weightstream.offload.pipeline import offload_pipeline
 
     pipe = types.SimpleNamespace(text_encoder=enc, transformer=dit)
     coded = CODECS[mode] != "none"

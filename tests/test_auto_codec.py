@@ -13,7 +13,7 @@ import torch
 from layerwise_cases import first
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
-from weightstream.offload.model_offload import offload_pipeline
+from weightstream.offload.pipeline import offload_pipeline
 from weightstream.offload.sources.coded import CodedCaptureStaleError, codec_levels
 
 DEV = "cpu"

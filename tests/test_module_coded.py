@@ -22,7 +22,7 @@ from weightstream.demo_module import ToyPipeline, ToyTextEncoder, ToyVAE, toy_pi
 from weightstream.fills import fill
 from weightstream.models import flux_inputs, tiny_flux
 from weightstream.offload.config import OffloadConfig
-from weightstream.offload.model_offload import offload_pipeline
+from weightstream.offload.pipeline import offload_pipeline
 
 ALL = ["dit", "text_encoder", "vae"]
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, -1e-40, 9.2e-41]

@@ -19,7 +19,7 @@ from weightstream.demo_module import (
     toy_pipeline_inputs,
 )
 from weightstream.offload.config import OffloadConfig
-from weightstream.offload.model_offload import offload_pipeline
+from weightstream.offload.pipeline import offload_pipeline
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline
-from weightstream.offload.model_offload import SplitOffloadMixin
+from weightstream.offload.module import SplitOffloadMixin
 from weightstream.models import flux_inputs, tiny_flux, tiny_wan, wan_inputs
 from weightstream.offload.mmap_source import meta_from_pretrained, offload_from_safetensors
 from weightstream.offload.transformer import HostStateDictHook

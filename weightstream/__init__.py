@@ -28,7 +28,7 @@ _EXPORTS = {
     "OffloadedTransformer": "weightstream.offload.transformer",
     "apply_layerwise_offload": "weightstream.offload.transformer",
     "LayerwiseOffloadHandle": "weightstream.offload.transformer",
-    "offload_pipeline": "weightstream.offload.model_offload",
+    "offload_pipeline": "weightstream.offload.pipeline",
     "ParallelConfig": "weightstream.offload.distributed",
     "validate_wave": "weightstream.offload.distributed",
     "offload_from_safetensors": "weightstream.offload.mmap_source",
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
         UnsupportedOperationError, WeightUpdateError,
     )
     from weightstream.offload.mmap_source import offload_from_safetensors
-    from weightstream.offload.model_offload import offload_pipeline
+    from weightstream.offload.pipeline import offload_pipeline
     from weightstream.offload.transformer import LayerwiseOffloadHandle, OffloadedTransformer, apply_layerwise_offload
 
 

@@ -1,0 +1,89 @@
+"""The module offload hooks: named, removable pre-forward hooks that make a unit resident.
+
+Hooks sit on each swapped component and on its direct child modules, so
+``vae.decode``-style methods that call a child (``self.decoder(z)``) and
+``encode_prompt`` calling ``text_encoder(...)`` work unchanged.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from torch import nn
+
+from ..layout import block_tensors
+from ..tracing import not_traced
+from .units import Unit
+
+# what a hook calls to bring its unit in: enter(unit, cause=..., log=...)
+Enter = Callable[..., None]
+
+
+class ModuleHook:
+    """Named, removable pre-forward hook that makes a unit resident.
+
+    ``root`` hooks sit on the component's own module: they also count running
+    forwards (a post-forward hook, always called) and log an "enter" record.
+    Entry hooks sit on its direct children, for methods such as
+    ``vae.decode`` that call a child rather than ``forward``.
+    """
+
+    def __init__(self, enter: Enter, unit: Unit, module: nn.Module, entry: str | None):
+        self.enter, self.unit, self.entry = enter, unit, entry
+        self.name = f"weightstream.module[{unit.name}]" + (f".entry[{entry}]" if entry else "")
+        self._handles = [module.register_forward_pre_hook(self.pre_forward)]
+        if entry is None:
+            self._handles.append(module.register_forward_hook(self.post_forward, always_call=True))
+
+    @not_traced  # swaps rebind parameters and wait on stream events; not traceable
+    def pre_forward(self, module, args):
+        unit = self.unit
+        if self.entry is None:
+            unit.active += 1  # first: post_forward runs (and decrements) even if the swap raises
+            self.enter(unit, cause=unit.name, log=True)
+        elif not unit.on_device:
+            self.enter(unit, cause=f"{unit.name}.{self.entry}", log=False)
+
+    @not_traced  # bookkeeping only, but must not be traced into the graph
+    def post_forward(self, module, args, output):
+        self.unit.active -= 1
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def removed(self) -> bool:
+        return not self._handles
+
+    def __repr__(self) -> str:
+        u = self.unit
+        where = "on device" if u.on_device else "on host"
+        state = "removed" if self.removed else "active"
+        return f"ModuleHook({self.name}, {u.kind}, {where}, {state})"
+
+
+def unit_hooks(enter: Enter, unit: Unit) -> list[ModuleHook]:
+    """The root hook of ``unit``'s module, and an entry hook on each direct child holding
+    some of its tensors (a resident child, or one without weights, has nothing to bring in)."""
+    hooks = [ModuleHook(enter, unit, unit.module, entry=None)]
+    unit_ids = {id(t) for t in unit.tensors}
+    for cname, child in unit.module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        if any(id(t) in unit_ids for _, _, t in block_tensors(child)):
+            hooks.append(ModuleHook(enter, unit, child, entry=cname))
+    return hooks
+
+
+def forward_running(module: nn.Module) -> bool:
+    """Whether a call of ``module`` (its ``nn.Module._call_impl`` frame) is on some thread's stack."""
+    code = nn.Module._call_impl.__code__
+    for top in sys._current_frames().values():
+        f = top
+        while f is not None:
+            if f.f_code is code and f.f_locals.get("self") is module:
+                return True
+            f = f.f_back
+    return False
