@@ -4,7 +4,7 @@ One launch decodes any number of coded tensors: the grid is the total number
 of TILE-element tiles over all segments of a `DecodeTable`, and each program
 
 1. binary-searches the table's tile prefix sums for its segment (tensor),
-2. reads the segment's record (see `codec._pack_records` for the fields),
+2. reads the segment's record (see `codec_format._pack_records` for the fields),
 3. loads its tile's raw bytes and code bit planes (contiguous bytes),
 4. marks escapes, ranks them with a prefix sum plus the tile's stored base,
    and reads their symbols from the exception stream; other codes index the
@@ -22,7 +22,7 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
    "exp-kp" writes) compiles without step 4 at all (RANKED False): fewer
    registers, more programs resident.
 
-Full tiles whose level-1 table is a window (record field 12 >= 0, `codec._word_window`)
+Full tiles whose level-1 table is a window (record field 12 >= 0, `codec_format._word_window`)
 run steps 3-5 on uint32 words of four elements instead (`_decode_tile_words`, WORDS).
 
 Payload is handled as integers only, so decoding is exact on raw bits.
@@ -32,7 +32,7 @@ compiler can prove alignment and issue vector loads and stores.
 import triton
 import triton.language as tl
 
-# int64 fields per segment record; must match `codec._pack_records`.
+# int64 fields per segment record; must match `codec_format._pack_records`.
 _NUM_FIELDS = tl.constexpr(14)
 _PATCH = tl.constexpr(256)  # patches one pass of a tile's patch loop rewrites
 
@@ -428,7 +428,7 @@ def _decode_kernel(
     numel = tl.load(rec + 6)
     k = tl.load(rec + 7)
     split = tl.load(rec + 8)
-    window = tl.load(rec + 12)  # -1: not a window table (see codec._pack_records)
+    window = tl.load(rec + 12)  # -1: not a window table (see codec_format._pack_records)
     full = (t + 1) * TILE <= numel
     if WORDS and full and window >= 0 and k == 3:
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,

@@ -80,7 +80,8 @@ def make_tensors(size: str, kind: str, device: str, seed: int = 0, dtype=torch.b
 
 def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k") -> tuple[torch.Tensor, object, dict]:
     """Encode on one core with ``codec``; (coded buffer, DecodeTable, figures)."""
-    from weightstream.kernels.codec import encode_block, read_header, symbol_entropy
+    from weightstream.kernels.codec_encode import encode_block, symbol_entropy
+    from weightstream.kernels.codec_format import read_header
     from weightstream.offload.sources.coded import codec_levels
 
     levels = codec_levels(codec)
@@ -193,7 +194,8 @@ def _median_ms(fn) -> float:
 
 
 def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
-    from weightstream.kernels.codec import DecodeTable, decode
+    from weightstream.kernels.codec import decode
+    from weightstream.kernels.codec_format import DecodeTable
 
     table = DecodeTable(table.segments, **options)
     src = buf.cuda()
@@ -296,7 +298,7 @@ def run_build(args) -> dict:
 
 def main(argv=None) -> int:
     from weightstream.fills import FILLS
-    from weightstream.kernels.codec import DEFAULT_NUM_WARPS, DEFAULT_TILE
+    from weightstream.kernels.codec_format import DEFAULT_NUM_WARPS, DEFAULT_TILE
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=SIZES, default=["tensor", "single"],

@@ -1,7 +1,7 @@
 """Codec names of weight_codec, their encode levels, and the error of a stale capture of coded loads."""
 from __future__ import annotations
 
-from ...kernels.codec import PATCHED
+from ...kernels.codec_format import PATCHED
 from ..misuse import OffloadMisuseError
 
 __all__ = ["CODECS", "CODEC_LEVELS", "AUTO", "AUTO_CODECS", "MODULE_AUTO", "codec_levels", "module_codec", "CodedCaptureStaleError"]

@@ -60,8 +60,9 @@ from collections.abc import Mapping, MutableMapping
 
 import torch
 
-from ...kernels.codec import DecodeTable, decode, decode_torch
 from ...kernels._buffers import canonical_device
+from ...kernels.codec import decode, decode_torch
+from ...kernels.codec_format import DecodeTable
 from ..host_memory import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
 from ..host_store import PAGE, copy_from_image
 from ..packing import malloc_trim

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from ...kernels.codec import DecodeTable
+from ...kernels.codec_format import DecodeTable
 from ..host_memory import BlockRegistration
 from ..host_store import PAGE
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...kernels.codec import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, encode, read_header
+from ...kernels.codec_encode import encode
+from ...kernels.codec_format import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, read_header
 from ..host_store import PAGE
 from ..layout import BlockLayout, TensorSpec, align_up
 

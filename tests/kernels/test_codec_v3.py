@@ -7,21 +7,20 @@ import torch
 
 from weightstream.fills import fill
 from weightstream.kernels import codec as codec_mod
-from weightstream.kernels.codec import (
+from weightstream.kernels import codec_encode
+from weightstream.kernels.codec import decode, decode_tensor
+from weightstream.kernels.codec import _words_for  # the launch's path choice (private)
+from weightstream.kernels.codec_encode import encode, encode_block
+from weightstream.kernels.codec_format import (
     DEFAULT_TILE,
     HEADER_BYTES,
     PATCHED,
     CodecSegment,
     DecodeTable,
-    decode,
-    decode_tensor,
-    encode,
-    encode_block,
     read_header,
 )
-from weightstream.kernels.codec import _words_for  # the launch's path choice (private)
 
-from test_codec import (  # noqa: F401  (shared helpers of the version-1 tests, same folder)
+from codec_cases import (
     DTYPES,
     SMALL_TILE,
     _all_patterns,
@@ -223,7 +222,7 @@ def test_v3_bytes_do_not_depend_on_chunk_or_index_path(dtype, monkeypatch):
     whole = encode(x, levels=PATCHED, k=3)
     assert read_header(whole).version == 3 and read_header(whole).num_exceptions > 1000
     assert torch.equal(encode(x, levels=PATCHED, k=3, _torch_index=True), whole)
-    monkeypatch.setattr(codec_mod, "_CODE_CHUNK", 3 * DEFAULT_TILE)
+    monkeypatch.setattr(codec_encode, "_CODE_CHUNK", 3 * DEFAULT_TILE)
     assert torch.equal(encode(x, levels=PATCHED, k=3), whole)
 
 
@@ -343,7 +342,7 @@ for chunk in map(int, sys.argv[1:]):
 
 def test_element_path_chunks_are_a_loop_not_unrolled():
     """The element path's chunks run as a loop: unrolled, a tile of TILE / CHUNK chunks compiled that
-    many copies (twice), and a fresh machine's first exp-k2 step spent minutes in ptxas (call62).
+    many copies (twice), and a fresh machine's first exp-k2 step did not finish in 80 s (docs/performance.md).
     Compiled for sm_90 without a GPU (a subprocess: the interpreter is on in this one), the kernel's
     IR at 16 chunks a tile must be about the size it is at 2."""
     import os
