@@ -5,6 +5,12 @@ of the data), checkpoint identity checks (a file changed in place is a named
 error, see :mod:`mmap_source`), the model opt-in, the binding of every
 expected tensor of a meta-built model to a (file, key), and meta construction.
 Pure host code: nothing here touches CUDA.
+
+A malformed file or index (header not a JSON object, an unknown dtype, offsets
+outside the file or overlapping, a shape that does not fit its bytes, a
+``weight_map`` that is not a mapping of keys to shard file names) and a key whose
+dtype does not fit the model's tensor are :class:`CheckpointFormatError` naming
+the file, the key and the value.
 """
 from __future__ import annotations
 
@@ -71,26 +77,125 @@ class CkptTensor:
 
 
 class CheckpointChangedError(RuntimeError):
-    """A mapped checkpoint file changed in place (size, mtime or identity): its
-    mapping can no longer be trusted (mixed weights, or SIGBUS past a new end)."""
+    """A mapped checkpoint file (or coded sidecar) changed in place (size, mtime, ctime or
+    identity): its mapping can no longer be trusted (mixed weights, or SIGBUS past a new end)."""
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+class CheckpointFormatError(ValueError):
+    """A checkpoint file or index is malformed, or a checkpoint tensor does not fit the
+    model's tensor; the message names the file, the key and the value."""
 
 
-_IDENTITY_FIELDS = ("st_dev", "st_ino", "size", "mtime_ns")
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What an in-place rewrite cannot hide: a write moves ``st_ctime_ns`` even when the
+    writer puts the size and the mtime back (``os.utime``, ``cp -p``)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def changed_message(path, was: tuple, now: tuple) -> str:
+_IDENTITY_FIELDS = ("st_dev", "st_ino", "size", "mtime_ns", "ctime_ns")
+
+
+def changed_message(path, was: tuple, now: tuple, what: str = "checkpoint file", after: str | None = None) -> str:
     diffs = ", ".join(f"{k} {a} -> {b}" for k, a, b in zip(_IDENTITY_FIELDS, was, now) if a != b)
+    ctime_only = [k for k, a, b in zip(_IDENTITY_FIELDS, was, now) if a != b] == ["ctime_ns"]
+    why = (" (only its ctime moved: it was written with its size and mtime put back, or its metadata changed: "
+           "chmod, touch, a hard link, a rename of the file itself)" if ctime_only else "")
     return (
-        f"checkpoint file {str(path)!r} changed while this process streams from its mapping ({diffs}): "
+        f"{what} {str(path)!r} changed while this process streams from its mapping ({diffs}){why}: "
         "its bytes may now mix old and new weights, and reads past a truncated end would kill the process "
         "(SIGBUS). Replace checkpoint files atomically: write the new file elsewhere on the same filesystem, "
         "then rename it over the old path (os.replace); a process that mapped the old file keeps streaming "
-        "it. Build a new wrapper to load the new weights."
+        "it. " + (after if after is not None else "Build a new wrapper to load the new weights.")
     )
+
+
+class FileWatch:
+    """The identity of an open, mapped file as opened, and its check (one ``fstat``).
+
+    A rename over the file's path (the documented atomic replace) or its deletion
+    drops its last name: its ctime moves but no byte changes, so a change of the
+    ctime alone with the link count gone to 0 is accepted (once: later changes are
+    errors again). Any other difference raises :class:`CheckpointChangedError`.
+    """
+
+    def __init__(self, path, fd: int, what: str = "checkpoint file"):
+        st = os.fstat(fd)
+        self.path, self.what = Path(path), what
+        self.opened = self.identity = _identity(st)
+        self._linked = st.st_nlink > 0
+
+    def changed(self, fd: int) -> tuple | None:
+        """The identity now where it differs from the one recorded (None: unchanged)."""
+        st = os.fstat(fd)
+        now = _identity(st)
+        if now == self.identity:
+            return None
+        if now[:4] == self.identity[:4] and self._linked and st.st_nlink == 0:
+            self.identity, self._linked = now, False  # its last name went away: same bytes
+            return None
+        return now
+
+    def check(self, fd: int, after: str | None = None) -> None:
+        now = self.changed(fd)
+        if now is not None:
+            raise CheckpointChangedError(changed_message(self.path, self.identity, now, self.what, after))
+
+
+def _parse_entries(path: Path, header, data: int, size: int, index: int) -> dict[str, "CkptTensor"]:
+    """The tensor entries of a parsed safetensors header (``data``: where the data bytes
+    start; ``size``: the file's size); CheckpointFormatError naming the key and value."""
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(
+            f"{path}: its safetensors header is a JSON {type(header).__name__} ({_short(header)}), not an object "
+            "of tensor entries: not a safetensors checkpoint; re-save it with safetensors (save_file)")
+    entries: dict[str, CkptTensor] = {}
+    for key, info in header.items():
+        if key != "__metadata__":
+            entries[key] = _parse_entry(path, key, info, data, size, index)
+    spans = sorted((t.offset, t.offset + t.nbytes, k) for k, t in entries.items() if t.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointFormatError(f"{path}: tensors {a!r} and {b!r} overlap (their data_offsets share bytes "
+                                        f"[{begin - data}, {end - data})); the file is corrupt: re-save it")
+    return entries
+
+
+def _short(value, n: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _parse_entry(path: Path, key: str, info, data: int, size: int, index: int) -> "CkptTensor":
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(info, dict):
+        raise CheckpointFormatError(f"{where}: its header entry is {_short(info)}, not an object with dtype, shape "
+                                    "and data_offsets; the file is corrupt: re-save it")
+    missing = [f for f in ("dtype", "shape", "data_offsets") if f not in info]
+    if missing:
+        raise CheckpointFormatError(f"{where}: its header entry {_short(info)} has no {', '.join(missing)}")
+    name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CheckpointFormatError(f"{where}: dtype {_short(name)} is not one this loader reads; known: "
+                                    f"{', '.join(_DTYPES)} (convert the tensor to one of them)")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise CheckpointFormatError(f"{where}: shape {_short(shape)} is not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets)):
+        raise CheckpointFormatError(f"{where}: data_offsets {_short(offsets)} is not [begin, end] of non-negative "
+                                    "ints")
+    begin, end = offsets
+    dtype = _DTYPES[name]
+    t = CkptTensor(index, key, dtype, tuple(shape), data + begin, end - begin)
+    if end < begin or data + end > size:
+        raise CheckpointFormatError(f"{where}: data_offsets {offsets} lie outside the file's {size - data} data "
+                                    f"bytes (truncated or corrupt: re-download or re-save it)")
+    if t.numel * dtype.itemsize != t.nbytes:
+        raise CheckpointFormatError(f"{where}: shape {shape} of {name} needs {t.numel * dtype.itemsize} bytes, its "
+                                    f"data_offsets {offsets} hold {t.nbytes}; the file is corrupt: re-save it")
+    return t
 
 
 class SafetensorsFile:
@@ -107,42 +212,27 @@ class SafetensorsFile:
         self._fd_closer = None
         try:
             with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                size = st.st_size
-                self.identity = _identity(st)
+                size = os.fstat(f.fileno()).st_size
+                self.watch = FileWatch(self.path, f.fileno())
+                self.identity = self.watch.opened
                 head = f.read(8)
                 if len(head) < 8:
-                    raise ValueError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
+                    raise CheckpointFormatError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
                 (n,) = struct.unpack("<Q", head)
                 if n > size - 8:
-                    raise ValueError(f"{self.path}: header length {n} exceeds the file size {size}")
+                    raise CheckpointFormatError(f"{self.path}: header length {n} exceeds the file size {size} "
+                                                "(truncated, or not a safetensors file)")
                 try:
                     header = json.loads(f.read(n))
                 except ValueError as e:
-                    raise ValueError(f"{self.path}: header is not valid JSON ({e})") from None
+                    raise CheckpointFormatError(f"{self.path}: header is not valid JSON ({e})") from None
                 self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 self._fd = os.dup(f.fileno())
                 self._fd_closer = weakref.finalize(self, os.close, self._fd)
         except OSError as e:
             raise ValueError(f"cannot open checkpoint file {str(path)!r}: {e}") from e
-        if not isinstance(header, dict):
-            raise ValueError(f"{self.path}: header must be a JSON object")
         self.size = size
-        data = 8 + n
-        self.entries: dict[str, CkptTensor] = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = _DTYPES[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except KeyError as e:
-                raise ValueError(f"{self.path}: tensor {key!r} has an unknown dtype or misses {e}") from None
-            t = CkptTensor(index, key, dtype, shape, data + begin, end - begin)
-            if end < begin or data + end > size or t.numel * dtype.itemsize != t.nbytes:
-                raise ValueError(f"{self.path}: tensor {key!r} has inconsistent data_offsets {info['data_offsets']}")
-            self.entries[key] = t
+        self.entries: dict[str, CkptTensor] = _parse_entries(self.path, header, 8 + n, size, index)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the mapping is read-only by design: nothing writes through it
             self.u8 = torch.frombuffer(self.map, dtype=torch.uint8)
@@ -155,9 +245,7 @@ class SafetensorsFile:
         """Raise CheckpointChangedError if the mapped inode changed since it was opened."""
         if self._fd is None:
             return
-        now = _identity(os.fstat(self._fd))
-        if now != self.identity:
-            raise CheckpointChangedError(changed_message(self.path, self.identity, now))
+        self.watch.check(self._fd)
 
     def close(self) -> None:
         """Drop this file's references; the mapping is unmapped once no tensor views it.
@@ -214,15 +302,28 @@ class WeightsSource:
 
 
 def _index_files(index: Path) -> list[Path]:
+    """The shard files an ``*.index.json`` names (each once, in first-named order)."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e!r})") from None
+        doc = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{index}: not a readable safetensors index ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        got = f"its 'weight_map' is a {type(weight_map).__name__} ({_short(weight_map)})" if isinstance(doc, dict) \
+            and "weight_map" in doc else f"it is a JSON {type(doc).__name__} without a 'weight_map'"
+        raise CheckpointFormatError(f"{index}: {got}; a safetensors index maps every tensor key to its shard file "
+                                    "name: {\"weight_map\": {\"key\": \"model-00001-of-00002.safetensors\", ...}}")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise CheckpointFormatError(f"{index}: weight_map[{key!r}] is {_short(name)}, not the file name of a "
+                                        f"shard beside the index in {index.parent}")
+    if not weight_map:
+        raise CheckpointFormatError(f"{index}: its weight_map is empty (it names no shard file)")
     files = []
     for name in dict.fromkeys(weight_map.values()):
         f = index.parent / name
         if not f.is_file():
-            raise ValueError(f"{index} names shard {name!r}, which does not exist in {index.parent}")
+            raise CheckpointFormatError(f"{index} names shard {name!r}, which does not exist in {index.parent}")
         files.append(f)
     return files
 
@@ -279,7 +380,8 @@ class Checkpoint:
                         name = src.prefix + key
                         if name in self.entries:
                             other = self.files[self.entries[name].file].path
-                            raise ValueError(f"checkpoint key {name!r} appears twice: in {other} and in {path}")
+                            raise CheckpointFormatError(f"checkpoint key {name!r} appears twice: in {other} and in "
+                                                        f"{path}; keep one (or give each source its own prefix)")
                         self.entries[name] = t
         except BaseException:
             self.close()
@@ -413,7 +515,8 @@ def bind_checkpoint(model: nn.Module, ckpt: Checkpoint) -> dict[int, TensorBindi
 
     Expected: every parameter, and every buffer that is on ``meta`` or named
     in the checkpoint. Raises ValueError for unknown, duplicate or missing
-    names, a shape or transform mismatch, and lists tensors left on meta.
+    names, a shape or transform mismatch, and lists tensors left on meta;
+    CheckpointFormatError for a dtype that does not fit (:func:`_check_dtypes`).
     """
     cls = type(model).__name__
     objs: dict[str, torch.Tensor] = {}
@@ -450,6 +553,7 @@ def bind_checkpoint(model: nn.Module, ckpt: Checkpoint) -> dict[int, TensorBindi
             continue  # a tied tensor, bound under its other name
         src = ckpt.entries[cname]
         out[id(t)] = _make_binding(rname, t, src, ckpt)
+    _check_dtypes(model, objs, target_of, out, ckpt)
     stuck = [n for n, t in objs.items() if id(t) not in out and t.device.type == "meta"]
     if stuck:
         raise ValueError(
@@ -463,6 +567,56 @@ def bind_checkpoint(model: nn.Module, ckpt: Checkpoint) -> dict[int, TensorBindi
     return out
 
 
+def _kept_fp32(model: nn.Module, name: str) -> bool:
+    """Whether diffusers keeps ``name`` in float32 whatever the checkpoint's dtype
+    (``ModelMixin._keep_in_fp32_modules``, as ``from_pretrained(torch_dtype=...)`` does)."""
+    keep = type(model)._keep_in_fp32_modules if _is_diffusers_model(model) else None
+    return bool(keep) and any(m in name.split(".") for m in keep)
+
+
+def _check_dtypes(model: nn.Module, objs: dict, target_of: dict, out: dict, ckpt: Checkpoint) -> None:
+    """The checkpoint's dtypes replace the model's only as a whole: every floating-point tensor
+    of one model dtype takes one checkpoint dtype (a model built in float32 on meta, loaded
+    from a bfloat16 checkpoint), or keeps its own. A key that breaks that (a mix the first
+    forward would fail on, or run with), or a non-float key of another dtype, is a
+    CheckpointFormatError naming the key, both dtypes and what to do."""
+    cls = type(model).__name__
+    groups: dict[torch.dtype, dict[torch.dtype, list[str]]] = {}
+    for rname, cname in target_of.items():
+        t, b = objs[rname], out.get(id(objs[rname]))
+        if b is None or b.name != rname:
+            continue  # a tied tensor, checked under its first name
+        if t.dtype != b.dtype and not (t.dtype.is_floating_point and b.dtype.is_floating_point):
+            raise _dtype_error(cls, rname, cname, b, t.dtype, ckpt, "only floating-point tensors take the checkpoint's "
+                               "dtype (as a whole-model cast)", to=t.dtype)
+        if b.dtype == torch.float32 and _kept_fp32(model, rname):
+            continue  # float32 where diffusers keeps it so, whatever the rest is cast to
+        groups.setdefault(t.dtype, {}).setdefault(b.dtype, []).append(cname)
+    for mdt, by in groups.items():
+        if len(by) < 2:
+            continue
+        main = max(by, key=lambda d: (len(by[d]), d == mdt))  # the most keys (a tie: the model's own)
+        odd = sorted(c for d, cs in by.items() if d != main for c in cs)
+        cname = odd[0]
+        rname = next(r for r, c in target_of.items() if c == cname)
+        b = out[id(objs[rname])]
+        shown = _listing(by[main][:3]) + (f" and {len(by[main]) - 3} more" if len(by[main]) > 3 else "")
+        gives = f"keeps the model's other {mdt} tensors in {mdt}" if main == mdt else \
+            f"gives the model's other {mdt} tensors {main}"
+        raise _dtype_error(cls, rname, cname, b, mdt, ckpt,
+                           f"the checkpoint {gives} ({shown}), so this one would run in another dtype than its "
+                           f"neighbours (keys that do so: {_listing(odd)})", to=main)
+
+
+def _dtype_error(cls: str, rname: str, cname: str, b: TensorBinding, model_dtype, ckpt: Checkpoint, why: str, *,
+                 to) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"checkpoint key {cname!r} ({ckpt.files[b.src.file].path}) is {b.dtype}, {cls}'s tensor {rname!r} is "
+        f"{model_dtype}: {why}. Convert the checkpoint (that key to {to}), or build the model in the "
+        f"checkpoint's dtypes (on meta, before offload_from_safetensors: e.g. module.to({b.dtype}) for the "
+        "modules it stores so)")
+
+
 def _make_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint) -> TensorBinding:
     shape = tuple(t.shape)
     if not t.is_contiguous():
@@ -471,7 +625,7 @@ def _make_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint)
     kernel = getattr(t, "mmap_kernel_transform", None)
     numel = t.numel()
     if numel != src.numel:
-        raise ValueError(
+        raise CheckpointFormatError(
             f"{name!r}: the model has {numel} elements {shape}, checkpoint {src.key!r} has {src.numel} "
             f"elements {src.shape}"
         )
@@ -488,7 +642,7 @@ def _make_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint)
         _check_transform_output(b, probe)
         return b
     if shape != src.shape:
-        raise ValueError(
+        raise CheckpointFormatError(
             f"{name!r}: the model has shape {shape}, checkpoint {src.key!r} has {src.shape}; attach an "
             "mmap_weight_transform to the parameter if the layouts differ"
         )

@@ -7,9 +7,9 @@ registration planners (:mod:`.host_memory`) and the copy plans (:mod:`.sources.m
 from __future__ import annotations
 
 from .checkpoint import (  # noqa: F401  (re-exported: the mmap source's public names)
-    DIFFUSERS_WEIGHTS, KERNEL_TRANSFORMS, Checkpoint, CheckpointChangedError, CkptTensor, SafetensorsFile,
-    TensorBinding, WeightsSource, apply_transform, as_sources, bind_checkpoint, changed_message, check_opt_in,
-    host_tensor, meta_from_pretrained, on_meta,
+    DIFFUSERS_WEIGHTS, KERNEL_TRANSFORMS, Checkpoint, CheckpointChangedError, CheckpointFormatError, CkptTensor,
+    FileWatch, SafetensorsFile, TensorBinding, WeightsSource, apply_transform, as_sources, bind_checkpoint,
+    changed_message, check_opt_in, host_tensor, meta_from_pretrained, on_meta,
 )
 from .host_memory import (  # noqa: F401  (re-exported)
     HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, direct_after_registration, plan_registration,
@@ -31,6 +31,7 @@ __all__ = [
     "plan_registration",
     "direct_after_registration",
     "CheckpointChangedError",
+    "CheckpointFormatError",
     "COPY_PATHS",
     "MmapSource",
     "MmapCodedSource",

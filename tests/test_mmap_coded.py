@@ -4,8 +4,14 @@ Every output is compared with the unwrapped model bit for bit; sidecar reuse is
 checked by the encoder's own call count; stale, foreign and corrupt sidecars by
 rewriting real files.
 """
+import hashlib
+import json
 import os
 import shutil
+import struct
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -13,6 +19,7 @@ import torch
 
 import weightstream.offload.sources.coded_encode as coded_mod
 from weightstream import OffloadConfig
+from weightstream.kernels.codec_format import HEADER_BYTES
 from weightstream.offload.mmap_source import (
     CheckpointChangedError, CodedSidecarError, meta_from_pretrained, offload_from_safetensors, on_meta,
 )
@@ -411,3 +418,228 @@ def test_exp_kp_sidecar_round_trip_and_is_its_own(tmp_path, encodes):
     with pytest.raises(CodedSidecarError, match="cannot be read"):  # no exp-k sidecar: another name
         _wrap(cls, folder, CODED, coded_sidecar="read")
     assert _sidecars(folder) == [path]
+
+
+# ----------------------------------------------------------------- bytes at rest (a small bf16 model)
+
+_W = 64  # width of the _Blocks model these tests stream: three blocks of identical layout
+
+
+def _blocks_ckpt(tmp_path, scale=1.0, name="b.safetensors"):
+    """(model, checkpoint path, input, its output): _Blocks in bf16, weights times ``scale``."""
+    model = _toy(width=_W).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    path = _save(model.state_dict(), tmp_path / name)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    return model, path, x, want
+
+
+def _bwrap(path, sidecar):
+    return offload_from_safetensors(_meta(width=_W), path, CODED, device=DEV, coded_sidecar=sidecar)
+
+
+def _out(wrapped, x):
+    with torch.no_grad():
+        return wrapped(x)
+
+
+def _header(path):
+    """(file bytes, header, where the header ends) of a sidecar."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[8:16])
+    return data, json.loads(data[48 : 48 + n]), 48 + n
+
+
+def _rewrite_header(path, head, data=None):
+    """The sidecar with ``head`` as its header (its checksum recomputed, as a forger would)."""
+    data = path.read_bytes() if data is None else data
+    raw = json.dumps(head).encode()
+    first = min(b["offset"] for b in head["blocks"])
+    assert 48 + len(raw) <= first
+    prefix = b"WSCSIDE1" + struct.pack("<Q", len(raw)) + hashlib.sha256(raw).digest() + raw
+    path.write_bytes(prefix + bytes(first - len(prefix)) + data[first:])
+
+
+def _inside_a_tensor(rec):
+    """A byte of block ``rec``'s first coded tensor past its header (no structural check reads it)."""
+    starts = sorted(src for src, _ in rec["segments"]) + [rec["coded"]]
+    at = starts[0] + HEADER_BYTES + 64
+    assert at < starts[1]
+    return rec["offset"] + at
+
+
+def _flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+_FLIPS = {  # where a byte flips -> what the refusal names
+    "block0-payload": (lambda head, end: head["blocks"][0]["offset"] + head["blocks"][0]["coded"] // 2, "'blocks.0'"),
+    "block1-payload": (lambda head, end: head["blocks"][1]["offset"] + head["blocks"][1]["coded"] - 3, "'blocks.1'"),
+    "last-slack-byte": (lambda head, end: head["blocks"][-1]["offset"] + head["blocks"][-1]["copy_bytes"] - 1,
+                        "'blocks.2'"),
+    "zero-padding": (lambda head, end: end + 5, "do not tile"),
+}
+
+
+@pytest.mark.parametrize("where", list(_FLIPS))
+def test_a_flipped_byte_is_refused_by_read_and_re_encoded_by_auto(where, tmp_path, encodes):
+    """Every byte of a sidecar is checked before an output uses it: 'read' raises naming the
+    block (at load or at its first use, never an output), 'auto' warns once and re-encodes."""
+    model, path, x, want = _blocks_ckpt(tmp_path)
+    _bwrap(path, "write")
+    (side,) = _sidecars(tmp_path)
+    _, head, end = _header(side)
+    at, names = _FLIPS[where]
+    _flip(side, at(head, end))
+    with pytest.raises(CodedSidecarError, match=names) as e:
+        _out(_bwrap(path, "read"), x)
+    assert "coded_sidecar='auto'" in str(e.value) or "not usable" in str(e.value)
+    encodes[0] = 0
+    with pytest.warns(UserWarning, match=names) as w:
+        wrapped = _bwrap(path, "auto")
+    assert encodes[0] > 0 and not wrapped.stats()["sidecar_loaded"]
+    assert [str(r.message).count("\n") for r in w if names in str(r.message)] == [0]  # one line
+    assert torch.equal(_out(wrapped, x), want)
+    again = _bwrap(path, "read")  # the rewritten sidecar is good and checked
+    assert torch.equal(_out(again, x), want)
+    s = again.stats()
+    assert s["sidecar_loaded"] and s["sidecar_verified_blocks"] == 3 and s["sidecar_verify_threads"] >= 1
+
+
+def test_read_checks_a_block_before_its_first_use_and_every_recovery_path(tmp_path):
+    """'read' does not wait for every checksum at load (the ring's first slots, blocks 0 and 1, are
+    loaded and checked at setup); block 2, whose bytes do not match, is refused at its first load,
+    and state_dict() / disable() refuse it too (no decoder error, no weights)."""
+    model, path, x, want = _blocks_ckpt(tmp_path)
+    _bwrap(path, "write")
+    (side,) = _sidecars(tmp_path)
+    _, head, _ = _header(side)
+    _flip(side, _inside_a_tensor(head["blocks"][2]))  # past every coded header: only its checksum can tell
+    wrapped = _bwrap(path, "read")
+    for call in (lambda: _out(wrapped, x), lambda: _out(wrapped, x), wrapped.state_dict, wrapped.disable):
+        with pytest.raises(CodedSidecarError, match=r"block 'blocks.2' \(position 2\) do not match the checksum"):
+            call()
+
+
+@pytest.mark.parametrize("swap", ["records", "fields", "regions"])
+def test_swapped_block_records_or_regions_are_refused(swap, tmp_path):
+    """Blocks 0 and 1 have the same layout: swapping their records (the header's checksum
+    recomputed), the records' data fields, or the regions with their records' coded fields,
+    would stream one block's weights in place of the other's."""
+    model, path, x, want = _blocks_ckpt(tmp_path)
+    _bwrap(path, "write")
+    (side,) = _sidecars(tmp_path)
+    data, head, _ = _header(side)
+    b0, b1 = head["blocks"][0], head["blocks"][1]
+    assert b0["copy_bytes"] == b1["copy_bytes"]  # the regions can trade places
+    if swap == "records":
+        head["blocks"][0], head["blocks"][1] = b1, b0
+    else:
+        moved = ["coded", "segments", "sha256"] + (["offset"] if swap == "fields" else [])
+        for f in moved:
+            if f in b0:
+                b0[f], b1[f] = b1[f], b0[f]
+        if swap == "regions":
+            n, a, b = b0["copy_bytes"], b0["offset"], b1["offset"]
+            data = data[:a] + data[b : b + n] + data[a + n : b] + data[a : a + n] + data[b + n :]
+    _rewrite_header(side, head, data)
+    with pytest.raises(CodedSidecarError, match="blocks.[01]"):
+        _out(_bwrap(path, "read"), x)
+    with pytest.warns(UserWarning, match="blocks.[01]"):
+        wrapped = _bwrap(path, "auto")
+    assert torch.equal(_out(wrapped, x), want)
+
+
+def _rewrite_in_place(path, new: bytes):
+    """``new`` written over ``path`` in place (same inode, same size), its mtime put back."""
+    st = os.stat(path)
+    assert len(new) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert now.st_ctime_ns != st.st_ctime_ns  # what no writer can put back
+
+
+def test_a_checkpoint_rewritten_in_place_with_its_mtime_put_back_makes_the_sidecar_stale(tmp_path, encodes):
+    model, path, x, want = _blocks_ckpt(tmp_path)
+    _bwrap(path, "write")
+    _, other, _, want_new = _blocks_ckpt(tmp_path, scale=-0.5, name="other.safetensors")
+    assert not torch.equal(want, want_new)
+    _rewrite_in_place(path, other.read_bytes())
+    with pytest.raises(CodedSidecarError, match=r"stale: checkpoint file .* changed since it was written \(ctime_ns"):
+        _bwrap(path, "read")
+    encodes[0] = 0
+    with pytest.warns(UserWarning, match="ctime_ns"):
+        wrapped = _bwrap(path, "auto")
+    assert encodes[0] > 0 and torch.equal(_out(wrapped, x), want_new)
+    assert torch.equal(_out(_bwrap(path, "read"), x), want_new)
+
+
+def test_a_mapped_sidecar_written_in_place_with_its_mtime_put_back_is_an_error(tmp_path):
+    """A sidecar replaced atomically under a reader leaves the reader's mapping whole (it keeps
+    streaming); one written in place, its mtime put back, is a named error at the next step."""
+    model, path, x, want = _blocks_ckpt(tmp_path)
+    _bwrap(path, "write")
+    (side,) = _sidecars(tmp_path)
+    first = _bwrap(path, "read")
+    assert torch.equal(_out(first, x), want)
+    inode = side.stat().st_ino
+    _bwrap(path, "write")  # another start rewrites it: a new file renamed over the mapped one
+    assert side.stat().st_ino != inode
+    assert torch.equal(_out(first, x), want)
+    second = _bwrap(path, "read")
+    assert torch.equal(_out(second, x), want)
+    data, head, _ = _header(side)
+    at = _inside_a_tensor(head["blocks"][0])
+    _rewrite_in_place(side, data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :])
+    with pytest.raises(CheckpointChangedError, match=r"\.wsc' changed while this process streams .*ctime_ns"):
+        _out(second, x)
+    assert torch.equal(_out(first, x), want)  # its own (replaced) file is untouched
+
+
+_TRUNCATE_SIDECAR = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {here!r})
+    from pathlib import Path
+    import test_mmap_coded as t
+    from weightstream.offload.mmap_source import CheckpointChangedError
+    tmp = Path({tmp!r})
+    model, path, x, want = t._blocks_ckpt(tmp)
+    t._bwrap(path, "write")
+    (side,) = t._sidecars(tmp)
+    every, one = t._bwrap(path, "read"), t._bwrap(path, "read")
+    assert torch.equal(t._out(every, x), want) and torch.equal(t._out(one, x), want)
+    key = "blocks.1.0.weight"
+    with torch.no_grad():
+        one.update_weights({{key: model.state_dict()[key] * 0.5}})  # block 1: re-encoded into private memory
+    os.truncate(side, 4096)
+    for name, w in (("every", every), ("one", one)):
+        for what, call in (("forward", lambda: t._out(w, x)), ("state_dict", w.state_dict), ("disable", w.disable)):
+            try:
+                call()
+            except CheckpointChangedError as e:
+                m = str(e)
+                print("NAMED", name, what, ".wsc" in m and "size" in m, "build a new wrapper" in m,
+                      "(blocks.1)" in m, flush=True)
+            else:
+                print("NO ERROR", name, what, flush=True)
+""")
+
+
+def test_a_sidecar_truncated_while_mapped_is_a_named_error_on_every_recovery_path(tmp_path):
+    """The forward, state_dict() and disable() stat the sidecar before they read its pages:
+    the named error (naming the blocks still in private memory), never SIGBUS or a decoder error."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = _TRUNCATE_SIDECAR.format(here=here, tmp=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"rc={r.returncode} (-7 is SIGBUS)\n{r.stdout}\n{r.stderr[-4000:]}"
+    assert r.stdout.split("\n")[:6] == [f"NAMED {n} {w} True True {n == 'one'}" for n in ("every", "one")
+                                        for w in ("forward", "state_dict", "disable")], r.stdout

@@ -741,56 +741,6 @@ def test_copies_are_cut_where_registrations_meet():
     assert split_run(Run(1, 0, 0, 9000), bounds) == [Run(1, 0, 0, 9000)]
 
 
-def test_bench_mmap_pieces_on_cpu(tmp_path, capsys):
-    """perf/bench_mmap.py: --help, the tiny checkpoint writer (diffusers layout, reused when
-    present), and the result it assembles validates."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from perf import bench_mmap
-    from perf.results import validate_result
-
-    with pytest.raises(SystemExit) as e:
-        bench_mmap.main(["--help"])
-    assert e.value.code == 0 and "--ckpt-dir" in capsys.readouterr().out
-    ckpt = tmp_path / "ckpt"
-    bench_mmap.write_checkpoint(ckpt, tiny=True, shard_gb=2e-5)
-    files = sorted(ckpt.glob("*.safetensors"))
-    assert len(files) > 1 and (ckpt / "diffusion_pytorch_model.safetensors.index.json").exists()
-    bench_mmap.write_checkpoint(ckpt, tiny=True, shard_gb=2e-5)  # reused, not rewritten
-    assert [f.stat().st_mtime_ns for f in files] == [f.stat().st_mtime_ns for f in sorted(ckpt.glob("*.safetensors"))]
-    from diffusers import FluxTransformer2DModel
-
-    wrapped = offload_from_safetensors(meta_from_pretrained(FluxTransformer2DModel, ckpt), ckpt, device=DEV)
-    assert wrapped.stats()["checkpoint_files"] == len(files)
-    workers = {
-        "resident": {"ok": True, "step_ms": 100.0, "step_ms_all": [100.0], "h2d_gbps": 50.0, "gpu": "NVIDIA H200",
-                     "torch": "2.11.0"},
-        "layerwise": {"ok": True, "step_ms": 440.0, "step_ms_all": [440.0], "streamed_bytes": int(22e9),
-                      "setup_s": 9.0, "h2d_gbps": 50.0},
-        "layerwise-mmap": {"ok": True, "step_ms": 450.0, "step_ms_all": [450.0], "streamed_bytes": int(22e9),
-                           "setup_s": 2.0, "setup_s_per_gb": 0.084},
-        "layerwise-mmap-staging": {"ok": False, "error": "boom"},
-        "layerwise-mmap-staging-t4": {"ok": True, "step_ms": 500.0, "step_ms_all": [500.0],
-                                      "streamed_bytes": int(22e9), "setup_s": 2.0},
-    }
-    result = bench_mmap.assemble(workers, "abc123", False, "ext4", 23.8)
-    validate_result(result)
-    m = result["modes"]["layerwise-mmap"]
-    assert m["floor_ms"] == 440.0 and m["ratio_to_pinned"] == round(450 / 440, 4) and m["setup_s_per_gb"] == 0.084
-    assert result["failed"] == {"layerwise-mmap-staging": "boom"}
-    lines = bench_mmap.verdicts(result)
-    assert any(line.startswith("layerwise-mmap:") and "PASS" in line for line in lines)
-    assert any(line.startswith("layerwise-mmap-staging-t4:") and "1.136x" in line and "MISS" in line for line in lines)
-    assert bench_mmap.staging_threads("layerwise-mmap-staging-t4") == 4
-    assert bench_mmap.staging_threads("layerwise-mmap-staging") is None
-    assert not bench_mmap.known_mode("layerwise-mmap-staging-t0") and bench_mmap.known_mode("layerwise-mmap")
-
-
-# ----------------------------------------------------------------- the WeightSource protocol
-
-
 def _runtime_tensors(model):
     """name -> tensor of every parameter and buffer (non-persistent ones included)."""
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -805,7 +755,7 @@ def test_source_keeps_the_protocol_and_images_hold_the_runtime_weights(copy_path
     path = _gqa_ckpt(model, tmp_path / "gqa.safetensors")
     wrapped = offload_from_safetensors(_meta(_GQA), path, device=DEV, copy_path=copy_path)
     src = _source(wrapped)
-    assert isinstance(src, SourceProtocol) and src.name == "mmap" and not src.collective
+    assert isinstance(src, SourceProtocol) and src.name == "mmap" and not src.caps.collective and src.caps.read_only
     s = check_stats(src.stats())
     assert s["host_bytes"] == sum(lay.nbytes for lay in src.layouts)
     assert s["slot_bytes"] == src.slot_bytes == max(lay.nbytes for lay in src.layouts)
@@ -887,3 +837,122 @@ def test_direct_kernel_transform_is_ordered_on_the_copy_stream(tmp_path):
     wire = [op for op in rec.trace if op.kind == "access" and isinstance(op.slot, tuple) and op.slot[0] == "wire"]
     assert len(wire) >= steps * 3 * 3  # write, read_begin, read_end per load
     assert len({op.stream for op in wire}) == 1 and wire[0].stream != rec.compute.name
+
+
+# ----------------------------------------------------------------- malformed checkpoints and dtypes
+
+
+def _as(key, dtype):
+    """A toy state dict with ``key`` stored as ``dtype``."""
+    def edit(sd):
+        sd[key] = sd[key].to(dtype)
+    return edit
+
+
+@pytest.mark.parametrize("edit,key,dtypes", [
+    (_as("blocks.1.0.weight", torch.bfloat16), "blocks.1.0.weight", ("torch.bfloat16", "torch.float32")),
+    (_as("head.bias", torch.float16), "head.bias", ("torch.float16", "torch.float32")),
+    (_as("embed.weight", torch.int32), "embed.weight", ("torch.int32", "torch.float32")),
+], ids=["one-bf16-key", "one-fp16-bias", "int-for-float"])
+def test_a_key_of_another_dtype_is_refused_at_construction(edit, key, dtypes, tmp_path):
+    """Accepted before, the first forward then failed (or ran one tensor in another dtype)."""
+    from weightstream.offload.mmap_source import CheckpointFormatError
+
+    sd = _toy().state_dict()
+    edit(sd)
+    path = _save(sd, tmp_path / "toy.safetensors")
+    with pytest.raises(CheckpointFormatError) as e:
+        offload_from_safetensors(_meta(), path, device=DEV)
+    msg = str(e.value)
+    assert f"checkpoint key {key!r}" in msg and "toy.safetensors" in msg and all(d in msg for d in dtypes), msg
+    assert "Convert the checkpoint" in msg and "build the model" in msg, msg
+
+
+def test_a_whole_model_cast_and_diffusers_fp32_modules_still_load(tmp_path):
+    """What the dtype rule keeps: a float32-built model takes a bf16 checkpoint as a whole, and a
+    diffusers model keeps its ``_keep_in_fp32_modules`` float32 beside bf16 weights; a mix
+    outside those is refused."""
+    from weightstream.offload.mmap_source import CheckpointFormatError
+
+    model = tiny_wan(dtype=torch.bfloat16)
+    keep = type(model)._keep_in_fp32_modules
+    for name, mod in model.named_modules():
+        if any(m in name.split(".") for m in keep):
+            mod.float()
+    folder = _save_diffusers(model, tmp_path / "wan")
+    x = wan_inputs(model)
+    meta = meta_from_pretrained(type(model), folder)
+    assert next(meta.parameters()).dtype == torch.float32
+    wrapped = offload_from_safetensors(meta, folder, device=DEV)
+    sd = wrapped.state_dict()
+    assert all(sd[k].dtype == v.dtype for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(first(wrapped(**x)), first(_as_loaded(model, tiny_wan())(**x)))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    sd["proj_out.weight"] = sd["proj_out.weight"].float()  # not a module diffusers keeps in float32
+    save_file(sd, str(folder / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match=r"'proj_out.weight' .* is torch.float32, .* is torch.float32: "
+                                                    r"the checkpoint gives the model's other torch.float32 tensors "
+                                                    r"torch.bfloat16 .*that key to torch.bfloat16"):
+        offload_from_safetensors(meta_from_pretrained(type(model), folder), folder, device=DEV)
+
+
+def _raw_file(path, header, data=b""):
+    """A safetensors file with ``header`` (any JSON) and ``data`` as its bytes."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+_W8 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize("header,data,match", [
+    ([1, 2], b"", r"header is a JSON list \(\[1, 2\]\), not an object"),
+    ("x", b"", r"header is a JSON str"),
+    ({"w": [1]}, b"", r"tensor 'w': its header entry is \[1\], not an object"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), r"tensor 'w': .* has no data_offsets"),
+    ({"w": {**_W8, "dtype": "F33"}}, bytes(8), r"tensor 'w': dtype 'F33' is not one this loader reads; known: BOOL"),
+    ({"w": {**_W8, "dtype": 7}}, bytes(8), r"tensor 'w': dtype 7 is not"),
+    ({"w": {**_W8, "shape": "2"}}, bytes(8), r"tensor 'w': shape '2' is not a list of non-negative ints"),
+    ({"w": {**_W8, "shape": [-2]}}, bytes(8), r"tensor 'w': shape \[-2\] is not"),
+    ({"w": {**_W8, "data_offsets": [0, 16]}}, bytes(8), r"tensor 'w': data_offsets \[0, 16\] lie outside the file's 8"),
+    ({"w": {**_W8, "data_offsets": [-8, 0]}}, bytes(8), r"tensor 'w': data_offsets \[-8, 0\] is not \[begin, end\]"),
+    ({"w": {**_W8, "data_offsets": [0, 8.0]}}, bytes(8), r"data_offsets \[0, 8.0\] is not"),
+    ({"w": {**_W8, "data_offsets": [0]}}, bytes(8), r"data_offsets \[0\] is not"),
+    ({"w": {**_W8, "data_offsets": [8, 0]}}, bytes(8), r"data_offsets \[8, 0\] lie outside"),
+    ({"w": {**_W8, "shape": [3]}}, bytes(8),
+     r"tensor 'w': shape \[3\] of F32 needs 12 bytes, its data_offsets \[0, 8\] hold 8"),
+    ({"w": _W8, "v": {**_W8, "data_offsets": [4, 12]}}, bytes(12), r"tensors 'w' and 'v' overlap"),
+], ids=["list", "str", "entry-list", "no-offsets", "dtype-unknown", "dtype-int", "shape-str", "shape-negative",
+        "past-end", "negative-offset", "float-offset", "one-offset", "end-before-begin", "shape-vs-bytes", "overlap"])
+def test_malformed_safetensors_headers_are_named_errors(header, data, match, tmp_path):
+    from weightstream.offload.mmap_source import CheckpointFormatError
+
+    path = _raw_file(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(CheckpointFormatError, match=match) as e:
+        Checkpoint(path)
+    assert "bad.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize("index,match", [
+    ({"weight_map": ["model.safetensors"]}, r"its 'weight_map' is a list \(\['model.safetensors'\]\)"),
+    ({"weight_map": "model.safetensors"}, r"its 'weight_map' is a str"),
+    ({"weight_map": None}, r"its 'weight_map' is a NoneType"),
+    ([{"weight_map": {}}], r"it is a JSON list without a 'weight_map'"),
+    ({"metadata": {}}, r"it is a JSON dict without a 'weight_map'"),
+    ({"weight_map": {"w": 3}}, r"weight_map\['w'\] is 3, not the file name of a shard"),
+    ({"weight_map": {"w": ["model.safetensors"]}}, r"weight_map\['w'\] is \['model.safetensors'\], not the file name"),
+    ({"weight_map": {"w": "../model.safetensors"}}, r"weight_map\['w'\] is '../model.safetensors', not the file name"),
+    ({"weight_map": {"w": "/etc/passwd"}}, r"weight_map\['w'\] is '/etc/passwd', not the file name"),
+    ({"weight_map": {"w": ""}}, r"weight_map\['w'\] is '', not the file name"),
+    ({"weight_map": {}}, r"its weight_map is empty"),
+], ids=["list", "str", "null", "top-list", "no-map", "int", "name-list", "parent", "absolute", "empty-name", "empty"])
+def test_malformed_index_files_are_named_errors(index, match, tmp_path):
+    from weightstream.offload.mmap_source import CheckpointFormatError
+
+    _save(_toy().state_dict(), tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointFormatError, match=match) as e:
+        offload_from_safetensors(_meta(), tmp_path, device=DEV)
+    assert "model.safetensors.index.json" in str(e.value)

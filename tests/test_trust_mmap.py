@@ -144,6 +144,28 @@ def test_atomic_replace_keeps_the_old_mapping(copy_path, tmp_path):
         assert torch.equal(plain(**x), want_a)
 
 
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_in_place_rewrite_with_the_mtime_put_back_is_an_error(copy_path, tmp_path):
+    """Same inode, same size, the old mtime put back (``os.utime``, ``cp -p``): only the ctime
+    tells, and it is part of the identity the step start checks."""
+    path, other, a, _ = _pair(tmp_path)
+    x = toy_inputs()
+    with torch.no_grad():
+        wrapped = _wrap(path, copy_path)
+        assert torch.equal(wrapped(**x), a(**x))
+        _quiet(wrapped)
+        before = os.stat(path)
+        with open(path, "r+b") as f:
+            f.write(other.read_bytes())
+        os.utime(path, ns=(OLD_NS, OLD_NS))
+        now = os.stat(path)
+        assert (now.st_ino, now.st_size, now.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+        assert now.st_ctime_ns != before.st_ctime_ns
+        for call in (lambda: wrapped(**x), wrapped.state_dict, wrapped.disable):
+            with pytest.raises(CheckpointChangedError, match=r"toy.safetensors' changed .*ctime_ns .*only its ctime"):
+                call()
+
+
 def test_change_is_found_between_setup_and_the_first_forward(tmp_path):
     path, other, a, _ = _pair(tmp_path)
     wrapped = _wrap(path, "direct")

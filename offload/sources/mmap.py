@@ -45,14 +45,19 @@ consistent, until a new wrapper maps the new file. Writing a mapped file in
 place (``cp new.safetensors old.safetensors``, ``open(path, "r+b")``) changes
 the bytes under the mapping, so a step could mix old and new weights, and
 truncating it makes any read past the new end kill the process with SIGBUS.
-Each file's identity (``st_dev``, ``st_ino``), size and ``st_mtime_ns`` are
-recorded when it is opened and checked (``fstat`` of the open file, a few
-microseconds per file) at every step start, before the packer thread reads,
-before a ring reload, and in the ``state_dict`` / ``disable`` paths; a
-difference raises :class:`CheckpointChangedError` naming the file. A write
-during a step is seen at the next check; a writer that keeps both the size and
-the mtime (``cp -p`` of a same-size file) is not detected. ``state_dict()``
-values are views of the mapping: read them before replacing anything in place.
+Each file's identity (``st_dev``, ``st_ino``), size, ``st_mtime_ns`` and
+``st_ctime_ns`` are recorded when it is opened and checked (``fstat`` of the
+open file, a few microseconds per file) at every step start, before the packer
+thread reads, before a ring reload, and in the ``state_dict`` / ``disable``
+paths; a difference raises :class:`CheckpointChangedError` naming the file. A
+write during a step is seen at the next check. A writer that puts the size and
+the mtime back (``cp -p`` of a same-size file, ``os.utime``) still moves the
+ctime, which no user call can set; so do chmod, touch, a hard link and a rename
+of the file itself (errors too: build a new wrapper). The one ctime change
+accepted is the file losing its last name (an atomic replace over its path, or
+its deletion), which changes no byte (:class:`~..checkpoint.FileWatch`).
+``state_dict()`` values are views of the mapping: read them before replacing
+anything in place.
 
 Resident blocks may be any set (``resident_layers=[1, 3]``); ``'auto'`` is
 refused: auto placement writes demoted blocks back into their source, and
@@ -86,6 +91,7 @@ from ..host_store import copy_from_image
 from ..misuse import WeightUpdateError
 from ..staging import Stager, StagingError, check_threads
 from ..streamed import StreamedBlocks, resolve_device
+from .base import SourceCaps, WeightSource
 from .mmap_coded import check_sidecar_mode, mmap_coded_source
 from .mmap_plans import (
     COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block,
@@ -93,12 +99,11 @@ from .mmap_plans import (
 )
 
 
-class MmapSource:
+class MmapSource(WeightSource):
     """WeightSource over the read-only checkpoint mapping (see the module docstring)."""
 
     name = "mmap"
-    collective = False
-    waits_for_free = False
+    caps = SourceCaps(read_only=True)
 
     def __init__(self, req, ckpt: Checkpoint, bindings: dict[int, TensorBinding], *, copy_path: str = "auto",
                  staging_threads: int | None = None, timings: dict | None = None):
