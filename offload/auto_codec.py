@@ -45,7 +45,7 @@ class AutoCodec(RemovableHooks):
 
     def __init__(self, streamed):
         src = streamed.source
-        if not callable(getattr(src, "code_blocks", None)):
+        if not src.caps.codes_blocks:
             raise ValueError(f"weight_codec='auto' needs a source that can code its blocks in place (the pinned "
                              f"coded source of layer mode); {type(src).__name__} cannot; choose from: "
                              f"{', '.join(CODECS)}, none")

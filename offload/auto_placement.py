@@ -104,10 +104,9 @@ class AutoPlacement(RemovableHooks):
         src = sb.source
         device = [0] * len(sb.blocks)
         link = [0] * len(sb.blocks)
-        link_of = getattr(src, "link_bytes", None)
         for k, lay in enumerate(src.layouts):
             device[lay.index] = lay.nbytes
-            link[lay.index] = link_of(k) if link_of is not None else lay.nbytes
+            link[lay.index] = src.link_bytes(k)
         prior = self.current.inputs.compute_ms if self.current is not None else None
         return planner.plan_from_events(
             events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
@@ -177,8 +176,7 @@ class AutoPlacement(RemovableHooks):
         self.snapshot()
 
     def _host_version_now(self) -> int:
-        version = getattr(self.streamed.source, "host_version", None)  # optional source hook (sources/base.py)
-        return version() if version is not None else 0
+        return self.streamed.source.host_version()
 
     def snapshot(self) -> None:
         """The current state is in sync (after an update wrote host and device alike)."""

@@ -82,8 +82,7 @@ class LayerwiseExecutor:
         missing = [i for i in schedule.streamed if i not in self.k_of]
         if missing:
             raise ValueError(f"the weight source holds no image of streamed block(s) {missing[:5]}")
-        of = getattr(source, "slot_bytes_of", None)  # a slot for the blocks this schedule streams
-        self.slot_bytes = of([self.k_of[i] for i in schedule.streamed]) if of is not None else source.slot_bytes
+        self.slot_bytes = source.slot_bytes_of([self.k_of[i] for i in schedule.streamed])  # the blocks it streams
         self.slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(schedule.ring_slots)
         ]
@@ -99,9 +98,6 @@ class LayerwiseExecutor:
                 source.attach(self.slots, self.streams, self.device)
         else:
             source.attach(self.slots, None, self.device)
-        # optional source hooks, looked up once (sources/base.py)
-        self._source_check = getattr(source, "check", None)
-        self._source_reload = getattr(source, "reload", None)
         # targets[k]: tensor objects of streamed block k in layout order;
         # views[k][s]: their views in slot s; placeholders[k]: empty stand-ins.
         self.targets = []
@@ -126,6 +122,7 @@ class LayerwiseExecutor:
         self._load_tag = [None] * schedule.ring_slots
         self._bound: int | None = None  # streamed index currently bound
         self.log = EventLog(cuda=self.cuda) if record_events else None
+        self._log_once = False  # the log was opened by log_next_step() and closes at take_events()
         if self.log is not None:
             self.log.origin = self.log.mark(torch.cuda.current_stream(self.device) if self.cuda else None)
         self._share_log()
@@ -144,8 +141,7 @@ class LayerwiseExecutor:
         # change means a write that streaming would lose. host_version(): the
         # source's host views (state_dict()) share one version counter.
         self._versions = [[t._version for t in objs] for objs in self.targets]
-        self._host_version_of = getattr(source, "host_version", None)
-        self._host_version = self._host_version_of() if self._host_version_of is not None else 0
+        self._host_version = source.host_version()
         self._started: int | None = None  # position whose step-start work was done
         # the thread running a step, an update or disable() (shared with StreamedBlocks: one per model)
         self.ownership = ownership if ownership is not None else Ownership()
@@ -204,10 +200,9 @@ class LayerwiseExecutor:
 
     def _start_step(self) -> None:
         """Work at a step boundary, once per step: pick up host edits, step-start loads."""
-        if self._source_check is not None:
-            # once per step, however the step was entered or skipped into; before _started is
-            # set, so a step whose check raised checks again (and raises again) when re-entered
-            self._source_check()
+        # once per step, however the step was entered or skipped into; before _started is
+        # set, so a step whose check raised checks again (and raises again) when re-entered
+        self.source.check()
         self._started = self.position
         self._check_host_edits()
         if self.schedule.has_step_start:
@@ -221,8 +216,7 @@ class LayerwiseExecutor:
         view) do not move the counter and are not detected."""
         if self.ph is not None and self.ph.handed:
             self.ph.flush()  # edited .data copies of unbound tensors: written like update_weights()
-        version = self._host_version_of
-        if version is None or version() == self._host_version:
+        if self.source.host_version() == self._host_version:
             return
         if self.streams is not None:  # order the reloads after every reader and loader of the slots so far
             compute = self.streams.current_stream(self.device)
@@ -288,14 +282,13 @@ class LayerwiseExecutor:
                 rec.end = self.log.mark()
             return
         cs = self.copy_stream
-        waits_of = getattr(self.source, "waits_for_free_of", None)  # per block (a coded source's raw blocks)
-        if after is not None and not (waits_of(k) if waits_of is not None else self.source.waits_for_free):
+        if after is not None and not self.source.waits_for_free_of(k):
             cs.wait_event(after)  # before the copy record starts: it times the copy, not the wait
         with self.streams.stream(cs):
             if rec is not None:
                 rec.start = self.log.mark(cs)
             done = self.source.load(k, load.slot, position=load.position, after=after, tag=self.capture_tag)
-            if getattr(self.source, "writes_at_use", False):
+            if self.source.caps.writes_at_use:
                 pass  # the source writes the slot in before_use (a decode issued at use) and notes it there
             elif done is None or done is cs:
                 done = cs
@@ -426,8 +419,7 @@ class LayerwiseExecutor:
         elif interrupted and block == expected:
             # the block that raised runs again (its step already started): what the step start
             # checks may have changed since (a state_dict() edit, a checkpoint file)
-            if self._source_check is not None:
-                self._source_check()
+            self.source.check()
             self._check_host_edits()
         if self._late is not None:  # after a resync too, which may defer its loads here
             self._issue_late()
@@ -525,8 +517,7 @@ class LayerwiseExecutor:
         )
         self._to_step_boundary()
         self._started = self.position
-        if self._host_version_of is not None:
-            self._host_version = self._host_version_of()  # the refill reads the store as it is now
+        self._host_version = self.source.host_version()  # the refill reads the store as it is now
         self._step_start_loads(self.schedule.refill(self.schedule.step_of(self.position)))
 
     def _to_step_boundary(self) -> None:
@@ -579,19 +570,16 @@ class LayerwiseExecutor:
         (no collective is issued after a failure), a changed checkpoint file."""
         if self.guard is not None:
             self.guard.check(what)
-        if self._source_check is not None:
-            self._source_check()
+        self.source.check()
 
     def capture_deferred(self) -> str | None:
         """Why a capture should wait (the source's loads are about to change: blocks coded in the
         background); None: capture now."""
-        why = getattr(self.source, "capture_deferred", None)
-        return why() if why is not None else None
+        return self.source.capture_deferred()
 
     def uncapturable(self) -> str | None:
         """Why a CUDA graph cannot hold this source's loads (None: it can)."""
-        why = getattr(self.source, "uncapturable", None)
-        return why() if why is not None else None
+        return self.source.uncapturable()
 
     @property
     def step_index(self) -> int:
@@ -640,12 +628,9 @@ class LayerwiseExecutor:
         """Re-copy the slots already loaded for upcoming positions (after the host
         store changed). Callers order the copy streams after the slots' readers
         first (synchronize, or wait on the compute stream); not a hot-path call."""
-        if self._source_check is not None:
-            self._source_check()
-        if self._source_reload is not None:
-            self._source_reload()
-        if self._host_version_of is not None:
-            self._host_version = self._host_version_of()
+        self.source.check()
+        self.source.reload()
+        self._host_version = self.source.host_version()
         for position, _ in (self.pending_loads() if self._primed else []):
             self._issue(self.schedule.load(position), wait_free=False)
 
@@ -664,24 +649,21 @@ class LayerwiseExecutor:
     def take_events(self) -> list[dict]:
         """The event log so far (synchronises); a log opened by log_next_step() closes."""
         out = self.events()
-        if getattr(self, "_log_once", False):
+        if self._log_once:
             self.log, self._log_once = None, False
             self._share_log()
         return out
 
     def _share_log(self) -> None:
         """Sources with stages of their own (a gather, a decode) log them as lanes of this log."""
-        if hasattr(self.source, "event_log"):
-            self.source.event_log = self.log
-            self.source.step_of = self.schedule.step_of
+        self.source.event_log = self.log
+        self.source.step_of = self.schedule.step_of
 
     def remove(self) -> None:
         self.synchronize()
         for h in self.hooks:
             h.remove()
-        stop = getattr(self.source, "remove", None)
-        if stop is not None:
-            stop()
+        self.source.remove()
         if self.ph is not None:  # every tensor back to its own class (placeholders stay until restored)
             self.ph.release_all(t for ts in self.targets for t in ts)
         self.slots = []

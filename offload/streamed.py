@@ -144,7 +144,7 @@ class StreamedBlocks:
             self._stats_extra.append(self.placement.stats)
         self.codec_planner = None
         if config.weight_codec == "auto":
-            if getattr(self.source, "collective", False):  # DLO AllGather: the ranks plan together
+            if self.source.caps.collective:  # DLO AllGather: the ranks plan together
                 from .auto_codec_gather import GatherAutoCodec as AutoCodec
             else:
                 from .auto_codec import AutoCodec
@@ -230,11 +230,6 @@ class StreamedBlocks:
                 hook.end(exc)
 
     @property
-    def store(self):
-        """The source's host store, where it has one (pinned images, DLO shards)."""
-        return getattr(self.source, "store", None)
-
-    @property
     def usable(self) -> bool:
         return self.executor.failure is None
 
@@ -292,9 +287,7 @@ class StreamedBlocks:
             return [(key, obj.data, new)]
         spec = self.layouts[loc[0]].tensors[loc[1]]
         check_update_value(key, new, spec.shape, spec.dtype)
-        check_write = getattr(self.source, "check_write", None)  # a read-only source refuses here, before any write
-        if check_write is not None:
-            check_write(*loc)
+        self.source.check_write(*loc)  # a read-only source refuses here, before any write
         if self.placement is not None and id(obj) in self.placement.resident_tensors():
             return [(key, loc, new), (key, obj.data, new)]  # resident under auto placement: its device copy too
         return [(key, loc, new)]
@@ -355,8 +348,9 @@ class StreamedBlocks:
             return self._restore()
 
     def _restore(self) -> nn.Module:
+        self.source.check()  # a changed checkpoint refuses before anything is torn down
         self.flush_edits()
-        images = self._images() if self.source.collective else None
+        images = self._images() if self.source.caps.collective else None
         keep = self.placement.resident_tensors() if self.placement is not None else set()
         for h in self._root_hooks:
             h.remove()
@@ -391,9 +385,8 @@ class StreamedBlocks:
                 out[name] = t.detach().to("cpu", copy=True)
                 continue
             if images is None:
-                ready = getattr(self.source, "ready_to_gather", None)
-                if ready is not None:
-                    ready("gather_state_dict()")
+                if self.source.caps.sharded:
+                    self.source.ready_to_gather("gather_state_dict()")
                 images = self._images()
             k, i = loc
             out[name] = self.layouts[k].tensors[i].view_of(images[k]).to("cpu", copy=True)
@@ -406,7 +399,7 @@ class StreamedBlocks:
         holds them: under DLO AllGather a tensor wholly in this rank's share is a
         CPU tensor, any other a :class:`ShardPiece` with the bytes this rank has
         (``merge_shards`` of every rank's result is the full state dict)."""
-        piece = getattr(self.source, "local_piece", None)
+        sharded = self.source.caps.sharded
         out = {}
         # resident tensors are read on a stream of their own: after a timed-out
         # gather the compute stream may wait forever on the stuck collective
@@ -416,8 +409,8 @@ class StreamedBlocks:
                 loc = self._where.get(id(t))
                 if loc is None:
                     out[name] = t.detach().to("cpu", copy=True)
-                elif piece is not None:
-                    out[name] = piece(name, *loc)
+                elif sharded:
+                    out[name] = self.source.local_piece(name, *loc)
                 else:
                     out[name] = self.host_views[id(t)].to("cpu", copy=True)
         return out

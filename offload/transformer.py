@@ -339,7 +339,7 @@ class OffloadedTransformer(nn.Module):
         """Full weights on the CPU. Under DLO AllGather each rank holds a 1/N share,
         so this is a collective (every rank calls it); otherwise it equals state_dict()."""
         self._check_live()
-        return self._streamed.gather_state_dict() if self._streamed.source.collective else self.state_dict()
+        return self._streamed.gather_state_dict() if self._streamed.source.caps.collective else self.state_dict()
 
     def local_state_dict(self) -> dict:
         """This rank's weights with no collective, usable after any DLO failure (DLO
@@ -347,8 +347,7 @@ class OffloadedTransformer(nn.Module):
         ``weightstream.offload.distributed.merge_shards`` of every rank's result is
         the full state dict). Without DLO AllGather: ``state_dict()``."""
         self._check_live()
-        sharded = hasattr(self._streamed.source, "local_piece")
-        return self._streamed.local_state_dict() if sharded else self.state_dict()
+        return self._streamed.local_state_dict() if self._streamed.source.caps.sharded else self.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As ``nn.Module.load_state_dict`` (through :meth:`update_weights`): ``strict=False``

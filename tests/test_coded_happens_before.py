@@ -2,6 +2,7 @@
 the decode stream), checked on the CPU with RecordingStreams and tests/stream_trace.py, as
 tests/test_happens_before.py does for the pinned and DLO sources: every schedule is clean,
 and one-line mutations of CodedSource keep the CPU outputs bit-exact but break the rules."""
+import dataclasses
 import copy
 import warnings
 
@@ -37,6 +38,7 @@ class CodedCase:
             src = coded_source(req)
             src.__class__ = source_cls  # the same object, with the (mutated) methods of source_cls
             src.decode_at, src.decode_stream = decode_at, decode_stream  # before the executor attaches it
+            src.caps = dataclasses.replace(src.caps, writes_at_use=decode_at == "use")
             return src
 
         streamed = cls(model, cfg, DEV, None, source=factory)

@@ -532,7 +532,7 @@ def test_block_loads_split_at_registration_chunks(source, monkeypatch):
     with log:
         case.forward()
         case.forward()
-    store = case.wrapped._streamed.store
+    store = case.wrapped._streamed.source.store
     copies = _arena_copies(log, store._host if source == "dlo" else store)  # DLO: the shard arena
     assert len({k for k, _, _ in copies}) == 7 and any(ln == chunk for _, _, ln in copies)
     assert [c for c in copies if _crosses(c[1], c[2], chunk)] == []

@@ -2,40 +2,32 @@
 
 The executor (:mod:`offload.executor`) owns the ring: the device slots, the copy
 stream, one "loaded" and one "freed" event per slot, the schedule and the
-bindings. A source owns everything between a block's host bytes and its slot:
-host images, pinning, side buffers and side streams, gathers, decodes.
+bindings. A source is a transport: it moves a block's host bytes (from a store
+in :mod:`offload.host`) into its slot, with its side buffers and side streams
+(gathers, the decode stage).
+
+Every source subclasses :class:`WeightSource` and says what differs between
+sources in one frozen :class:`SourceCaps`; the executor, the planners and the
+front ends call the members below and never probe a source for attributes.
+The members with a body are the defaults a source overrides where it differs.
 
 ``load(k, slot, ...)`` is called on the executor's copy stream (the current
 stream; ``None`` streams on the CPU). The copy stream has already waited for
-``freed[slot]`` unless the source set ``waits_for_free`` (then ``after`` is that
-event and the source orders its slot writes after it itself, e.g. the DLO
-source copies its shard ahead and makes only the gather wait). It returns the
-stream on which the slot is complete (the executor records ``loaded[slot]``
-there), or ``None`` on the CPU.
+``freed[slot]`` unless ``waits_for_free_of(k)`` (then ``after`` is that event
+and the source orders its slot writes after it itself, e.g. the DLO source
+copies its shard ahead and makes only the gather wait). It returns the stream
+on which the slot is complete (the executor records ``loaded[slot]`` there), or
+``None`` on the CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..layout import BlockLayout
-
-# Optional hooks (looked up once with getattr; a source defines those it needs):
-#   check()             raise a named error when loads cannot be served (a changed checkpoint);
-#                       called at every step start and before every graph replay
-#   reload()            before the pending slots are re-copied (a ring reset)
-#   host_version()      an int that moves when the host views are edited in place (one read per step)
-#   uncapturable()      why a CUDA graph cannot hold its loads (None: it can)
-#   capture_deferred()  why a capture should wait: the loads are about to change (None: capture now)
-#   check_write(k, i)   refuse an update of tensor i of block k before anything is written
-#   slot_bytes_of(ks)   slot bytes for a ring that streams only blocks ks (auto placement)
-#   link_bytes(k)       bytes block k moves over the link when not its image size (coded images)
-#   remove()            executor teardown: stop threads (close() releases host memory)
-#   local_piece(name, k, i), ready_to_gather(what)   DLO shards: local_state_dict / gather checks
-OPTIONAL_HOOKS = ("check", "reload", "host_version", "uncapturable", "capture_deferred", "check_write",
-                  "slot_bytes_of", "link_bytes", "remove", "local_piece", "ready_to_gather")
 
 # Every source's stats() carries these keys (perf/ and the dashboards read them; no guessing).
 STATS_KEYS = (
@@ -49,21 +41,37 @@ STATS_KEYS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceCaps:
+    """What a transport can do, declared once (read by the executor, the planners and the
+    front ends instead of probing the source)."""
+
+    collective: bool = False  # loads are collectives: every rank issues the same loads in the same order
+    sharded: bool = False  # this rank holds a 1/N share of each block (local_piece, gather_state_dict)
+    read_only: bool = False  # host bytes cannot be written (check_write refuses every update)
+    codes_blocks: bool = False  # code_blocks() can code raw blocks in place (weight_codec='auto')
+    writes_at_use: bool = False  # the slot is written in before_use (a decode issued at use), not by load
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     name: str
     layouts: list[BlockLayout]  # runtime layout of streamed block k (slot views come from it)
     slot_bytes: int  # bytes one device slot needs (a gathered image, a decoded image)
-    collective: bool  # loads are collectives: every rank issues the same loads in the same order
-    waits_for_free: bool  # load() orders its slot writes after ``after`` itself
-    # optional: waits_for_free_of(k) -> bool, the same per block (the executor prefers it)
+    caps: SourceCaps
+    # the executor's EventLog while it records (None otherwise) and its step_of(position):
+    # sources with stages of their own (a gather, a decode) log them as lanes of it
+    event_log: Any = None
+    step_of: Any = None
 
+    # -- the ring -----------------------------------------------------------------------
     def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
         """Allocate per-slot side buffers and side streams (called once by the executor,
         with its copy stream current; ``streams`` is None on the CPU)."""
 
     def side_streams(self) -> list:
         """Streams besides the executor's copy stream that loads issue work on."""
+        return []
 
     def load(self, k: int, slot: int, *, position: int, after, tag) -> Any:
         """Issue the writes of block ``k``'s bytes into ``slots[slot]``; returns the
@@ -75,11 +83,48 @@ class WeightSource(Protocol):
         ``stream`` (the compute stream) current and ordered after the load: a source that
         finishes a load there (a decode issued at use) does it now; others do nothing."""
 
-    def check(self) -> None:
-        """Raise a named error when the source cannot serve loads (a changed checkpoint)."""
+    def waits_for_free_of(self, k: int) -> bool:
+        """Whether ``load(k)`` orders its slot writes after ``after`` itself (False: the
+        executor makes the copy stream wait for the slot's release first)."""
+        return False
 
+    def slot_bytes_of(self, ks) -> int:
+        """Bytes of a slot that holds any of blocks ``ks`` (the blocks a ring streams, in ring
+        order; called right before :meth:`attach`). Default: :attr:`slot_bytes` (every block)."""
+        return self.slot_bytes
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over the host link (the planners' transfer term)."""
+        return self.layouts[k].nbytes
+
+    def check(self) -> None:
+        """Raise a named error when loads cannot be served (a changed checkpoint); called at
+        every step start and before every graph replay."""
+
+    def reload(self) -> None:
+        """Before the pending slots are re-copied (a ring reset, an update)."""
+
+    def host_version(self) -> int:
+        """An int that moves when the host views are edited in place (one read per step)."""
+        return 0
+
+    def uncapturable(self) -> str | None:
+        """Why a CUDA graph cannot hold this source's loads (None: it can)."""
+        return None
+
+    def capture_deferred(self) -> str | None:
+        """Why a capture should wait: the loads are about to change (None: capture now)."""
+        return None
+
+    def remove(self) -> None:
+        """Executor teardown: stop threads (close() releases host memory)."""
+
+    # -- host side ----------------------------------------------------------------------
     def host_views(self) -> Mapping[int, torch.Tensor]:
         """id(streamed tensor object) -> host tensor with its current weights (state_dict)."""
+
+    def check_write(self, k: int, index: int) -> None:
+        """Refuse an update of tensor ``index`` of block ``k`` before anything is written."""
 
     def write(self, k: int, index: int, value: torch.Tensor) -> None:
         """Write tensor ``index`` of block ``k`` (update_weights; callers synchronised first)."""

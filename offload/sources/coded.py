@@ -68,6 +68,7 @@ from ..host_store import PAGE, copy_from_image
 from ..packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..progress import Progress
+from .base import SourceCaps, WeightSource
 from .coded_auto import AutoCoding
 from .codec_names import AUTO, CODEC_LEVELS, CODECS, CodedCaptureStaleError, codec_levels, module_codec  # noqa: F401
 from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
@@ -171,17 +172,15 @@ class _HostViews(MutableMapping):
         self._all = {}
 
 
-class CodedSource(AutoCoding):
+class CodedSource(AutoCoding, WeightSource):
     """Lossless coded block images in pinned host memory; H2D of the coded bytes on the copy
     stream and a Triton decode into the slot on the decode stream (see the module docstring)."""
 
     name_suffix = ""  # the source's name: "coded-" + its codec + this
-    collective = False
     # the coded H2D runs ahead of the slot's release (its own buffer); only the decode into the
     # slot waits for ``after`` (the slot-free event). Measured on flux-12b-1024 it changed nothing
     # (319.6 ms at 3a79e14, 320.4 after, c99ccf1): the copy lane was already busy the whole step
     # (trace at 9aef8fd), its coded copies moving 53 GB/s; kept as the looser correct order
-    waits_for_free = True
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
@@ -198,6 +197,7 @@ class CodedSource(AutoCoding):
         if decode_at not in DECODE_AT:
             raise ValueError(f"decode_at={decode_at!r} is not allowed; choose from: {', '.join(DECODE_AT)}")
         self.decode_at = decode_at
+        self.caps = SourceCaps(codes_blocks=True, writes_at_use=decode_at == "use")
         self.levels = None if codec == AUTO else codec_levels(codec)
         self.codec, self.name = codec, f"coded-{codec}{self.name_suffix}"
         self.raw = [codec == AUTO] * len(layouts)  # block k stored as its plain image (weight_codec="auto")
@@ -455,7 +455,7 @@ class CodedSource(AutoCoding):
         if self._dstream is not None and self._read_tag[slot] == tag:
             cs.wait_stream(self._dstream)  # a skipped coded block's decode may still write the slot
         copy_from_image(dst[:n], src[:n])  # after the slot's release: the executor waited (waits_for_free_of)
-        if self.writes_at_use:  # the executor notes no load-time write for this source: noted here
+        if self.caps.writes_at_use:  # the executor notes no load-time write for this source: noted here
             st.access("write", slot, self.layouts[k].index)
         return cs
 
@@ -472,11 +472,6 @@ class CodedSource(AutoCoding):
         self._copied[slot].record(cs)
         self._copied_tag[slot], self._free[slot] = tag, after
         return cs
-
-    @property
-    def writes_at_use(self) -> bool:
-        """The slot is written at :meth:`before_use`, not by the load (the executor notes no write then)."""
-        return self.decode_at == "use" and self._streams is not None
 
     def before_use(self, k: int, slot: int, stream, tag=None) -> None:
         """decode_at="use": decode block ``k`` from the slot's coded buffer into ``slots[slot]``;

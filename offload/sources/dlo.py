@@ -32,6 +32,7 @@ from ..event_log import _Record
 from ..dlo_topology import shard_size
 from ..host_store import HostStore, copy_from_image
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec
+from .base import SourceCaps, WeightSource
 from .pinned import SourceRequest, drop_storage
 
 
@@ -169,14 +170,11 @@ def _all_gather_tensor_fn():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardSource:
+class ShardSource(WeightSource):
     """DLO AllGather: this rank's shard over H2D, then an all-gather into the block slot."""
 
     name = "dlo-allgather"
-    collective = True
-    waits_for_free = True  # the shard's H2D runs ahead; only the gather waits for the slot
-    event_log = None  # the executor's EventLog while it records: gathers are its "gather" lane
-    step_of = None
+    caps = SourceCaps(collective=True, sharded=True)
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
@@ -235,8 +233,9 @@ class ShardSource:
     def side_streams(self) -> list:
         return [self.comm_stream] if self.streams is not None else []
 
-    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
-        """Nothing to do: a load is complete when the stream it returned is."""
+    def waits_for_free_of(self, k: int) -> bool:
+        """The shard's H2D runs ahead into its own buffer; only the gather waits for the slot."""
+        return True
 
     @staticmethod
     def gather_mode(dlo, timeout_s: float, device: torch.device) -> str:

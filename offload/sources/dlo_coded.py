@@ -51,6 +51,7 @@ from ..dlo_control import CodedPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
 from ..progress import Progress
+from .base import SourceCaps
 from .codec_names import AUTO
 from .coded import CodedCaptureStaleError, codec_levels
 from .coded_auto import SAMPLE_BYTES, checked_blocks, sample_coded
@@ -181,6 +182,7 @@ class CodedShardSource(ShardSource):
     """DLO AllGather of coded shards, decoded into the slot after the gather (module docstring)."""
 
     name = "dlo-allgather-coded"
+    caps = SourceCaps(collective=True, sharded=True, codes_blocks=True)
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):

@@ -32,6 +32,7 @@ from ..layout import BlockLayout
 from ..packing import pack_blocks
 from ..schedule import Schedule
 from ..staging import Stager, check_threads
+from .base import SourceCaps, WeightSource
 
 # staged blocks of at least this many bytes are packed over the CopyPool's threads
 POOL_MIN_BYTES = 8 << 20
@@ -68,12 +69,11 @@ def drop_storage(tensors, device: torch.device) -> None:
         t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
 
 
-class PinnedSource:
+class PinnedSource(WeightSource):
     """Block images in one (pinned) host arena; one H2D copy per load."""
 
     name = "pinned"
-    collective = False
-    waits_for_free = False
+    caps = SourceCaps()
     pool_min_bytes = POOL_MIN_BYTES  # staged images this large pack over the CopyPool's threads
 
     def __init__(self, req: SourceRequest, *, stage: bool | None = None, staging_threads: int | None = None):
@@ -139,12 +139,6 @@ class PinnedSource:
     def packer(self) -> "_Packer":
         """The stager's pack function (runs on its threads)."""
         return _Packer(self.store, self.pool_min_bytes, self._packed_version)
-
-    def side_streams(self) -> list:
-        return []
-
-    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
-        """Nothing to do: a load is complete when the stream it returned is."""
 
     def load(self, k: int, slot: int, *, position: int, after, tag):
         if self.staged[k]:
