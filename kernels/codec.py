@@ -216,6 +216,13 @@ def _level2_symbols(buf: torch.Tensor, head: CodedHeader, escapes: int) -> torch
     return sym
 
 
+def decode_any(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
+    """The decode a source runs: the Triton kernel on CUDA, the plain-torch reference on the
+    CPU (same bytes; the kernel itself is tested against the reference under
+    ``TRITON_INTERPRET=1`` in tests/kernels). Returns the decoded bytes written."""
+    return decode(src, dst, table) if dst.device.type == "cuda" else decode_torch(src, dst, table)
+
+
 def decode_torch(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
     """Plain-torch reference of `decode` (same checks, same bytes); any device."""
     _check_buffers(src, dst, table)

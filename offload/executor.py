@@ -262,8 +262,8 @@ class LayerwiseExecutor:
         try:
             self._issue_load(load, wait_free)
         except BaseException as e:  # a KeyboardInterrupt too: the load it cut short is never issued
-            self.guard.mark_failed(f"{type(e).__name__}: {e} (loading block {self.blocks[load.block].name!r}, "
-                                   f"step {self.schedule.step_of(load.position)})")
+            self.guard.mark_failed(f"{type(e).__name__}: {e} (the load of block {self.blocks[load.block].name!r} "
+                                   f"was cut short, step {self.schedule.step_of(load.position)})")
             raise
 
     def _issue_load(self, load: Load, wait_free: bool) -> None:

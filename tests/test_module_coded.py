@@ -12,7 +12,6 @@ cover the plain-torch reference decode too.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -37,13 +36,10 @@ def _versions(handle) -> set[int]:
     return {seg.header.version for t in handle.coded.tables for seg in t.segments}
 
 
-@pytest.fixture(params=["triton-interpret", "torch"])
-def decoder(request, monkeypatch):
-    """Which CPU decode runs: the Triton kernel (interpreted) or decode_torch."""
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.fail("the interpreted decode needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+@pytest.fixture(params=["torch"])
+def decoder(request):
+    """The CPU decode (decode_torch: sources decode with the Triton kernel on CUDA only; the
+    kernel is tested against the reference in tests/kernels)."""
     return request.param
 
 

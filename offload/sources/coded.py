@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import mmap
-import os
 import time
 import warnings
 import weakref
@@ -61,7 +60,7 @@ from collections.abc import Mapping, MutableMapping
 import torch
 
 from ...kernels._buffers import canonical_device
-from ...kernels.codec import decode, decode_torch
+from ...kernels.codec import decode_any
 from ...kernels.codec_format import DecodeTable
 from ..host_memory import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
 from ..host_store import PAGE, copy_from_image
@@ -531,12 +530,9 @@ class CodedSource(AutoCoding, WeightSource):
 
     @staticmethod
     def decode_table(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
-        """One decode launch of ``table`` (Triton on CUDA or under TRITON_INTERPRET=1, else
-        the plain-torch reference), on the current stream."""
-        if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            decode(src, dst, table)
-        else:
-            decode_torch(src, dst, table)
+        """One decode launch of ``table`` (Triton on CUDA, the plain-torch reference on the
+        CPU), on the current stream."""
+        decode_any(src, dst, table)
 
     def runs(self, k: int, run_bytes: int) -> list[tuple[int, int, DecodeTable]]:
         """Block ``k``'s coded bytes cut between tensors into runs of about ``run_bytes`` (one

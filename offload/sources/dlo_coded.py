@@ -41,12 +41,12 @@ decodes them into the full state dict (no collective).
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import torch
 
-from ...kernels.codec import DecodeTable, decode, decode_torch
+from ...kernels.codec import decode_any
+from ...kernels.codec_format import DecodeTable
 from ..dlo_control import CodedPiece, merge_shards
 from ..dlo_topology import shard_size
 from ..layout import BlockLayout, TensorSpec
@@ -65,11 +65,8 @@ _NO_DECODE = object()  # a coded buffer's decode tag before its first decode (no
 
 
 def decode_into(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> None:
-    """One decode launch (CUDA, or CPU under TRITON_INTERPRET=1); the torch reference elsewhere on the CPU."""
-    if dst.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        decode(src, dst, table)
-    else:
-        decode_torch(src, dst, table)
+    """One decode launch (Triton on CUDA, the torch reference on the CPU)."""
+    decode_any(src, dst, table)
 
 
 def _joined(blobs: list[torch.Tensor]) -> torch.Tensor:

@@ -70,7 +70,6 @@ and the registration of checkpoint pages in :mod:`.mmap_plans`.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -141,8 +140,7 @@ class MmapSource(WeightSource):
         for p in direct:
             if p.table is not None:
                 p.table.upload(self.device)
-        use_kernel = self.cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        self._materialise = materialise if use_kernel else materialise_torch
+        self._materialise = materialise if self.cuda else materialise_torch  # the kernel is tested in tests/kernels
         # _copies[k][s]: (destination view, source view) pairs of direct block k into slot s
         self._copies = [self._pairs(p) if p.direct else None for p in self.plans]
         if self.stager is not None:  # attached again (a rebuilt ring): the old packer goes first
