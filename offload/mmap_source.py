@@ -6,19 +6,11 @@ registration planners (:mod:`.host_memory`) and the copy plans (:mod:`.sources.m
 """
 from __future__ import annotations
 
-from .checkpoint import (  # noqa: F401  (re-exported: the mmap source's public names)
-    DIFFUSERS_WEIGHTS, KERNEL_TRANSFORMS, Checkpoint, CheckpointChangedError, CheckpointFormatError, CkptTensor,
-    FileWatch, SafetensorsFile, TensorBinding, WeightsSource, apply_transform, as_sources, bind_checkpoint,
-    changed_message, check_opt_in, host_tensor, meta_from_pretrained, on_meta,
-)
-from .host_memory import (  # noqa: F401  (re-exported)
-    HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, direct_after_registration, plan_registration,
-)
+from weightstream.offload.host.checkpoint import DIFFUSERS_WEIGHTS, KERNEL_TRANSFORMS, Checkpoint, CheckpointChangedError, CheckpointFormatError, CkptTensor, FileWatch, SafetensorsFile, TensorBinding, WeightsSource, apply_transform, as_sources, bind_checkpoint, changed_message, check_opt_in, host_tensor, meta_from_pretrained, on_meta
+from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, REGISTER_CHUNK, direct_after_registration, plan_registration
 from .sources.mmap import CheckpointPages, MmapSource, mmap_streamed_blocks, offload_from_safetensors  # noqa: F401
 from .sources.mmap_coded import SIDECAR_MODES, CodedSidecarError, MmapCodedSource  # noqa: F401
-from .sources.mmap_plans import (  # noqa: F401
-    COPY_PATHS, BlockPlan, Run, build_plan, file_ordered_layout, merge_runs, split_run,
-)
+from weightstream.offload.host.copy_plans import COPY_PATHS, BlockPlan, Run, build_plan, file_ordered_layout, merge_runs, split_run
 
 __all__ = [
     "WeightsSource",

@@ -137,7 +137,7 @@ class StreamedBlocks:
         self._stats_extra: list = []
         self.placement = None
         if self.auto:
-            from .auto_placement import AutoPlacement
+            from weightstream.offload.plan.auto_placement import AutoPlacement
 
             self.placement = AutoPlacement(self)
             self._root_hooks.append(self.placement)
@@ -145,9 +145,9 @@ class StreamedBlocks:
         self.codec_planner = None
         if config.weight_codec == "auto":
             if self.source.caps.collective:  # DLO AllGather: the ranks plan together
-                from .auto_codec_gather import GatherAutoCodec as AutoCodec
+                from weightstream.offload.plan.auto_codec_gather import GatherAutoCodec as AutoCodec
             else:
-                from .auto_codec import AutoCodec
+                from weightstream.offload.plan.auto_codec import AutoCodec
 
             self.codec_planner = AutoCodec(self)
             self._root_hooks.append(self.codec_planner)

@@ -124,7 +124,7 @@ def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k"
 
 
 def usable_cores() -> int:
-    from weightstream.offload.sources.coded_encode import encode_workers
+    from weightstream.offload.host.encode import encode_workers
 
     return encode_workers()
 
@@ -150,7 +150,7 @@ def build_figures(tensors, blocks: int, workers: list[int], reps: int = 1) -> di
     """Build-path encode rates (modes ``triton-build-w<W>`` and ``triton-build-source``), each the
     median of ``reps`` runs; every run's coded bytes are checked equal to the first run's."""
     from weightstream.offload.sources.coded import CodedSource
-    from weightstream.offload.sources.coded_encode import encoded_in_order
+    from weightstream.offload.host.encode import encoded_in_order
 
     layouts, objs = _build_blocks(tensors, blocks)
     raw = blocks * sum(t.numel() * t.element_size() for t in tensors)

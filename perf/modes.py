@@ -330,7 +330,7 @@ def staging_figures(stats: dict) -> dict:
 def half_pinned_budget_gb(model: nn.Module) -> float:
     """Half the host bytes of the model's streamed block images (page-aligned, as the host store lays them out)."""
     from weightstream.offload.discovery import discover_blocks
-    from weightstream.offload.host_store import PAGE
+    from weightstream.offload.host.arena import PAGE
     from weightstream.offload.layout import align_up, block_tensors, build_layout
 
     total = sum(align_up(build_layout(b.index, b.name, block_tensors(b.module)).nbytes, PAGE)

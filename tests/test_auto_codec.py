@@ -351,7 +351,7 @@ def test_background_coding_keeps_edits_made_while_it_runs():
 
 
 def test_a_failed_background_job_leaves_blocks_raw_with_a_warning(monkeypatch):
-    import weightstream.offload.sources.coded_background as bg  # noqa: PLC0415
+    import weightstream.offload.host.background as bg  # noqa: PLC0415
 
     def broken(*a, **kw):
         raise OSError("injected: no memory for the encoder")
@@ -390,7 +390,7 @@ def test_a_plan_adds_to_blocks_coded_before_with_their_codec():
 def test_a_background_job_waits_while_its_blocks_are_not_taken(monkeypatch):
     """No step comes: the job prepares at most MAX_WAITING blocks and waits (host memory stays
     bounded); the next steps swap them in and let it go on; the raw regions go back to the OS."""
-    import weightstream.offload.sources.coded_background as bg  # noqa: PLC0415
+    import weightstream.offload.host.background as bg  # noqa: PLC0415
 
     monkeypatch.setattr(bg, "MAX_WAITING", 1)
     model, ref, x = _wide("toy")
@@ -420,7 +420,7 @@ def test_a_sampled_block_estimates_its_coded_bytes(monkeypatch, fill):
     """sample() of a block larger than max_bytes encodes every m-th run of each tensor: its
     estimate of the block's coded bytes is within 2% of the whole block's, and the sample itself
     decodes to the sampled elements bit for bit."""
-    import weightstream.offload.sources.coded_auto as ca  # noqa: PLC0415
+    import weightstream.offload.host.recode as ca  # noqa: PLC0415
 
     monkeypatch.setattr(ca, "SAMPLE_RUN", 4096)
     model, _, _ = _wide("wan")
@@ -455,7 +455,7 @@ def test_a_block_the_job_cannot_pin_streams_pageable_with_a_warning(monkeypatch)
     says why CUDA graphs could not hold its loads."""
     import threading  # noqa: PLC0415
 
-    import weightstream.offload.host_memory as hm  # noqa: PLC0415
+    import weightstream.offload.host.registration as hm  # noqa: PLC0415
 
     real = hm._cuda_register
 
@@ -485,7 +485,7 @@ def test_a_raw_region_not_given_back_is_named_and_teardown_goes_on(monkeypatch):
     disable() hands back every weight bit for bit."""
     import threading  # noqa: PLC0415
 
-    import weightstream.offload.host_memory as hm  # noqa: PLC0415
+    import weightstream.offload.host.registration as hm  # noqa: PLC0415
 
     real = hm.BlockRegistration.release
 

@@ -397,7 +397,7 @@ def test_auto_placement_rebuilds_the_ring_over_staged_blocks(name, resident):
 
 
 # -- which blocks a pinned budget pins (pure) --------------------------------------------------
-from weightstream.offload.host_store import spread_pins  # noqa: E402
+from weightstream.offload.host.arena import spread_pins  # noqa: E402
 
 
 @pytest.mark.parametrize("sizes", [[4] * 10, [4] * 9, [8] * 19 + [3] * 38, [1, 9, 2, 8, 3, 7, 4, 6, 5], [5]])

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from weightstream.offload import planner
-from weightstream.offload.codec_plan import (DECODE_ON, CodecOption, CodecPlanInputs, plan_codec, predict_ms)
+from weightstream.offload.plan import placement as planner
+from weightstream.offload.plan.codec import (DECODE_ON, CodecOption, CodecPlanInputs, plan_codec, predict_ms)
 from weightstream.offload.config import ConfigTypeError
 
 GB = 10**9

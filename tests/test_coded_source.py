@@ -16,7 +16,7 @@ from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.fills import fill
 from weightstream.models import tiny_flux, tiny_wan
 from weightstream.offload.discovery import discover_blocks
-from weightstream.offload.host_store import HostStore
+from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.sources.base import STATS_KEYS, check_stats
 from weightstream.offload.sources.coded import CodedCaptureStaleError, CodedSource, check_codec_supported
@@ -429,7 +429,7 @@ def _big_blocks(n=5, seed=0):
 def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
     """Coded images are the same bytes whatever the worker count and intra-op threads."""
     from weightstream.offload.sources.coded import CODEC_LEVELS
-    from weightstream.offload.sources.coded_encode import encoded_in_order
+    from weightstream.offload.host.encode import encoded_in_order
 
     tensors, layouts = _big_blocks()
     objs = [[t for _, _, t in ts] for ts in tensors]
@@ -458,7 +458,7 @@ def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
 
 
 def test_build_runs_one_intra_op_thread_per_worker_and_restores():
-    from weightstream.offload.sources.coded_encode import encode_workers, in_order
+    from weightstream.offload.host.encode import encode_workers, in_order
 
     outer = torch.get_num_threads()
     torch.set_num_threads(3)  # not 1, whatever the machine: a restore must show
@@ -500,7 +500,7 @@ def _check_threads_restored(in_order, before):
 def test_tensor_parallel_encode_gives_the_same_bytes(levels):
     """Few large blocks (module offload's components) encode their tensors on worker threads:
     the region and the decode table equal the one-thread-per-block encoder's."""
-    from weightstream.offload.sources.coded_encode import _capacity, encode_into, encode_tensors_into
+    from weightstream.offload.host.encode import _capacity, encode_into, encode_tensors_into
 
     tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
     for lay, ts in zip(layouts, tensors):
@@ -517,7 +517,7 @@ def test_tensor_parallel_encode_gives_the_same_bytes(levels):
 def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
     """Fewer blocks than encode workers (one here, on any machine with 2+ cores) take the
     tensor-parallel encoder inside CodedSource: the stored image decodes bit for bit."""
-    from weightstream.offload.sources.coded_encode import encode_workers
+    from weightstream.offload.host.encode import encode_workers
 
     tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
     raw = _raw_images(tensors[:1], layouts[:1])

@@ -28,7 +28,7 @@ from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload import distributed as dlo
 from weightstream.offload.distributed import ParallelConfig, resolve_transfer, shard_size, validate_wave
-from weightstream.offload.host_store import PAGE
+from weightstream.offload.host.arena import PAGE
 from weightstream.offload.layout import TENSOR_ALIGN
 
 PRELOAD = [

@@ -20,8 +20,8 @@ from weightstream.models import ToyDiT
 from weightstream.offload.config import (MAX_BUDGET_GB, MAX_INT, MAX_TIMEOUT_S, MIN_BUDGET_GB, MIN_TIMEOUT_S,
                                          ConfigTypeError)
 from weightstream.offload.discovery import discover_blocks
-from weightstream.offload.host_memory import _cuda_register, _cuda_unregister, empty_host, map_anonymous
-from weightstream.offload.host_store import HostStore
+from weightstream.offload.host.registration import _cuda_register, _cuda_unregister, empty_host, map_anonymous
+from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.progress import Progress, format_bytes
 

@@ -25,7 +25,7 @@ from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
 from weightstream.offload.sources.dlo import ShardSource
 from weightstream.offload.executor import LayerwiseExecutor
-from weightstream.offload.host_store import PAGE, REGISTER_CHUNK, HostStore, copy_from_image
+from weightstream.offload.host.arena import PAGE, REGISTER_CHUNK, HostStore, copy_from_image
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.schedule import Schedule
 from weightstream.offload.streams import CudaStreams, RecordingStreams, default_streams, resolve_streams
@@ -523,7 +523,7 @@ def test_block_loads_split_at_registration_chunks(source, monkeypatch):
     """Each block load from the host arena (executor and DLO shard copies) is
     cut where the block's registrations meet (chunks counted from the image
     start), checked on the copies themselves, not on outputs."""
-    from weightstream.offload import host_store
+    from weightstream.offload.host import arena as host_store
 
     chunk = 1000  # a tiny chunk (not a multiple of 512) so the toy blocks span several
     monkeypatch.setattr(host_store, "REGISTER_CHUNK", chunk)
@@ -566,7 +566,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
     from safetensors.torch import save_file
 
     from weightstream.offload import mmap_source as ms
-    from weightstream.offload.sources import mmap_plans
+    from weightstream.offload.host import copy_plans as mmap_plans
 
     class MmapToy(ToyDiT):
         _supports_mmap_loading = True

@@ -277,7 +277,7 @@ def test_bad_device_and_module():
 
 
 def test_failed_setup_loses_nothing(monkeypatch):
-    from weightstream.offload import host_store
+    from weightstream.offload.host import arena as host_store
 
     model, ref, x = build("toy", DEV)
     calls = {"n": 0}
@@ -300,7 +300,7 @@ def test_failed_setup_loses_nothing(monkeypatch):
 def test_copies_split_at_registration_chunks(monkeypatch):
     """Block copies and disable() split at REGISTER_CHUNK boundaries (CUDA rejects a
     copy whose source spans two registrations); a tiny chunk forces the split path."""
-    from weightstream.offload import host_store
+    from weightstream.offload.host import arena as host_store
 
     monkeypatch.setattr(host_store, "REGISTER_CHUNK", 1000)
     wrapped, ref, x = check_equal_outputs("toy", DEV)

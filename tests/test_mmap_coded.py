@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import weightstream.offload.sources.coded_encode as coded_mod
+import weightstream.offload.host.encode as coded_mod
 from weightstream import OffloadConfig
 from weightstream.kernels.codec_format import HEADER_BYTES
 from weightstream.offload.mmap_source import (

@@ -10,7 +10,7 @@ from torch import nn
 
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
-from weightstream.offload.host_store import PAGE
+from weightstream.offload.host.arena import PAGE
 from weightstream.offload.mmap_source import (
     Checkpoint,
     WeightsSource,

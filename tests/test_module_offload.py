@@ -526,7 +526,7 @@ def test_copies_split_at_registration_chunks(monkeypatch, toy):
     """Copies from the host image are split at REGISTER_CHUNK boundaries (CUDA
     rejects a copy spanning two registrations); with a tiny chunk every
     arrival and disable() goes through the split path."""
-    import weightstream.offload.host_store as host_store
+    import weightstream.offload.host.arena as host_store
 
     monkeypatch.setattr(host_store, "REGISTER_CHUNK", 1000)  # not a multiple of 512 on purpose
     pipe, inputs, expected = toy

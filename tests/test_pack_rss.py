@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightstream.offload.host_store import HostStore
+from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
-from weightstream.offload.packing import ahead_bytes, pack_blocks
+from weightstream.offload.host.packing import ahead_bytes, pack_blocks
 from weightstream.offload.streamed import drop_storage
 from weightstream.models import ToyDiT
 
@@ -64,7 +64,7 @@ CHILD_CODED = CHILD.split("wrapped = ")[0] + r"""
 from weightstream.offload.discovery import discover_blocks
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.sources.coded import CodedSource
-from weightstream.offload.sources.coded_encode import encode_workers
+from weightstream.offload.host.encode import encode_workers
 blocks = discover_blocks(model, None)
 tensors = [[t for _, _, t in block_tensors(b.module)] for b in blocks]
 layouts = [build_layout(b.index, b.name, block_tensors(b.module)) for b in blocks]

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from weightstream.offload.staging import PIECE_MAX, PIECE_MIN, CopyPool, check_threads, default_threads
+from weightstream.offload.host.staging import PIECE_MAX, PIECE_MIN, CopyPool, check_threads, default_threads
 
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, toy_inputs
-from weightstream.offload.host_store import PAGE
+from weightstream.offload.host.arena import PAGE
 from weightstream.offload.mmap_source import (
     CheckpointChangedError,
     direct_after_registration,

@@ -32,7 +32,7 @@ _EXPORTS = {
     "ParallelConfig": "weightstream.offload.distributed",
     "validate_wave": "weightstream.offload.distributed",
     "offload_from_safetensors": "weightstream.offload.mmap_source",
-    "CheckpointFormatError": "weightstream.offload.checkpoint",
+    "CheckpointFormatError": "weightstream.offload.host.checkpoint",
     # named misuse errors
     "OffloadMisuseError": "weightstream.offload.misuse",
     "WeightUpdateError": "weightstream.offload.misuse",

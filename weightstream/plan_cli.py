@@ -178,7 +178,7 @@ def parse_compute_ms(text: str, num_blocks: int) -> tuple[float, ...]:
 
 
 def run(args) -> int:
-    from weightstream.offload.planner import PlanInputs, _ms, _size, evaluate, plan
+    from weightstream.offload.plan.placement import PlanInputs, _ms, _size, evaluate, plan
 
     name = resolve_name(args.model)
     given = args.compute_ms is not None

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..host_memory import empty_host
-from ..host_store import HostStore, copy_from_image
+from weightstream.offload.host.registration import empty_host
+from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..progress import Progress
 from ..sources.coded import CodedSource, module_codec
 from ..sources.pinned import drop_storage

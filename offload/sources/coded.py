@@ -62,16 +62,15 @@ import torch
 from ...kernels._buffers import canonical_device
 from ...kernels.codec import decode_any
 from ...kernels.codec_format import DecodeTable
-from ..host_memory import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
-from ..host_store import PAGE, copy_from_image
-from ..packing import malloc_trim
+from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
+from weightstream.offload.host.arena import PAGE, copy_from_image
+from weightstream.offload.host.packing import malloc_trim
 from ..layout import BlockLayout, align_up
 from ..progress import Progress
 from .base import SourceCaps, WeightSource
-from .coded_auto import AutoCoding
+from weightstream.offload.host.recode import AutoCoding
 from .codec_names import AUTO, CODEC_LEVELS, CODECS, CodedCaptureStaleError, codec_levels, module_codec  # noqa: F401
-from .coded_encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers,
-                           encoded_in_order, in_order)
+from weightstream.offload.host.encode import _ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers, encoded_in_order, in_order
 
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
            "CODEC_LEVELS", "codec_levels", "decode_placement", "module_codec", "AUTO"]

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ..dlo_control import ShardPiece, bounded_wait
+from weightstream.offload.dlo.control import ShardPiece, bounded_wait
 from ..event_log import _Record
-from ..dlo_topology import shard_size
-from ..host_store import HostStore, copy_from_image
+from weightstream.offload.dlo.topology import shard_size
+from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec
 from .base import SourceCaps, WeightSource
 from .pinned import SourceRequest, drop_storage

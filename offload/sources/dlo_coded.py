@@ -47,15 +47,15 @@ import torch
 
 from ...kernels.codec import decode_any
 from ...kernels.codec_format import DecodeTable
-from ..dlo_control import CodedPiece, merge_shards
-from ..dlo_topology import shard_size
+from weightstream.offload.dlo.control import CodedPiece, merge_shards
+from weightstream.offload.dlo.topology import shard_size
 from ..layout import BlockLayout, TensorSpec
 from ..progress import Progress
 from .base import SourceCaps
 from .codec_names import AUTO
 from .coded import CodedCaptureStaleError, codec_levels
-from .coded_auto import SAMPLE_BYTES, checked_blocks, sample_coded
-from .coded_encode import _slack, encode_image, encoded_in_order
+from weightstream.offload.host.recode import SAMPLE_BYTES, checked_blocks, sample_coded
+from weightstream.offload.host.encode import _slack, encode_image, encoded_in_order
 from .dlo import ShardedHostViews, ShardSource, write_share
 from .pinned import SourceRequest, drop_storage
 

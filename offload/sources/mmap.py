@@ -80,22 +80,16 @@ from torch import nn
 
 from weightstream.kernels.materialise import materialise, materialise_torch
 
-from ..checkpoint import (
-    Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _listing, _named_tensors, as_sources,
-    bind_checkpoint, check_opt_in, host_tensor,
-)
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _listing, _named_tensors, as_sources, bind_checkpoint, check_opt_in, host_tensor
 from ..config import OffloadConfig
 from ..discovery import OffloadPlan
-from ..host_store import copy_from_image
+from weightstream.offload.host.arena import copy_from_image
 from ..misuse import WeightUpdateError
-from ..staging import Stager, StagingError, check_threads
+from weightstream.offload.host.staging import Stager, StagingError, check_threads
 from ..streamed import StreamedBlocks, resolve_device
 from .base import SourceCaps, WeightSource
 from .mmap_coded import check_sidecar_mode, mmap_coded_source
-from .mmap_plans import (
-    COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block,
-    split_run,
-)
+from weightstream.offload.host.copy_plans import COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block, split_run
 
 
 class MmapSource(WeightSource):

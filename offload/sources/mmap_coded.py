@@ -71,14 +71,12 @@ import torch
 
 from weightstream.kernels.codec_format import DEFAULT_TILE, PATCHED, VERSION, VERSION2, VERSION3, DecodeTable
 
-from ..checkpoint import (
-    Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, _give_data, changed_message, host_tensor,
-)
-from ..host_store import PAGE
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, _give_data, changed_message, host_tensor
+from weightstream.offload.host.arena import PAGE
 from ..layout import BlockLayout, align_up
 from .coded import CODECS, CodedRegion, CodedSource, codec_levels, decode_placement
-from .coded_encode import _capacity, decode_paths, encode_image, in_order
-from .mmap_plans import build_plan, file_keys, file_ordered_layout
+from weightstream.offload.host.encode import _capacity, decode_paths, encode_image, in_order
+from weightstream.offload.host.copy_plans import build_plan, file_keys, file_ordered_layout
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
 SIDECAR_DIR = ".weightstream-coded"

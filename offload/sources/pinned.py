@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ..discovery import Block
-from ..host_store import HostStore, copy_from_image
+from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..layout import BlockLayout
-from ..packing import pack_blocks
+from weightstream.offload.host.packing import pack_blocks
 from ..schedule import Schedule
-from ..staging import Stager, check_threads
+from weightstream.offload.host.staging import Stager, check_threads
 from .base import SourceCaps, WeightSource
 
 # staged blocks of at least this many bytes are packed over the CopyPool's threads

@@ -383,7 +383,7 @@ def test_reencode_in_place_into_another_version_decodes_with_the_source_paths(co
     paths (`coded_encode.decode_paths`) decodes the new records; one compiled for the old tensors only
     (no patch loop / no level-2 code) would not."""
     from weightstream.offload.sources.codec_names import codec_levels
-    from weightstream.offload.sources.coded_encode import decode_paths
+    from weightstream.offload.host.encode import decode_paths
 
     levels = codec_levels(codec)
     gen = torch.Generator().manual_seed(31)
@@ -417,7 +417,7 @@ def test_gpu_graph_replays_a_table_reencoded_into_another_version(codec):
     tensors with the source's paths, re-encode into another version at the same offsets, update the
     device table in place, replay: the new weights, bit for bit."""
     from weightstream.offload.sources.codec_names import codec_levels
-    from weightstream.offload.sources.coded_encode import decode_paths
+    from weightstream.offload.host.encode import decode_paths
 
     _gpu_ok()
     levels = codec_levels(codec)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .progress import Progress
+from weightstream.offload.progress import Progress
 
 # bytes packed but not yet dropped, as a fraction of the store (at least one block)
 AHEAD_FRACTION = 0.05

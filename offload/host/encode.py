@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...kernels.codec_encode import encode
-from ...kernels.codec_format import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, read_header
-from ..host_store import PAGE
-from ..layout import BlockLayout, TensorSpec, align_up
+from weightstream.kernels.codec_encode import encode
+from weightstream.kernels.codec_format import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, read_header
+from weightstream.offload.host.arena import PAGE
+from weightstream.offload.layout import BlockLayout, TensorSpec, align_up
 
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)

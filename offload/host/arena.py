@@ -18,9 +18,9 @@ import weakref
 
 import torch
 
-from .host_memory import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration, map_anonymous  # noqa: F401
-from .layout import BlockLayout, align_up
-from .progress import Progress, format_bytes  # noqa: F401  (Progress re-exported: callers import it from here)
+from weightstream.offload.host.registration import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration, map_anonymous  # noqa: F401
+from weightstream.offload.layout import BlockLayout, align_up
+from weightstream.offload.progress import Progress, format_bytes  # noqa: F401  (Progress re-exported: callers import it from here)
 
 PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
 

@@ -18,14 +18,12 @@ import torch
 
 from weightstream.kernels.materialise import SegmentTable, materialise_torch
 
-from ..checkpoint import Checkpoint, TensorBinding, apply_transform
-from ..config import OffloadConfig
-from ..host_memory import (
-    HOST_REGISTER_READ_ONLY, _cuda_register, _pages, _Registration, direct_after_registration, plan_registration,
-)
-from ..host_store import PAGE
-from ..layout import TENSOR_ALIGN, BlockLayout, align_up
-from ..progress import Progress
+from weightstream.offload.host.checkpoint import Checkpoint, TensorBinding, apply_transform
+from weightstream.offload.config import OffloadConfig
+from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, _cuda_register, _pages, _Registration, direct_after_registration, plan_registration
+from weightstream.offload.host.arena import PAGE
+from weightstream.offload.layout import TENSOR_ALIGN, BlockLayout, align_up
+from weightstream.offload.progress import Progress
 
 COPY_PATHS = ("auto", "direct", "staging")
 

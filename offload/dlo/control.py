@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import OffloadConfig
-from .dlo_topology import DLOPlan, ParallelConfig, resolve_transfer, _resolve_group  # noqa: F401
-from ..kernels.codec import decode_tensor
-from .layout import BlockLayout, TensorSpec
+from weightstream.offload.config import OffloadConfig
+from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, resolve_transfer, _resolve_group  # noqa: F401
+from weightstream.kernels.codec import decode_tensor
+from weightstream.offload.layout import BlockLayout, TensorSpec
 
 # Request arguments that change what the transformer computes per step (shapes,
 # CFG on/off, batch), compared across a DP wave by validate_wave.

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import OffloadConfig
-from .layout import TENSOR_ALIGN, align_up
+from weightstream.offload.config import OffloadConfig
+from weightstream.offload.layout import TENSOR_ALIGN, align_up
 
 _DIMS = ("dp", "sp", "tp", "hsdp")
 

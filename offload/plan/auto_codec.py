@@ -25,16 +25,16 @@ import time
 
 import torch
 
-from . import planner
-from .auto_placement import signature
-from .hooks import RemovableHooks
-from .progress import announce
-from .streamed import _all_tensors, tensor_bytes
-from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
-from .layout import align_up
-from .sources.codec_names import AUTO_CODECS
-from .sources.coded import CODECS, CodedSource
-from .sources.coded_encode import _ALIGN, _slack
+from weightstream.offload.plan import placement as planner
+from weightstream.offload.plan.auto_placement import signature
+from weightstream.offload.hooks import RemovableHooks
+from weightstream.offload.progress import announce
+from weightstream.offload.streamed import _all_tensors, tensor_bytes
+from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
+from weightstream.offload.layout import align_up
+from weightstream.offload.sources.codec_names import AUTO_CODECS
+from weightstream.offload.sources.coded import CODECS, CodedSource
+from weightstream.offload.host.encode import _ALIGN, _slack
 
 
 _DECODE_REPS = 8  # timed decodes of a sampled block (one graph; after an eager one: the kernel compiles)

@@ -28,10 +28,10 @@ import sys
 
 import torch
 
-from . import planner
-from .hooks import RemovableHooks
-from .progress import announce
-from .config import AUTO_DEVICE_MARGIN_GB
+from weightstream.offload.plan import placement as planner
+from weightstream.offload.hooks import RemovableHooks
+from weightstream.offload.progress import announce
+from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB
 
 
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import ConfigTypeError
-from .planner import _radical_inverse, ring_ms
+from weightstream.offload.config import ConfigTypeError
+from weightstream.offload.plan.placement import _radical_inverse, ring_ms
 
 __all__ = ["CodecOption", "CodecPlanInputs", "CodecPlan", "plan_codec", "predict_ms", "DECODE_STEAL", "MIN_GAIN",
            "DECODE_ON"]

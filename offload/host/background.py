@@ -20,7 +20,7 @@ import contextlib
 import threading
 import time
 
-from .coded_encode import encode_workers, encoded_in_order
+from weightstream.offload.host.encode import encode_workers, encoded_in_order
 
 __all__ = ["BackgroundCoding", "background_workers", "MAX_WAITING"]
 

@@ -38,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .host_memory import REGISTER_CHUNK, _cuda_register, _Registration
-from .host_store import PAGE
-from .layout import align_up
+from weightstream.offload.host.registration import REGISTER_CHUNK, _cuda_register, _Registration
+from weightstream.offload.host.arena import PAGE
+from weightstream.offload.layout import align_up
 
 NUM_BUFFERS = 2
 # Default packing threads: the CPUs this process may run on, less two (the

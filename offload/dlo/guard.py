@@ -15,7 +15,7 @@ held here and called through a few hooks (``check``, ``mark_failed``,
 """
 from __future__ import annotations
 
-from .dlo_control import _Control
+from weightstream.offload.dlo.control import _Control
 
 
 class DLOGuard:

@@ -8,7 +8,7 @@ background, the job's thread writes each coded block into a buffer of its own an
 (:meth:`AutoCoding._swap_in`), and a thread of its own unpins the raw region and gives its pages
 back once the copies issued before the swap are done (:meth:`AutoCoding._retire`). The raw
 blocks' loads live with the other load paths in :mod:`.coded`; the policy in
-:mod:`weightstream.offload.codec_plan`, the hooks in :mod:`weightstream.offload.auto_codec`.
+:mod:`weightstream.offload.plan.codec`, the hooks in :mod:`weightstream.offload.plan.auto_codec`.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ import warnings
 
 import torch
 
-from ...kernels.codec_format import DecodeTable
-from ..host_memory import BlockRegistration
-from ..host_store import PAGE
-from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up
-from ..progress import Progress
-from .codec_names import CodedCaptureStaleError, codec_levels
-from .coded_background import MAX_WAITING, BackgroundCoding
-from .coded_encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
+from weightstream.kernels.codec_format import DecodeTable
+from weightstream.offload.host.registration import BlockRegistration
+from weightstream.offload.host.arena import PAGE
+from weightstream.offload.layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up
+from weightstream.offload.progress import Progress
+from weightstream.offload.sources.codec_names import CodedCaptureStaleError, codec_levels
+from weightstream.offload.host.background import MAX_WAITING, BackgroundCoding
+from weightstream.offload.host.encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
 
 __all__ = ["AutoCoding", "SAMPLE_BYTES", "checked_blocks", "sample_coded"]
 

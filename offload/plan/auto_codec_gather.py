@@ -33,11 +33,11 @@ from __future__ import annotations
 import sys
 import time
 
-from . import planner
-from .auto_codec import AutoCodec, _decode_ms, _layout_key
-from .codec_plan import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
-from .sources.codec_names import AUTO_CODECS
-from .streamed import _all_tensors, tensor_bytes
+from weightstream.offload.plan import placement as planner
+from weightstream.offload.plan.auto_codec import AutoCodec, _decode_ms, _layout_key
+from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
+from weightstream.offload.sources.codec_names import AUTO_CODECS
+from weightstream.offload.streamed import _all_tensors, tensor_bytes
 
 __all__ = ["GatherAutoCodec", "join_measurements"]
 

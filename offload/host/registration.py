@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from .layout import align_up
-from .misuse import HostMemoryError
-from .progress import format_bytes
+from weightstream.offload.layout import align_up
+from weightstream.offload.misuse import HostMemoryError
+from weightstream.offload.progress import format_bytes
 
 REGISTER_CHUNK = 1 << 30  # at most this many bytes per registration (a copy may not span two)
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly

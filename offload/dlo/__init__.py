@@ -1,0 +1,1 @@
+"""Distributed layerwise offload: topology rules, bounded control collectives, the failure guard."""
