@@ -3,13 +3,14 @@
 Read by the config (allowed values), the encoders (``levels``), the planner
 (``auto_candidate``), module offload (``MODULE_AUTO``) and the coded sidecar
 (``version``). A new codec is one :class:`Codec` entry here and its format in
-``kernels/codec_format.py``.
+``kernels/codec_format.py`` (the ints below are that file's ``VERSION*`` and
+``PATCHED``; tests/test_codecs.py checks they agree). Imports no torch: the
+config reads this table.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ..kernels.codec_format import PATCHED, VERSION, VERSION2, VERSION3
 from .misuse import OffloadMisuseError
 
 NONE = "none"  # raw host images
@@ -26,14 +27,14 @@ class Codec:
 
 
 REGISTRY: dict[str, Codec] = {c.name: c for c in (
-    Codec("exp-k", 1, VERSION, True,
+    Codec("exp-k", 1, 1, True,
           "sign/mantissa byte raw, the exponent a k-bit table code with escapes (~0.70 of bf16 bytes)"),
-    Codec("exp-k2", 2, VERSION2, True,
+    Codec("exp-k2", 2, 2, True,
           "exp-k with the escapes coded again at a second level (~0.69 of the bytes, decode ~half as fast)"),
     # not an "auto" candidate: its decode is the fastest, but a plan only codes where the link binds,
     # and there the smaller bytes of exp-k2 win (each candidate costs the planning step a sampled
     # encode and a timed decode)
-    Codec("exp-kp", PATCHED, VERSION3, False,
+    Codec("exp-kp", 3, 3, False,
           "one level, the escapes a per-tile patch list (~0.74 of the bytes, the fastest decode)"),
 )}
 CODECS = tuple(REGISTRY)  # the lossless codecs
@@ -53,15 +54,16 @@ def codec(name: str) -> Codec:
     """The registry entry of ``name`` (ValueError naming the codecs for anything else)."""
     if name == AUTO:
         raise ValueError(
-            "weight_codec='auto' is not a codec: it plans which blocks to code from a measured step; "
-            f"here choose one of: {', '.join(CODECS)}")
+            "weight_codec='auto' is not allowed here: it plans which blocks to code from a measured step "
+            "(pinned host images of layer mode, DLO included, and mode='module'); "
+            f"here choose from: {', '.join(CODECS)}")
     if name not in REGISTRY:
         raise ValueError(f"weight_codec={name!r} is not allowed here; choose from: {', '.join(CODECS)}")
     return REGISTRY[name]
 
 
 def codec_levels(name: str) -> int:
-    """``encode``'s ``levels`` for the codec named ``name``."""
+    """``encode``'s ``levels`` for the codec named ``name`` (ValueError naming the codecs otherwise)."""
     return codec(name).levels
 
 

@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from .codecs import WEIGHT_CODECS  # every weight_codec value, from the codec registry
+
 __all__ = ["OffloadConfig", "LayerOptions", "ConfigTypeError"]
 
 MODES = ("module", "layer")
@@ -30,10 +32,6 @@ LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
 WEIGHT_TRANSFERS = ("allgather", "rank-local")
 CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
-# "exp-k": the lossless exponent-table code of kernels/codec.py (offload/sources/coded.py);
-# "exp-k2": the same with its escapes coded at a second level (codec version 2);
-# "exp-kp": one level, the escapes a per-tile patch list (codec version 3: the fastest decode)
-WEIGHT_CODECS = ("none", "exp-k", "exp-k2", "exp-kp", "auto")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)

@@ -88,13 +88,13 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import OffloadPlan
 from weightstream.offload.dlo.guard import AllGatherGuard, DLOGuard
-from .sources.dlo import ShardedHostViews, ShardedStore, ShardSource, _all_gather_tensor_fn  # noqa: F401  (re-exported)
+from .sources.dlo import ShardSource
 from .sources.pinned import SourceRequest, pinned_source
 from .sources.coded import coded_source
 from .sources.dlo_coded import CodedShardSource
 from .streamed import StreamedBlocks
-from weightstream.offload.dlo.control import _AGREE_MAGIC, _CONTROL_CAP, _STATUS_BYTES, _STATUS_INTS, DEFAULT_PATH_KEYS, CodedPiece, DLOCollectiveError, ShardMergeError, ShardPiece, WeightDigest, _Control, _control_for, _layout_digest, bounded_wait, digest_mismatches, fit_digest, merge_shards, setup_digest, tensor_digests, validate_wave, weight_mismatches
-from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, _resolve_group, plan_dlo, resolve_transfer, shard_size  # noqa: F401
+from weightstream.offload.dlo.control import DEFAULT_PATH_KEYS, CodedPiece, DLOCollectiveError, ShardMergeError, ShardPiece, WeightDigest, _control_for, digest_mismatches, fit_digest, merge_shards, setup_digest, validate_wave, weight_mismatches
+from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, plan_dlo, resolve_transfer, shard_size
 
 
 __all__ = [

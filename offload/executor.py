@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from .discovery import Block
-from .event_log import EventLog, _Record  # noqa: F401  (re-exported: sources log their own lanes)
-from .hooks import BlockHook, StepHook, guard_backward  # noqa: F401  (re-exported)
+from .event_log import EventLog, _Record
+from .hooks import BlockHook, StepHook
 from .layout import block_tensors
 from .misuse import StreamedWriteError
 from .ownership import Ownership
-from .placeholders import Placeholders
+from .placeholders import Placeholders, empty_like_dtype
 from .schedule import Load, Schedule
 from .streams import resolve_streams
 
@@ -111,7 +111,7 @@ class LayerwiseExecutor:
             streams_here = schedule.is_streamed(lay.index)  # else resident under auto placement: no slot views
             self.views.append([[spec.view_of(slot) for spec in specs] for slot in self.slots] if streams_here else None)
             self.placeholders.append(
-                [empties.setdefault(s.dtype, torch.empty(0, dtype=s.dtype, device=self.device)) for s in specs]
+                [empty_like_dtype(s.dtype, self.device, empties) for s in specs]
             )
         self.position = 0  # next position to compute
         # Events may only be waited on in the context that recorded them: eagerly

@@ -151,3 +151,18 @@ def _storage_key(t: torch.Tensor) -> int | None:
 
 def _inside_block(mname: str, blocks) -> bool:
     return any(mname == b.name or mname.startswith(b.name + ".") for b in blocks)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``module`` once (tied tensors counted once)."""
+    seen, out = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+

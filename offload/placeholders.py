@@ -228,3 +228,35 @@ def holds_placeholder(t: torch.Tensor) -> bool:
     """Whether ``t`` is a streamed tensor between its block's forwards (it holds no bytes of its
     own: its weights are in the host store)."""
     return isinstance(type(t).__dict__.get("_ws_placeholders"), Placeholders)
+
+
+def drop_storage(tensors, device) -> None:
+    """Point every tensor of ``tensors`` at a shared empty tensor of its dtype on ``device``:
+    identity and attributes kept, storage released (a host store or a slot holds the bytes).
+    The one maker of these stand-ins; a ``meta`` tensor leaves ``meta`` this way too."""
+    empties: dict = {}
+    for t in tensors:
+        give_data(t, empty_like_dtype(t.dtype, device, empties))
+
+
+def empty_like_dtype(dtype, device, cache: dict) -> torch.Tensor:
+    """The shared empty tensor of ``dtype`` on ``device`` held in ``cache`` (made once per dtype)."""
+    if dtype not in cache:
+        cache[dtype] = torch.empty((0,), dtype=dtype, device=device)
+    return cache[dtype]
+
+
+def give_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Make tensor object ``t`` hold ``data``, keeping its identity and attributes.
+
+    ``t.data = data`` cannot move a tensor onto or off ``meta`` (incompatible tensor
+    types), so that case swaps in a new tensor of ``t``'s class carrying ``t``'s
+    attributes (``mmap_weight_transform``, ...)."""
+    if (t.device.type == "meta") == (data.device.type == "meta"):
+        t.data = data
+        return
+    # a new tensor object aliasing ``data`` (swap_tensors swaps objects: ``data`` itself may be shared)
+    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data.detach()
+    new.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, new)
+

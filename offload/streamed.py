@@ -21,9 +21,9 @@ from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
-from .sources.pinned import SourceRequest, drop_storage, pinned_source  # noqa: F401  (drop_storage re-exported)
+from .sources.pinned import SourceRequest, pinned_source
 from .sources.coded import coded_source
-from .layout import block_tensors, build_layout, check_not_shared
+from .layout import all_tensors, block_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
 )
@@ -48,10 +48,6 @@ def resolve_device(device) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda[:N]'")
     return dev
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class StreamedBlocks:
@@ -100,7 +96,7 @@ class StreamedBlocks:
         tensors = [block_tensors(b.module) for b in streamed]
         layouts = [build_layout(b.index, b.name, ts) for b, ts in zip(streamed, tensors)]
         streamed_ids = {id(t) for ts in tensors for _, _, t in ts}
-        rest = [t for t in _all_tensors(module) if id(t) not in streamed_ids]
+        rest = [t for t in all_tensors(module) if id(t) not in streamed_ids]
         self.resident_bytes = sum(tensor_bytes(t) for t in rest)
         slot_total = self.schedule.ring_slots * max(lay.nbytes for lay in layouts)
         budget = config.device_memory_budget_bytes
@@ -606,14 +602,3 @@ def install_state_dict_hook(module: nn.Module, streamed: StreamedBlocks) -> Host
         f"weightstream.state_dict[{type(module).__name__}]", module,
         lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views, before=streamed.flush_edits,
     )
-
-
-def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-

@@ -11,12 +11,12 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import OffloadPlan
 from .distributed import build_streamed
-from .executor import LayerwiseExecutor, StepHook
+from weightstream.offload.executor import LayerwiseExecutor
+from weightstream.offload.hooks import StepHook
 from .misuse import UnsupportedOperationError
 from .tracing import not_traced
-from .streamed import (  # noqa: F401  (re-exported: callers import these from here)
-    HostStateDictHook, StreamedBlocks, _all_tensors, check_update_value, check_wrappable, drop_storage,
-    explain_failure, install_state_dict_hook, resolve_device, tensor_bytes,
+from .streamed import (
+    StreamedBlocks, check_wrappable, explain_failure, install_state_dict_hook, resolve_device,
 )
 
 def layer_config(config, who: str) -> OffloadConfig:
@@ -219,7 +219,7 @@ class OffloadedTransformer(nn.Module):
     streams). ``plan``: an :class:`OffloadPlan` naming the block containers.
     ``parallel``: a ``ParallelConfig`` for distributed layerwise offload (DLO).
     ``streamed``: streaming machinery already built over ``module`` (other
-    weight sources, see :func:`weightstream.offload.mmap_source.offload_from_safetensors`).
+    weight sources, see :func:`weightstream.offload.sources.mmap.offload_from_safetensors`).
     """
 
     _weightstream_wrapper = True  # check_wrappable refuses to wrap one again

@@ -82,7 +82,7 @@ def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k"
     """Encode on one core with ``codec``; (coded buffer, DecodeTable, figures)."""
     from weightstream.kernels.codec_encode import encode_block, symbol_entropy
     from weightstream.kernels.codec_format import read_header
-    from weightstream.offload.sources.coded import codec_levels
+    from weightstream.offload.codecs import codec_levels
 
     levels = codec_levels(codec)
     threads = torch.get_num_threads()

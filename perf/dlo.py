@@ -201,7 +201,7 @@ def measure_allgather(device, cuda: bool, dist, world: int, out_bytes: int) -> f
     """Output GB/s of all_gather_into_tensor with a ``out_bytes`` output (median of 5)."""
     import torch
 
-    from weightstream.offload.distributed import _all_gather_tensor_fn
+    from weightstream.offload.sources.dlo import _all_gather_tensor_fn
 
     gather = _all_gather_tensor_fn()
     shard = out_bytes // world
@@ -223,7 +223,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
     import torch.distributed as dist
 
     from weightstream import OffloadConfig, OffloadedTransformer
-    from weightstream.offload.distributed import ParallelConfig
+    from weightstream.offload.dlo.topology import ParallelConfig
 
     clock, device, cuda = ctx["clock"], ctx["device"], ctx["cuda"]
     transfer = {"dlo-allgather": "allgather", "dlo-rank-local": "rank-local",

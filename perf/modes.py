@@ -294,7 +294,7 @@ def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: tor
                  *, record_events: bool = False) -> Prepared:
     """A weightstream mode whose streamed blocks come from a mapped checkpoint."""
     try:
-        from weightstream.offload.mmap_source import offload_from_safetensors
+        from weightstream.offload.sources.mmap import offload_from_safetensors
     except ImportError as e:
         raise RuntimeError(f"mode {spec.name!r}: the weightstream mmap source is not available ({e})") from e
     cfg = weightstream_config(spec, record_events)
@@ -342,7 +342,7 @@ def _encode_on_device(spec: ModeSpec, model: nn.Module, device: torch.device, re
     """A -coded-encgpu mode's wrapper: the coded source codes its blocks on the GPU."""
     from weightstream import OffloadedTransformer
     from weightstream.offload.sources.coded import coded_source
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     cfg = weightstream_config(spec, record_events)
     st = StreamedBlocks(model, cfg, device, None, source=lambda req: coded_source(req, encode_on=spec.encode_on))
@@ -355,7 +355,7 @@ def _half_pinned(spec: ModeSpec, model: nn.Module, device: torch.device, record_
 
     from weightstream import OffloadedTransformer
     from weightstream.offload.sources.pinned import PinnedSource
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     budget = half_pinned_budget_gb(model)
     spec = dataclasses.replace(spec, config_kw={**spec.config_kw, "pinned_memory_budget_gb": budget})

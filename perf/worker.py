@@ -270,7 +270,7 @@ def run_mode(args, prefix: str) -> dict:
             figs["nvml_total_gb"] = round(trace["devices"][0]["total_bytes"] / GB, 3)
         if args.trace_dir:
             from weightstream.report import render_html
-            from weightstream.telemetry import save_trace
+            from weightstream.tracefile import save_trace
 
             base = os.path.join(args.trace_dir, f"{label}-{args.mode}")
             save_trace(trace, base + "-trace.json")

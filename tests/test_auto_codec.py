@@ -14,7 +14,7 @@ from layerwise_cases import first
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
 from weightstream.offload.pipeline import offload_pipeline
-from weightstream.offload.sources.coded import CodedCaptureStaleError, codec_levels
+from weightstream.offload.codecs import CodedCaptureStaleError, codec_levels
 
 DEV = "cpu"
 FAST_DECODE = {"exp-k": 1e3, "exp-k2": 1e3}
@@ -231,7 +231,7 @@ def test_rules_are_named():
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
         codec_levels("auto")
     OffloadConfig.layerwise(weight_codec="auto", cuda_graphs="on")  # planned at the warm-up step
-    from weightstream.offload.mmap_source import offload_from_safetensors  # noqa: PLC0415
+    from weightstream.offload.sources.mmap import offload_from_safetensors
 
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed with the mmap source"):
         offload_from_safetensors(ToyDiT(), "/nonexistent", OffloadConfig.layerwise(weight_codec="auto"))

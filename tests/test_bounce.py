@@ -21,7 +21,7 @@ from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.offload.schedule import Schedule
 from weightstream.offload.sources.pinned import PinnedSource
 from weightstream.offload.streams import Op, RecordingStreams
-from weightstream.offload.transformer import StreamedBlocks
+from weightstream.offload.streamed import StreamedBlocks
 
 from layerwise_cases import build, first
 from stream_trace import check, counts

@@ -6,7 +6,7 @@ import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.offload.sources.pinned import PinnedSource
-from weightstream.offload.transformer import StreamedBlocks
+from weightstream.offload.streamed import StreamedBlocks
 
 from layerwise_cases import build, first
 

@@ -19,7 +19,8 @@ from weightstream.offload.discovery import discover_blocks
 from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.sources.base import STATS_KEYS, check_stats
-from weightstream.offload.sources.coded import CodedCaptureStaleError, CodedSource, check_codec_supported
+from weightstream.offload.sources.coded import CodedSource, check_codec_supported
+from weightstream.offload.codecs import CodedCaptureStaleError
 from weightstream.offload.streams import RecordingStreams
 
 
@@ -428,13 +429,13 @@ def _big_blocks(n=5, seed=0):
 @pytest.mark.parametrize("codec", ["exp-k", "exp-k2", "exp-kp"])
 def test_parallel_build_is_byte_identical_to_one_thread_build(codec):
     """Coded images are the same bytes whatever the worker count and intra-op threads."""
-    from weightstream.offload.sources.coded import CODEC_LEVELS
+    from weightstream.offload.codecs import codec_levels
     from weightstream.offload.host.encode import encoded_in_order
 
     tensors, layouts = _big_blocks()
     objs = [[t for _, _, t in ts] for ts in tensors]
     raw = _raw_images(tensors, layouts)
-    levels = CODEC_LEVELS[codec]
+    levels = codec_levels(codec)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # the reference: one worker, one intra-op thread, block by block

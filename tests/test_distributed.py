@@ -27,7 +27,9 @@ import torch
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload import distributed as dlo
-from weightstream.offload.distributed import ParallelConfig, resolve_transfer, shard_size, validate_wave
+from weightstream.offload.sources.dlo import ShardedStore
+from weightstream.offload.dlo.topology import ParallelConfig, resolve_transfer, shard_size
+from weightstream.offload.dlo.control import validate_wave
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.layout import TENSOR_ALIGN
 
@@ -333,11 +335,10 @@ def check_list_gather(parallel, rank):
 def check_setup_failure_loses_nothing(parallel, rank):
     """A failure while packing the shares (injected on every rank at the 4th block)
     leaves the model whole: the originals are released only after every share is packed."""
-    from weightstream.offload import distributed as dlo
 
     model, inputs = _model("toy", rank)
     ref_model = copy.deepcopy(model)
-    real_pin, calls = dlo.ShardedStore.pin, {"n": 0}
+    real_pin, calls = ShardedStore.pin, {"n": 0}
 
     def failing_pin(self, k):
         calls["n"] += 1
@@ -345,14 +346,14 @@ def check_setup_failure_loses_nothing(parallel, rank):
             raise MemoryError("injected while pinning")
         return real_pin(self, k)
 
-    dlo.ShardedStore.pin = failing_pin
+    ShardedStore.pin = failing_pin
     try:
         OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
         raised = None
     except MemoryError as e:
         raised = str(e)
     finally:
-        dlo.ShardedStore.pin = real_pin
+        ShardedStore.pin = real_pin
     with torch.no_grad():
         intact = torch.equal(model(**inputs), ref_model(**inputs))
     return dict(raised=raised, intact=intact)

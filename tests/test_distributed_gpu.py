@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from test_distributed import Checks, check_equal, check_waves, get, run_ranks  # noqa: E402
 from test_trust_dlo import SLACK_S, TIMEOUT_S, check_block_failure  # noqa: E402
-from weightstream.offload.distributed import ParallelConfig  # noqa: E402
+from weightstream.offload.dlo.topology import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 

@@ -18,7 +18,8 @@ import torch
 from test_distributed import Checks, get, run_ranks
 from test_dlo_coded import FAST_DECODE, FakeCodedGather, _first, _model, _rank_auto, _rank_equal
 from weightstream import OffloadConfig, OffloadedTransformer
-from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
+from weightstream.offload.distributed import build_streamed
+from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", 0)  # as OffloadedTransformer resolves it: graphs compare input devices with it

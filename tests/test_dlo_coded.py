@@ -13,7 +13,7 @@ import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer, ParallelConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
-from weightstream.offload.distributed import merge_shards
+from weightstream.offload.dlo.control import merge_shards
 from weightstream.offload.sources.dlo_coded import CodedPiece, CodedShardSource, merge_coded_shards
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
@@ -594,7 +594,7 @@ def test_two_ranks_merge_shards_names_what_it_cannot_merge(two):
     ShardMergeError (a ValueError) naming the tensor, never bytes under a weight's name."""
     from test_distributed import get
 
-    from weightstream.offload.distributed import ShardMergeError
+    from weightstream.offload.dlo.control import ShardMergeError
 
     k, k2, none, mixed, toy = (get(two, n) for n in ("equal_flux", "equal_flux_k2", "equal_flux_none", "mixed",
                                                       "equal_toy"))

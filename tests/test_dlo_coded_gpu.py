@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from test_distributed import Checks, get, run_ranks  # noqa: E402
 from test_distributed_gpu import gpu_world  # noqa: E402
 from test_dlo_coded import _coded_cfg, _model, _rank_equal, _rank_weights  # noqa: E402
-from weightstream.offload.distributed import ParallelConfig  # noqa: E402
+from weightstream.offload.dlo.topology import ParallelConfig  # noqa: E402
 from weightstream.offload.sources.dlo_coded import merge_coded_shards  # noqa: E402
 
 pytestmark = pytest.mark.multigpu

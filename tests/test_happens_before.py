@@ -22,14 +22,16 @@ import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, toy_inputs
-from weightstream.offload.distributed import DLOPlan, ParallelConfig, build_streamed
+from weightstream.offload.distributed import build_streamed
+from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig
 from weightstream.offload.sources.dlo import ShardSource
 from weightstream.offload.executor import LayerwiseExecutor
-from weightstream.offload.host.arena import PAGE, REGISTER_CHUNK, HostStore, copy_from_image
+from weightstream.offload.host.arena import PAGE, HostStore, copy_from_image
+from weightstream.offload.host.registration import REGISTER_CHUNK
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.schedule import Schedule
 from weightstream.offload.streams import CudaStreams, RecordingStreams, default_streams, resolve_streams
-from weightstream.offload.transformer import StreamedBlocks
+from weightstream.offload.streamed import StreamedBlocks
 
 import stream_trace
 from stream_trace import RULES, check, counts
@@ -103,7 +105,8 @@ class Case:
     def _mmap(self, model, cfg, copy_path, slots, mode, tmp_path):
         from safetensors.torch import save_file
 
-        from weightstream.offload.mmap_source import Checkpoint, as_sources, mmap_streamed_blocks, on_meta
+        from weightstream.offload.host.checkpoint import Checkpoint, as_sources, on_meta
+        from weightstream.offload.sources.mmap import mmap_streamed_blocks
 
         class MmapToy(ToyDiT):
             _supports_mmap_loading = True
@@ -230,7 +233,7 @@ def test_dlo_allgather_ring_is_ordered(slots):
 
 def gloo_trace_rank(rank: int, world: int) -> dict:
     """One rank of a real gloo group: DLO AllGather traced over three forwards."""
-    from weightstream.offload.distributed import plan_dlo
+    from weightstream.offload.dlo.topology import plan_dlo
 
     rec = RecordingStreams()
     model = ToyDiT()
@@ -565,8 +568,10 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
     that accepts the first file's pages and refuses the second's."""
     from safetensors.torch import save_file
 
-    from weightstream.offload import mmap_source as ms
+    from weightstream.offload.host import checkpoint as ms
+    from weightstream.offload.sources.mmap import mmap_streamed_blocks
     from weightstream.offload.host import copy_plans as mmap_plans
+    from weightstream.offload.host import registration
 
     class MmapToy(ToyDiT):
         _supports_mmap_loading = True
@@ -581,7 +586,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
         meta = MmapToy().eval()
     ckpt = ms.Checkpoint(ms.as_sources([str(f) for f in files], meta))
     cfg = OffloadConfig.layerwise()
-    sb = ms.mmap_streamed_blocks(meta, cfg, DEV, None, ckpt, "direct", 1)
+    sb = mmap_streamed_blocks(meta, cfg, DEV, None, ckpt, "direct", 1)
     store = sb.executor.source
     b_base = ckpt.files[1].base
     b_end = b_base + ckpt.files[1].u8.numel()
@@ -593,7 +598,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
         accepted.append((ptr, ptr + size))
         return None
 
-    monkeypatch.setattr(mmap_plans, "_cuda_register", register)
+    monkeypatch.setattr(registration, "_cuda_register", register)  # the one caller of cudaHostRegister
     try:
         with pytest.warns(UserWarning, match="stage"):
             store.pages.register([p for p in store.plans if p.direct], cfg)

@@ -187,7 +187,7 @@ def test_wrapper_local_state_dict_merges_into_the_weights():
     fake world-of-1 group (test_happens_before) gives this rank's share, which
     merge_shards turns into the full weights; without DLO it is state_dict()."""
     from test_happens_before import _traced, fake_dlo
-    from weightstream.offload.distributed import merge_shards
+    from weightstream.offload.dlo.control import merge_shards
     from weightstream.offload.streamed import StreamedBlocks
     from weightstream.offload.streams import RecordingStreams
 

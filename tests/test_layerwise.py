@@ -314,7 +314,7 @@ def test_defer_last_schedule_bit_exact(name):
     """graph_boundary_loads='next-step' (CUDA graphs without resident blocks: the
     load that waits for a step's last block is issued when the next step starts)
     on the CPU: same outputs, same mechanism."""
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = build(name, DEV)
     plain = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="in-graph"),
@@ -347,7 +347,7 @@ def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
     first streamed block starts, not when the DiT's forward starts: inside a CUDA
     graph a copy created before any kernel of the step runs on the launching
     stream, measured slower on the H200."""
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = build("flux", DEV)
     cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
@@ -373,7 +373,7 @@ def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
 def test_step_local_schedule_bit_exact(name, resident):
     """The schedule CUDA graphs use with resident blocks (loads start with each
     step, none cross a step boundary) on the CPU: same outputs, same mechanism."""
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = build(name, DEV)
     cfg = OffloadConfig.layerwise(cuda_graphs="on", resident_layers=resident, record_events=True)

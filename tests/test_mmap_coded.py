@@ -20,9 +20,9 @@ import torch
 import weightstream.offload.host.encode as coded_mod
 from weightstream import OffloadConfig
 from weightstream.kernels.codec_format import HEADER_BYTES
-from weightstream.offload.mmap_source import (
-    CheckpointChangedError, CodedSidecarError, meta_from_pretrained, offload_from_safetensors, on_meta,
-)
+from weightstream.offload.host.checkpoint import CheckpointChangedError, meta_from_pretrained, on_meta
+from weightstream.offload.sources.mmap_coded import CodedSidecarError
+from weightstream.offload.sources.mmap import offload_from_safetensors
 from weightstream.offload.sources.mmap_coded import SIDECAR_DIR
 
 from test_mmap_source import (
@@ -610,7 +610,7 @@ _TRUNCATE_SIDECAR = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     from pathlib import Path
     import test_mmap_coded as t
-    from weightstream.offload.mmap_source import CheckpointChangedError
+    from weightstream.offload.host.checkpoint import CheckpointChangedError
     tmp = Path({tmp!r})
     model, path, x, want = t._blocks_ckpt(tmp)
     t._bwrap(path, "write")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig
-from weightstream.offload.mmap_source import meta_from_pretrained, offload_from_safetensors
+from weightstream.offload.host.checkpoint import meta_from_pretrained
+from weightstream.offload.sources.mmap import offload_from_safetensors
 
 from test_mmap_source import _Blocks, _diffusers_case, _meta, _save, first
 

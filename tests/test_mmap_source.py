@@ -11,17 +11,10 @@ from torch import nn
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
 from weightstream.offload.host.arena import PAGE
-from weightstream.offload.mmap_source import (
-    Checkpoint,
-    WeightsSource,
-    merge_runs,
-    Run,
-    meta_from_pretrained,
-    offload_from_safetensors,
-    on_meta,
-    plan_registration,
-    split_run,
-)
+from weightstream.offload.host.checkpoint import Checkpoint, WeightsSource, meta_from_pretrained, on_meta
+from weightstream.offload.host.copy_plans import merge_runs, Run, split_run
+from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.host.registration import plan_registration
 
 DEV = "cpu"
 
@@ -812,7 +805,8 @@ def test_direct_kernel_transform_is_ordered_on_the_copy_stream(tmp_path):
     from stream_trace import RULES, check, counts
 
     from weightstream import OffloadedTransformer
-    from weightstream.offload.mmap_source import as_sources, mmap_streamed_blocks
+    from weightstream.offload.host.checkpoint import as_sources
+    from weightstream.offload.sources.mmap import mmap_streamed_blocks
     from weightstream.offload.streamed import StreamedBlocks
     from weightstream.offload.streams import RecordingStreams
 
@@ -856,7 +850,7 @@ def _as(key, dtype):
 ], ids=["one-bf16-key", "one-fp16-bias", "int-for-float"])
 def test_a_key_of_another_dtype_is_refused_at_construction(edit, key, dtypes, tmp_path):
     """Accepted before, the first forward then failed (or ran one tensor in another dtype)."""
-    from weightstream.offload.mmap_source import CheckpointFormatError
+    from weightstream.offload.host.checkpoint import CheckpointFormatError
 
     sd = _toy().state_dict()
     edit(sd)
@@ -872,7 +866,7 @@ def test_a_whole_model_cast_and_diffusers_fp32_modules_still_load(tmp_path):
     """What the dtype rule keeps: a float32-built model takes a bf16 checkpoint as a whole, and a
     diffusers model keeps its ``_keep_in_fp32_modules`` float32 beside bf16 weights; a mix
     outside those is refused."""
-    from weightstream.offload.mmap_source import CheckpointFormatError
+    from weightstream.offload.host.checkpoint import CheckpointFormatError
 
     model = tiny_wan(dtype=torch.bfloat16)
     keep = type(model)._keep_in_fp32_modules
@@ -927,7 +921,7 @@ _W8 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 ], ids=["list", "str", "entry-list", "no-offsets", "dtype-unknown", "dtype-int", "shape-str", "shape-negative",
         "past-end", "negative-offset", "float-offset", "one-offset", "end-before-begin", "shape-vs-bytes", "overlap"])
 def test_malformed_safetensors_headers_are_named_errors(header, data, match, tmp_path):
-    from weightstream.offload.mmap_source import CheckpointFormatError
+    from weightstream.offload.host.checkpoint import CheckpointFormatError
 
     path = _raw_file(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(CheckpointFormatError, match=match) as e:
@@ -949,7 +943,7 @@ def test_malformed_safetensors_headers_are_named_errors(header, data, match, tmp
     ({"weight_map": {}}, r"its weight_map is empty"),
 ], ids=["list", "str", "null", "top-list", "no-map", "int", "name-list", "parent", "absolute", "empty-name", "empty"])
 def test_malformed_index_files_are_named_errors(index, match, tmp_path):
-    from weightstream.offload.mmap_source import CheckpointFormatError
+    from weightstream.offload.host.checkpoint import CheckpointFormatError
 
     _save(_toy().state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig
-from weightstream.offload.mmap_source import HOST_REGISTER_READ_ONLY, meta_from_pretrained, offload_from_safetensors
+from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY
+from weightstream.offload.host.checkpoint import meta_from_pretrained
+from weightstream.offload.sources.mmap import offload_from_safetensors
 
 from test_mmap_source import (
     _GQA, _diffusers_case, _gqa_ckpt, _meta, _source, _toy, _transposed_ckpt, _Transposed, _x, first,
@@ -151,7 +153,7 @@ def test_mmap_file_changed_in_place_is_an_error_on_cuda(graphs, tmp_path):
     import shutil
 
     from weightstream.models import toy_inputs
-    from weightstream.offload.mmap_source import CheckpointChangedError
+    from weightstream.offload.host.checkpoint import CheckpointChangedError
 
     path, other, a, _, w = _trust_case(tmp_path, cuda_graphs=graphs)
     x = toy_inputs(device=DEV)

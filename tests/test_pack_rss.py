@@ -23,7 +23,7 @@ import torch
 from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.host.packing import ahead_bytes, pack_blocks
-from weightstream.offload.streamed import drop_storage
+from weightstream.offload.placeholders import drop_storage
 from weightstream.models import ToyDiT
 
 REPO = Path(__file__).resolve().parent.parent

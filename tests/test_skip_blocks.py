@@ -67,7 +67,7 @@ def test_sd3_skip_layers_graph_schedules_bit_exact(mode, num_slots):
     """The CUDA-graph schedules (step-start loads, a deferred boundary load) run
     eagerly on the CPU with the same skipping."""
     from weightstream.offload.schedule import Schedule
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     class Sched(StreamedBlocks):
         def _schedule(self, num_blocks, resident):

@@ -10,7 +10,8 @@ import pytest
 
 from weightstream import report, telemetry
 from weightstream.report import extract_json_block, overlap_stats, render_html
-from weightstream.telemetry import LiveView, MemoryMonitor, format_status, load_trace, monitor_main
+from weightstream.telemetry import LiveView, MemoryMonitor, format_status, monitor_main
+from weightstream.tracefile import load_trace
 
 
 @pytest.fixture

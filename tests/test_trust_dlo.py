@@ -23,8 +23,9 @@ from test_distributed import Checks, get, run_ranks
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload import distributed as dlo
-from weightstream.offload.distributed import ParallelConfig
-from weightstream.offload.transformer import StreamedBlocks
+from weightstream.offload.dlo.control import tensor_digests
+from weightstream.offload.dlo.topology import ParallelConfig
+from weightstream.offload.streamed import StreamedBlocks
 
 TIMEOUT_S = 2.0  # dlo_timeout_s of the checks that time out on purpose
 SLACK_S = 4.0  # two shared CPU cores: scheduling delay on top of it
@@ -631,16 +632,16 @@ def test_weight_digest_sees_every_byte():
     payload each change the digest (bit patterns, not values); equal bytes give equal digests."""
     g = torch.Generator().manual_seed(0)
     t = [torch.randn(300, 200, generator=g), torch.randn(7, generator=g).to(torch.bfloat16), torch.zeros(5)]
-    d = dlo.tensor_digests(t)
-    assert dlo.tensor_digests([x.clone() for x in t]) == d and len(set(d)) == 3
+    d = tensor_digests(t)
+    assert tensor_digests([x.clone() for x in t]) == d and len(set(d)) == 3
     for i, edit in [(0, lambda x: x[150, 101].add_(1e-3)), (2, lambda x: x[2].mul_(-1.0)),
                     (2, lambda x: x.view(torch.int32)[4].fill_(0x7FC00001)),
                     (2, lambda x: x.view(torch.int32)[4].fill_(0x7FC00002))]:
         t2 = [x.clone() for x in t]
         edit(t2[i])
-        got = dlo.tensor_digests(t2)
+        got = tensor_digests(t2)
         assert got[i] != d[i] and got[1] == d[1]
-    assert dlo.tensor_digests([t[0].t()]) != dlo.tensor_digests([t[0]])  # the same bytes, another shape
+    assert tensor_digests([t[0].t()]) != tensor_digests([t[0]])  # the same bytes, another shape
 
 
 def test_weight_digest_reads_every_chunk_of_large_tensors():
@@ -650,7 +651,7 @@ def test_weight_digest_reads_every_chunk_of_large_tensors():
     other[-1] = 2
     middle = big.clone()
     middle[big.numel() // 2 + 3] = 1
-    a, b, c = dlo.tensor_digests([big, other, middle])
+    a, b, c = tensor_digests([big, other, middle])
     assert len({a, b, c}) == 3
 
 

@@ -17,7 +17,7 @@ from weightstream import (
     WeightUpdateError,
 )
 from weightstream.models import ToyDiT
-from weightstream.offload.transformer import StreamedBlocks
+from weightstream.offload.streamed import StreamedBlocks
 
 from layerwise_cases import build, first
 

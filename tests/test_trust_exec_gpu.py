@@ -102,7 +102,7 @@ def case_direct_forward_step_schedules(cfg_name: str):
 
     from layerwise_cases import build, first
     from weightstream import OffloadConfig
-    from weightstream.offload.transformer import StreamedBlocks
+    from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = build("flux", "cuda", torch.bfloat16)
     cfg = OffloadConfig.layerwise(cuda_graphs="on", **GRAPH_CFGS[cfg_name])

@@ -15,13 +15,9 @@ from safetensors.torch import save_file
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload.host.arena import PAGE
-from weightstream.offload.mmap_source import (
-    CheckpointChangedError,
-    direct_after_registration,
-    offload_from_safetensors,
-    on_meta,
-    plan_registration,
-)
+from weightstream.offload.host.checkpoint import CheckpointChangedError, on_meta
+from weightstream.offload.host.registration import direct_after_registration, plan_registration
+from weightstream.offload.sources.mmap import offload_from_safetensors
 
 DEV = "cpu"
 OLD_NS = 1_000_000_000 * 1_600_000_000  # 2020: any later write changes the mtime, however coarse its clock
@@ -226,7 +222,7 @@ _TRUNCATE = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     import test_trust_mmap as t
     from pathlib import Path
-    from weightstream.offload.mmap_source import CheckpointChangedError
+    from weightstream.offload.host.checkpoint import CheckpointChangedError
     tmp = Path({tmp!r})
     path, other, a, _ = t._pair(tmp)
     x = t.toy_inputs(device={device!r})

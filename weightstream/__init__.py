@@ -29,9 +29,10 @@ _EXPORTS = {
     "apply_layerwise_offload": "weightstream.offload.transformer",
     "LayerwiseOffloadHandle": "weightstream.offload.transformer",
     "offload_pipeline": "weightstream.offload.pipeline",
-    "ParallelConfig": "weightstream.offload.distributed",
-    "validate_wave": "weightstream.offload.distributed",
-    "offload_from_safetensors": "weightstream.offload.mmap_source",
+    "ParallelConfig": "weightstream.offload.dlo.topology",
+    "validate_wave": "weightstream.offload.dlo.control",
+    "offload_from_safetensors": "weightstream.offload.sources.mmap",
+    "meta_from_pretrained": "weightstream.offload.host.checkpoint",
     "CheckpointFormatError": "weightstream.offload.host.checkpoint",
     # named misuse errors
     "OffloadMisuseError": "weightstream.offload.misuse",
@@ -51,13 +52,15 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.config import LayerOptions, OffloadConfig
     from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
-    from weightstream.offload.distributed import ParallelConfig, validate_wave
+    from weightstream.offload.dlo.control import validate_wave
+    from weightstream.offload.dlo.topology import ParallelConfig
+    from weightstream.offload.host.checkpoint import meta_from_pretrained
     from weightstream.offload.misuse import (
         AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, HostMemoryError, InferenceOnlyError,
         OffloadMisuseError, SharedStorageError, StreamedModuleAccessError, StreamedWriteError,
         UnsupportedOperationError, WeightUpdateError,
     )
-    from weightstream.offload.mmap_source import offload_from_safetensors
+    from weightstream.offload.sources.mmap import offload_from_safetensors
     from weightstream.offload.pipeline import offload_pipeline
     from weightstream.offload.transformer import LayerwiseOffloadHandle, OffloadedTransformer, apply_layerwise_offload
 

@@ -54,7 +54,8 @@ def _rank_main(transfer: str, steps: int) -> int:
 
     from weightstream import OffloadConfig, OffloadedTransformer
     from weightstream.models import flux_inputs, tiny_flux
-    from weightstream.offload.distributed import ParallelConfig, validate_wave
+    from weightstream.offload.dlo.topology import ParallelConfig
+    from weightstream.offload.dlo.control import validate_wave
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))

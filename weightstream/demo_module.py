@@ -170,7 +170,7 @@ def run_module_demo(device: str | None = None) -> int:
     """Run the toy pipeline resident and under module offload; 0 when outputs match bit for bit."""
     from weightstream.offload.config import OffloadConfig
     from weightstream.offload.pipeline import offload_pipeline
-    from weightstream.offload.transformer import resolve_device
+    from weightstream.offload.streamed import resolve_device
 
     dev = resolve_device(device)
     big = dev.type == "cuda"

@@ -33,7 +33,7 @@ import warnings
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
-from weightstream.tracefile import TRACE_FORMAT, load_trace, save_trace, to_perfetto, trace_summary  # noqa: F401
+from weightstream.tracefile import TRACE_FORMAT, save_trace, to_perfetto, trace_summary
 
 EVENTS_DIR_ENV = "WEIGHTSTREAM_EVENTS_DIR"
 _EVENT_KEYS = ("step", "block", "lane", "start_ms", "end_ms")

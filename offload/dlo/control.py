@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.offload.config import OffloadConfig
-from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, resolve_transfer, _resolve_group  # noqa: F401
+from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, _resolve_group
 from weightstream.kernels.codec import decode_tensor
 from weightstream.offload.layout import BlockLayout, TensorSpec
 

@@ -18,9 +18,9 @@ import weakref
 
 import torch
 
-from weightstream.offload.host.registration import REGISTER_CHUNK, _cuda_register, _cuda_unregister, _Registration, map_anonymous  # noqa: F401
+from weightstream.offload.host.registration import REGISTER_CHUNK, _Registration, map_anonymous
 from weightstream.offload.layout import BlockLayout, align_up
-from weightstream.offload.progress import Progress, format_bytes  # noqa: F401  (Progress re-exported: callers import it from here)
+from weightstream.offload.progress import format_bytes
 
 PAGE = mmap.PAGESIZE  # registrations and block images start on page boundaries
 
@@ -54,7 +54,7 @@ def spread_pins(sizes: list[int], budget: int | None) -> frozenset[int]:
     with the first half pinned vs 427 ms all pinned)."""
     if budget is None or budget >= sum(sizes):
         return frozenset(range(len(sizes)))
-    total, share = max(1, sum(sizes)), budget / max(1, sum(sizes))
+    share = budget / max(1, sum(sizes))
     pinned, done, chosen = 0, 0, set()
     for i, n in enumerate(sizes):
         done += n
@@ -156,20 +156,14 @@ class HostStore:
             )
             warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
             return
-        base = self.arena.data_ptr() + off
-        done = 0
-        while done < size:
-            n = min(REGISTER_CHUNK, size - done)
-            err = _cuda_register(base + done, n)
-            if err is not None:
-                self._register_failed = True
-                self.pin_failure = (f"{err}, at offset {done} of block {self.layouts[i].name!r} "
-                                    f"({format_bytes(size)}); host memory stays pageable")
-                warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
-                return
-            self._reg.ptrs.append(base + done)
-            self._reg.bytes += n
-            done += n
+        before = self._reg.bytes
+        err = self._reg.register(self.arena.data_ptr() + off, size)
+        if err is not None:
+            self._register_failed = True
+            self.pin_failure = (f"{err}, at offset {self._reg.bytes - before} of block {self.layouts[i].name!r} "
+                                f"({format_bytes(size)}); host memory stays pageable")
+            warnings.warn(f"weightstream: {self.pin_failure}", stacklevel=3)
+            return
         self._pinned_blocks.add(i)
 
     def close(self) -> None:

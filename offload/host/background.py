@@ -31,7 +31,7 @@ def background_workers() -> int:
     """Encode threads of a background job: half the cores, the other half left to the thread that
     steps the model (launches, the driver). With every core encoding, Flux-1024's raw steps took
     1.2-1.9 s instead of 0.43 during the job, and 57 blocks were stored in 18 steps over 27.6 s
-    (call36, 6b69d65)."""
+    (docs/performance.md)."""
     return max(1, encode_workers() // 2)
 
 

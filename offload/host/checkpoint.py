@@ -2,7 +2,7 @@
 
 safetensors files mapped read-only (headers parsed here, never a private copy
 of the data), checkpoint identity checks (a file changed in place is a named
-error, see :mod:`mmap_source`), the model opt-in, the binding of every
+error, see :mod:`..sources.mmap`), the model opt-in, the binding of every
 expected tensor of a meta-built model to a (file, key), and meta construction.
 Pure host code: nothing here touches CUDA.
 
@@ -661,21 +661,6 @@ def host_tensor(ckpt: Checkpoint, b: TensorBinding) -> torch.Tensor:
         materialise_torch(ckpt.bytes(b.src), out, SegmentTable([b.kernel_segment(0, 0)]))
         return out.view(b.dtype).view(b.shape)
     return ckpt.tensor(b.src)
-
-
-def _give_data(t: torch.Tensor, data: torch.Tensor) -> None:
-    """Make tensor object ``t`` hold ``data``, keeping its identity and attributes.
-
-    ``t.data = data`` cannot move a tensor onto or off ``meta`` (incompatible
-    tensor types), so that case swaps in a new tensor of ``t``'s class carrying
-    ``t``'s attributes (``mmap_weight_transform``, ...).
-    """
-    if (t.device.type == "meta") == (data.device.type == "meta"):
-        t.data = data
-        return
-    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-    new.__dict__.update(t.__dict__)
-    torch.utils.swap_tensors(t, new)
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from weightstream.kernels.materialise import SegmentTable, materialise_torch
 
 from weightstream.offload.host.checkpoint import Checkpoint, TensorBinding, apply_transform
 from weightstream.offload.config import OffloadConfig
-from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, _cuda_register, _pages, _Registration, direct_after_registration, plan_registration
+from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, _pages, _Registration, direct_after_registration, plan_registration
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.layout import TENSOR_ALIGN, BlockLayout, align_up
 from weightstream.offload.progress import Progress
@@ -220,17 +220,11 @@ class CheckpointPages:
         bar = Progress("registering checkpoint pages", sum(n for _, _, n in chunks), progress)
         flags, done = [HOST_REGISTER_READ_ONLY, 0], []
         for f, start, size in chunks:
-            err = None
-            for flag in flags:
-                err = _cuda_register(start, size, flag)
-                if err is None:
-                    flags = [flag]  # keep what worked
-                    self.flags = flag
-                    break
+            err = self._reg.register(start, size, flags)
             if err is not None:
                 return done, f"{err} for {size} bytes of {self.ckpt.files[f].path} (read-only flag, then flags 0)"
-            self._reg.ptrs.append(start)
-            self._reg.bytes += size
+            self.flags = self._reg.flag
+            flags = [self.flags]  # keep what worked
             done.append((f, start, size))
             base = self.ckpt.files[f].base
             self.bounds.setdefault(f, set()).update((start - base, start + size - base))

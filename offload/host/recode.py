@@ -26,7 +26,7 @@ from weightstream.offload.host.registration import BlockRegistration
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.layout import TENSOR_ALIGN, BlockLayout, TensorSpec, align_up
 from weightstream.offload.progress import Progress
-from weightstream.offload.sources.codec_names import CodedCaptureStaleError, codec_levels
+from weightstream.offload.codecs import CodedCaptureStaleError, codec_levels
 from weightstream.offload.host.background import MAX_WAITING, BackgroundCoding
 from weightstream.offload.host.encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
 

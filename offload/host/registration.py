@@ -103,16 +103,40 @@ def _cuda_unregister(ptr: int) -> None:
 
 
 class _Registration:
-    """Owns registered ranges; unregisters them when the store goes away."""
+    """Owns registered host ranges (the one caller of ``cudaHostRegister``); unregisters them
+    when the owner goes away. Ranges are registered in chunks of at most ``REGISTER_CHUNK``
+    bytes from their start (a copy may not span two, see ``arena.copy_from_image``)."""
 
     def __init__(self):
         self.ptrs: list[int] = []
         self.bytes = 0
+        self.flag: int | None = None  # the flag the last range registered with
 
-    def release(self):
-        if self.ptrs and torch.cuda.is_initialized():
-            # a prefetch may still read these pages (the store dropped without
-            # disable()): let in-flight copies finish before unpinning
+    def register(self, base: int, size: int, flags=(0,)) -> str | None:
+        """Register ``[base, base + size)``; None, or the reason a chunk failed (the chunks
+        before it stay registered: the caller releases or keeps them). ``flags`` are tried
+        in order per chunk (read-only mappings need cudaHostRegisterReadOnly), the first that
+        works is kept for the rest."""
+        done, flags = 0, list(flags)
+        while done < size:
+            n = min(REGISTER_CHUNK, size - done)
+            err = None
+            for f in flags:
+                err = _cuda_register(base + done, n, f)
+                if err is None:
+                    flags, self.flag = [f], f
+                    break
+            if err is not None:
+                return err
+            self.ptrs.append(base + done)
+            self.bytes += n
+            done += n
+        return None
+
+    def release(self, *, wait: bool = True) -> None:
+        """Unregister every range; with ``wait`` first let in-flight copies finish (a prefetch
+        may still read these pages when the owner is dropped without disable())."""
+        if wait and self.ptrs and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         for p in self.ptrs:
             _cuda_unregister(p)
@@ -120,36 +144,18 @@ class _Registration:
         self.bytes = 0
 
 
-class BlockRegistration:
-    """The cudaHostRegister ranges of one coded block's host bytes (chunks from its start; a copy
-    may not span two, see host_store.copy_from_image). ``release`` does not wait for copies:
-    its caller makes sure none reads the bytes (:func:`release_all` waits, at teardown)."""
-
-    def __init__(self):
-        self.ptrs: list[int] = []
-        self.bytes = 0
+class BlockRegistration(_Registration):
+    """The ranges of one coded block's host bytes: all or nothing, and ``release`` does not wait
+    for copies (its caller makes sure none reads the bytes; :func:`release_all` waits, at teardown)."""
 
     def register(self, base: int, size: int, flags=(0,)) -> str | None:
-        done = 0
-        while done < size:
-            n = min(REGISTER_CHUNK, size - done)
-            for f in flags:  # read-only mappings need cudaHostRegisterReadOnly; keep the first that works
-                err = _cuda_register(base + done, n, f)
-                if err is None:
-                    break
-            if err is not None:
-                self.release()
-                return err
-            self.ptrs.append(base + done)
-            self.bytes += n
-            done += n
-        return None
+        err = super().register(base, size, flags)
+        if err is not None:
+            self.release()
+        return err
 
-    def release(self) -> None:
-        for p in self.ptrs:
-            _cuda_unregister(p)
-        self.ptrs.clear()
-        self.bytes = 0
+    def release(self, *, wait: bool = False) -> None:
+        super().release(wait=wait)
 
 
 def release_all(regs: list[BlockRegistration]) -> None:

@@ -1,6 +1,6 @@
 """Asynchronous staging: pack streamed blocks into two host buffers on a thread.
 
-Used by the mmap source (:mod:`mmap_source`) for blocks whose checkpoint
+Used by the mmap source (:mod:`..sources.mmap`) for blocks whose checkpoint
 pages cannot be copied to the device directly (no registration, budget
 exhausted, a Python ``mmap_weight_transform``, or a CPU device). A
 background *packer* thread walks the streaming schedule ahead of the
@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weightstream.offload.host.registration import REGISTER_CHUNK, _cuda_register, _Registration
+from weightstream.offload.host.registration import _Registration
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.layout import align_up
 
@@ -139,16 +139,7 @@ class PinnedBuffer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             arena = torch.frombuffer(self._map, dtype=torch.uint8)
-        base, done = arena.data_ptr(), 0
-        while done < size:
-            n = min(REGISTER_CHUNK, size - done)
-            err = _cuda_register(base + done, n, 0)
-            if err is not None:
-                self.failure = err
-                break
-            self._reg.ptrs.append(base + done)
-            self._reg.bytes += n
-            done += n
+        self.failure = self._reg.register(arena.data_ptr(), size)
         if self.failure is None:
             self.tensor, self.kind = arena[: self.nbytes], "registered"
             return

@@ -24,8 +24,9 @@ from torch import nn
 from weightstream.offload.host.registration import empty_host
 from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..progress import Progress
-from ..sources.coded import CodedSource, module_codec
-from ..sources.pinned import drop_storage
+from weightstream.offload.sources.coded import CodedSource
+from weightstream.offload.codecs import module_codec
+from ..placeholders import drop_storage
 
 # config component name -> discovered kinds it selects
 SWAPPED_KINDS = ("dit", "text_encoder")

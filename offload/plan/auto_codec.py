@@ -29,11 +29,12 @@ from weightstream.offload.plan import placement as planner
 from weightstream.offload.plan.auto_placement import signature
 from weightstream.offload.hooks import RemovableHooks
 from weightstream.offload.progress import announce
-from weightstream.offload.streamed import _all_tensors, tensor_bytes
+from weightstream.offload.layout import all_tensors, tensor_bytes
 from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from weightstream.offload.layout import align_up
-from weightstream.offload.sources.codec_names import AUTO_CODECS
-from weightstream.offload.sources.coded import CODECS, CodedSource
+from weightstream.offload.codecs import AUTO_CODECS
+from weightstream.offload.sources.coded import CodedSource
+from weightstream.offload.codecs import CODECS
 from weightstream.offload.host.encode import _ALIGN, _slack
 
 
@@ -107,7 +108,7 @@ class AutoCodec(RemovableHooks):
         raw: list[int | None] = [None] * n
         for lay in src.layouts:
             raw[lay.index] = lay.nbytes
-        sizes = [r if r is not None else max(1, sum(tensor_bytes(t) for t in _all_tensors(sb.blocks[i].module)))
+        sizes = [r if r is not None else max(1, sum(tensor_bytes(t) for t in all_tensors(sb.blocks[i].module)))
                  for i, r in enumerate(raw)]  # resident blocks: their tensors' bytes
         compute, _ = planner.compute_from_events(events, sizes, cold_outliers=True)
         fixed = tuple(sorted(lay.index for k, lay in enumerate(src.layouts) if not src.raw[k]))
@@ -192,7 +193,7 @@ def _decode_ms(data: torch.Tensor, table, nbytes: int, device: torch.device) -> 
     """Milliseconds one decode of ``data`` takes on ``device``: on CUDA the mean of
     :data:`_DECODE_REPS` launches replayed from one CUDA graph (a sampled block decodes in tens
     of microseconds, about what a launch from Python takes: timed eager, exp-k read 501 GB/s
-    instead of its 800, call40), after an eager one (the kernel compiles)."""
+    instead of its 800; docs/performance.md), after an eager one (the kernel compiles)."""
     if table.num_tiles == 0:
         return 0.0
     if device.type == "cuda":

@@ -36,8 +36,8 @@ import time
 from weightstream.offload.plan import placement as planner
 from weightstream.offload.plan.auto_codec import AutoCodec, _decode_ms, _layout_key
 from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
-from weightstream.offload.sources.codec_names import AUTO_CODECS
-from weightstream.offload.streamed import _all_tensors, tensor_bytes
+from weightstream.offload.codecs import AUTO_CODECS
+from weightstream.offload.layout import all_tensors, tensor_bytes
 
 __all__ = ["GatherAutoCodec", "join_measurements"]
 
@@ -111,7 +111,7 @@ class GatherAutoCodec(AutoCodec):
         decoded: list = [None] * n  # what a decode of the block writes: the whole image
         for k, lay in enumerate(src.layouts):
             link[lay.index], decoded[lay.index] = src.link_bytes(k), lay.nbytes
-        sizes = [d if d is not None else max(1, sum(tensor_bytes(t) for t in _all_tensors(sb.blocks[i].module)))
+        sizes = [d if d is not None else max(1, sum(tensor_bytes(t) for t in all_tensors(sb.blocks[i].module)))
                  for i, d in enumerate(decoded)]
         events = [ev for ev in events if ev["lane"] in ("copy", "compute")]  # not the gathers' lane
         compute, _ = planner.compute_from_events(events, sizes, cold_outliers=True)

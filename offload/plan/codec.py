@@ -18,8 +18,8 @@ like the resident set (:mod:`.planner`):
   (the block's compute grows by the decode time). Eager decodes share the SMs
   with the compute: the step is at least the summed compute plus ``steal``
   times the summed decode time (1.15: Wan with every block coded ran 34-41 ms
-  over its resident step for 36 ms of decode, call31; a GEMM loop with
-  nothing idle loses more, 2.27x, ``perf/bench_decode_steal.py``, call32, but
+  over its resident step for 36 ms of decode; a GEMM loop with
+  nothing idle loses more, 2.27x, but
   a streamed step's compute has gaps);
 - search: per codec, blocks ordered by saved link time per unit of decode
   cost (ties spread over the step), every prefix of that order evaluated; the

@@ -66,14 +66,15 @@ from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, Bloc
 from weightstream.offload.host.arena import PAGE, copy_from_image
 from weightstream.offload.host.packing import malloc_trim
 from ..layout import BlockLayout, align_up
+from weightstream.offload.placeholders import drop_storage
 from ..progress import Progress
 from .base import SourceCaps, WeightSource
 from weightstream.offload.host.recode import AutoCoding
-from .codec_names import AUTO, CODEC_LEVELS, CODECS, CodedCaptureStaleError, codec_levels, module_codec  # noqa: F401
+from weightstream.offload.codecs import AUTO, CODECS, CodedCaptureStaleError, codec_levels, module_codec
 from weightstream.offload.host.encode import _ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into, encode_workers, encoded_in_order, in_order
 
 __all__ = ["CodedSource", "CodedCaptureStaleError", "CodedRegion", "coded_source", "check_codec_supported", "CODECS",
-           "CODEC_LEVELS", "codec_levels", "decode_placement", "module_codec", "AUTO"]
+           "codec_levels", "decode_placement", "module_codec", "AUTO"]
 
 ENCODE_ON = ("cpu", "device")  # where CodedSource codes its blocks
 DECODE_AT = ("load", "use")  # when CodedSource issues a block's decode (see CodedSource.__init__)
@@ -99,7 +100,7 @@ def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: _drop(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, **decode_placement(cfg),
+        drop=lambda ts: drop_storage(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, **decode_placement(cfg),
     )
 
 
@@ -108,7 +109,7 @@ def decode_placement(cfg) -> dict:
     :class:`CodedSource`). Eager: at load, on the decode stream. CUDA graphs: at use, on the
     compute stream. Captured at load, each block's decode became the first dependant of its
     copy, and the step graph's copies ran at ~50 GB/s instead of 55 (flux graphs-coded 0.806x
-    the uncoded floor, call28); issued at use, after the next block's copy, 0.713x (0.732x on
+    the uncoded floor); issued at use, after the next block's copy, 0.713x (0.732x on
     the decode stream). Eager, decoding at load stays the faster (flux 0.746-0.753x vs 0.757x
     at use on the decode stream). Outputs are the same bytes either way."""
     if cfg.cuda_graphs == "on":
@@ -235,7 +236,7 @@ class CodedSource(AutoCoding, WeightSource):
         # block k's coded bytes lie in _backing[k] (a CodedRegion's read-only data) until it is re-encoded
         self._backing: list[torch.Tensor | None] = [None] * len(self.layouts)
         t0 = time.perf_counter()
-        self._build(objs, drop or _drop, progress, encoded)
+        self._build(objs, drop or (lambda ts: drop_storage(ts, "cpu")), progress, encoded)
         self.encode_s = time.perf_counter() - t0
 
     # -- build -------------------------------------------------------------------
@@ -438,7 +439,7 @@ class CodedSource(AutoCoding, WeightSource):
         """Whether load(k) orders its slot write after ``after`` itself: a coded block's H2D runs
         ahead into its own buffer (the decode waits); a raw block's copy writes the slot, so the
         executor waits before it (and its copy record times the copy alone: the link rate
-        weight_codec="auto" plans with; measured with the wait inside, Wan's read 9.2 GB/s, call34)."""
+        weight_codec="auto" plans with; measured with the wait inside, Wan's read 9.2 GB/s)."""
         return not self.raw[k]
 
     def _load_raw(self, k: int, slot: int, after, tag):
@@ -768,10 +769,3 @@ def _bits_per_weight(tables) -> float:
                if s.header.k != 8 or s.header.dtype != torch.int16]
     c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
     return 8.0 * c16 / n16 if n16 else 0.0
-
-
-def _drop(tensors, device="cpu") -> None:
-    """Point tensors at empty placeholders on ``device`` (identity kept, storage released)."""
-    empties: dict[torch.dtype, torch.Tensor] = {}
-    for t in tensors:
-        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))

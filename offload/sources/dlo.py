@@ -33,7 +33,8 @@ from weightstream.offload.dlo.topology import shard_size
 from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec
 from .base import SourceCaps, WeightSource
-from .pinned import SourceRequest, drop_storage
+from .pinned import SourceRequest
+from ..placeholders import drop_storage
 
 
 def _raw_bytes(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

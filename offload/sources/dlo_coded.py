@@ -52,12 +52,13 @@ from weightstream.offload.dlo.topology import shard_size
 from ..layout import BlockLayout, TensorSpec
 from ..progress import Progress
 from .base import SourceCaps
-from .codec_names import AUTO
-from .coded import CodedCaptureStaleError, codec_levels
+from weightstream.offload.codecs import AUTO
+from weightstream.offload.codecs import CodedCaptureStaleError, codec_levels
 from weightstream.offload.host.recode import SAMPLE_BYTES, checked_blocks, sample_coded
 from weightstream.offload.host.encode import _slack, encode_image, encoded_in_order
 from .dlo import ShardedHostViews, ShardSource, write_share
-from .pinned import SourceRequest, drop_storage
+from .pinned import SourceRequest
+from ..placeholders import drop_storage
 
 __all__ = ["CodedShardSource", "CodedShardStore", "CodedPiece", "merge_coded_shards"]
 

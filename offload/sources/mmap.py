@@ -63,8 +63,8 @@ Resident blocks may be any set (``resident_layers=[1, 3]``); ``'auto'`` is
 refused: auto placement writes demoted blocks back into their source, and
 this source is read-only (as ``update_weights`` of streamed tensors is).
 
-Entry point: :func:`offload_from_safetensors` (re-exported by
-:mod:`weightstream.offload.mmap_source`). Checkpoint parsing and meta binding
+Entry point: :func:`offload_from_safetensors` (public as
+:func:`weightstream.offload_from_safetensors`). Checkpoint parsing and meta binding
 live in :mod:`..checkpoint`, registration in :mod:`..host_memory`, copy plans
 and the registration of checkpoint pages in :mod:`.mmap_plans`.
 """
@@ -80,7 +80,8 @@ from torch import nn
 
 from weightstream.kernels.materialise import materialise, materialise_torch
 
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _give_data, _listing, _named_tensors, as_sources, bind_checkpoint, check_opt_in, host_tensor
+from weightstream.offload.placeholders import drop_storage, give_data
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _listing, _named_tensors, as_sources, bind_checkpoint, check_opt_in, host_tensor
 from ..config import OffloadConfig
 from ..discovery import OffloadPlan
 from weightstream.offload.host.arena import copy_from_image
@@ -117,10 +118,7 @@ class MmapSource(WeightSource):
         self.pack_threads: set[str] = set()  # names of the threads that ran pack() (staging)
         self._views = self._host_views()
         with torch.no_grad():  # streamed tensors leave meta: the executor binds placeholders and slot views
-            for ts in self.tensors:
-                for t in ts:
-                    if t.device.type == "meta":
-                        _give_data(t, torch.empty(0, dtype=t.dtype, device=self.device))
+            drop_storage([t for ts in self.tensors for t in ts if t.device.type == "meta"], self.device)
         self.slots, self.streams, self.wire, self._copies, self.stager = [], None, [], [], None
         self.timings = dict(timings or {}, store_s=time.perf_counter() - t0)
 
@@ -403,7 +401,7 @@ def _load_resident(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed
         for _, t in _named_tensors(module):
             b = bindings.get(id(t))
             if b is not None and id(t) not in streamed_ids:
-                _give_data(t, host_tensor(ckpt, b).to(device, copy=True))
+                give_data(t, host_tensor(ckpt, b).to(device, copy=True))
 
 
 def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
@@ -422,7 +420,7 @@ def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch
             for _, t in _named_tensors(module):
                 b = bindings.get(id(t))
                 if b is not None:
-                    _give_data(t, torch.empty(b.shape, dtype=b.dtype, device="meta"))
+                    give_data(t, torch.empty(b.shape, dtype=b.dtype, device="meta"))
         bind_s = time.perf_counter() - t0
 
         def factory(req) -> MmapSource:

@@ -71,10 +71,12 @@ import torch
 
 from weightstream.kernels.codec_format import DEFAULT_TILE, PATCHED, VERSION, VERSION2, VERSION3, DecodeTable
 
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, _give_data, changed_message, host_tensor
+from weightstream.offload.placeholders import drop_storage
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, changed_message, host_tensor
 from weightstream.offload.host.arena import PAGE
 from ..layout import BlockLayout, align_up
-from .coded import CODECS, CodedRegion, CodedSource, codec_levels, decode_placement
+from weightstream.offload.sources.coded import CodedRegion, CodedSource, decode_placement
+from weightstream.offload.codecs import CODECS, codec_levels
 from weightstream.offload.host.encode import _capacity, decode_paths, encode_image, in_order
 from weightstream.offload.host.copy_plans import build_plan, file_keys, file_ordered_layout
 
@@ -622,10 +624,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     size = watch.size if watch is not None else 0
     plans = [build_plan(k, lay, ts, bindings) for k, (lay, ts) in enumerate(zip(layouts, tensors))]
     with torch.no_grad():  # streamed tensors leave meta: the source drops them to placeholders
-        for ts in tensors:
-            for t in ts:
-                if t.device.type == "meta":
-                    _give_data(t, torch.empty(0, dtype=t.dtype, device=device))
+        drop_storage([t for ts in tensors for t in ts if t.device.type == "meta"], device)
     counter = [0]
     levels = codec_levels(cfg.weight_codec)
     encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,

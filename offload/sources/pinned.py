@@ -29,6 +29,7 @@ import torch
 from ..discovery import Block
 from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..layout import BlockLayout
+from ..placeholders import drop_storage
 from weightstream.offload.host.packing import pack_blocks
 from ..schedule import Schedule
 from weightstream.offload.host.staging import Stager, check_threads
@@ -60,13 +61,6 @@ class SourceRequest:
     @property
     def pin(self) -> bool:
         return bool(self.config.pin_memory) and self.device.type == "cuda"
-
-
-def drop_storage(tensors, device: torch.device) -> None:
-    """Point tensors at shared empty placeholders (identity kept, storage released)."""
-    empties: dict[torch.dtype, torch.Tensor] = {}
-    for t in tensors:
-        t.data = empties.setdefault(t.dtype, torch.empty(0, dtype=t.dtype, device=device))
 
 
 class PinnedSource(WeightSource):

@@ -382,7 +382,7 @@ def test_reencode_in_place_into_another_version_decodes_with_the_source_paths(co
     change: exp-kp re-encodes it as version 3, exp-k2 as version 2. A table compiled with its source's
     paths (`coded_encode.decode_paths`) decodes the new records; one compiled for the old tensors only
     (no patch loop / no level-2 code) would not."""
-    from weightstream.offload.sources.codec_names import codec_levels
+    from weightstream.offload.codecs import codec_levels
     from weightstream.offload.host.encode import decode_paths
 
     levels = codec_levels(codec)
@@ -416,7 +416,7 @@ def test_gpu_graph_replays_a_table_reencoded_into_another_version(codec):
     """The CPU test above through a captured CUDA graph: capture the decode of escape-free version-1
     tensors with the source's paths, re-encode into another version at the same offsets, update the
     device table in place, replay: the new weights, bit for bit."""
-    from weightstream.offload.sources.codec_names import codec_levels
+    from weightstream.offload.codecs import codec_levels
     from weightstream.offload.host.encode import decode_paths
 
     _gpu_ok()
