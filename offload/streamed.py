@@ -107,7 +107,7 @@ class StreamedBlocks:
                 f"{format_bytes(slot_total)}; raise the budget or lower num_slots/resident_layers"
             )
         self.tensors = tensors
-        req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule)
+        req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule, codec=config.weight_codec)
         if source is None:  # the default: pinned host images, coded ones with weight_codec
             source = pinned_source if config.weight_codec == "none" else coded_source
         self.source = source(req)

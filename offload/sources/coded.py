@@ -94,13 +94,13 @@ def coded_source(req, *, encode_on: str = "cpu") -> "CodedSource":
     """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``weight_codec != 'none'``
     (``encode_on``: see :class:`CodedSource`)."""
     cfg = req.config
-    if cfg.weight_codec != AUTO:
-        codec_levels(cfg.weight_codec)
+    if req.codec != AUTO:
+        codec_levels(req.codec)
     budget = cfg.pinned_memory_budget_gb
     return CodedSource(
         req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
         pin=cfg.pin_memory, budget_bytes=None if budget is None else int(budget * 1e9), progress=cfg.progress,
-        drop=lambda ts: drop_storage(ts, req.device), encode_on=encode_on, codec=cfg.weight_codec, **decode_placement(cfg),
+        drop=lambda ts: drop_storage(ts, req.device), encode_on=encode_on, codec=req.codec, **decode_placement(cfg),
     )
 
 

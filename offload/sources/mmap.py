@@ -427,7 +427,7 @@ def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch
             t1 = time.perf_counter()
             _load_resident(module, ckpt, bindings, {id(t) for ts in req.tensors for _, _, t in ts}, req.device)
             timings = {"open_s": ckpt.open_s, "bind_s": bind_s, "resident_load_s": time.perf_counter() - t1}
-            if config.weight_codec != "none":
+            if req.codec != "none":
                 made.append(mmap_coded_source(req, ckpt, bindings, coded_sidecar, timings))
                 return made[-1]
             made.append(MmapSource(req, ckpt, bindings, copy_path=copy_path, staging_threads=staging_threads,

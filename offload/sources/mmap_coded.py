@@ -615,7 +615,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     cfg, device = req.config, req.device
     tensors = [[t for _, _, t in ts] for ts in req.tensors]
     layouts = [file_ordered_layout(lay, file_keys(ts, bindings, len(ckpt.files))) for lay, ts in zip(req.layouts, tensors)]
-    ident = identity(ckpt, layouts, tensors, bindings, cfg.weight_codec)
+    ident = identity(ckpt, layouts, tensors, bindings, req.codec)
     path = sidecar_path(ckpt, ident)
     t0 = time.perf_counter()
     regions = watch = verifier = None
@@ -626,14 +626,14 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     with torch.no_grad():  # streamed tensors leave meta: the source drops them to placeholders
         drop_storage([t for ts in tensors for t in ts if t.device.type == "meta"], device)
     counter = [0]
-    levels = codec_levels(cfg.weight_codec)
+    levels = codec_levels(req.codec)
     encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,
                                                                  levels)
     budget = cfg.pinned_memory_budget_gb
     try:
         src = MmapCodedSource(layouts, tensors, device=device, pin=cfg.pin_memory, progress=cfg.progress,
                               budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded,
-                              codec=cfg.weight_codec, sidecar=watch, verifier=verifier, **decode_placement(cfg))
+                              codec=req.codec, sidecar=watch, verifier=verifier, **decode_placement(cfg))
     except BaseException:
         if verifier is not None:
             verifier.stop()

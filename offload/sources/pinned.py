@@ -50,6 +50,7 @@ class SourceRequest:
     tensors: list[list[tuple[str, str, torch.Tensor]]]  # per streamed block: (name, kind, tensor) in layout order
     layouts: list[BlockLayout]  # runtime layouts (build_layout)
     schedule: Schedule
+    codec: str = "none"  # the weight codec the builder selected ("none", a codec name, "auto"); sources read this
 
     def objects(self, k: int) -> list[torch.Tensor]:
         return [t for _, _, t in self.tensors[k]]
