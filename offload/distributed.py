@@ -90,7 +90,7 @@ from .discovery import OffloadPlan
 from weightstream.offload.dlo.guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardSource
 from .sources.pinned import SourceRequest, pinned_source
-from .sources.coded import coded_source
+from .sources.pinned import coded_source
 from .sources.dlo_coded import CodedShardSource
 from .streamed import StreamedBlocks
 from weightstream.offload.dlo.control import DEFAULT_PATH_KEYS, CodedPiece, DLOCollectiveError, ShardMergeError, ShardPiece, WeightDigest, _control_for, digest_mismatches, fit_digest, merge_shards, setup_digest, validate_wave, weight_mismatches

@@ -22,7 +22,7 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest, pinned_source
-from .sources.coded import coded_source
+from .sources.pinned import coded_source
 from .layout import all_tensors, block_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,

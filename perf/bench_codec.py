@@ -149,7 +149,7 @@ def _build_blocks(tensors, blocks: int):
 def build_figures(tensors, blocks: int, workers: list[int], reps: int = 1) -> dict:
     """Build-path encode rates (modes ``triton-build-w<W>`` and ``triton-build-source``), each the
     median of ``reps`` runs; every run's coded bytes are checked equal to the first run's."""
-    from weightstream.offload.sources.coded import CodedSource
+    from weightstream.offload.sources.pinned import CodedSource
     from weightstream.offload.host.encode import encoded_in_order
 
     layouts, objs = _build_blocks(tensors, blocks)

@@ -341,7 +341,7 @@ def half_pinned_budget_gb(model: nn.Module) -> float:
 def _encode_on_device(spec: ModeSpec, model: nn.Module, device: torch.device, record_events: bool):
     """A -coded-encgpu mode's wrapper: the coded source codes its blocks on the GPU."""
     from weightstream import OffloadedTransformer
-    from weightstream.offload.sources.coded import coded_source
+    from weightstream.offload.sources.pinned import coded_source
     from weightstream.offload.streamed import StreamedBlocks
 
     cfg = weightstream_config(spec, record_events)

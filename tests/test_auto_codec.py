@@ -218,7 +218,7 @@ def test_code_blocks_mixes_raw_and_coded_blocks():
         src.code_blocks([3], "exp-k2")
     with pytest.raises(ValueError, match="weight_codec='nope'"):
         src.code_blocks([3], "nope")
-    src._captured = True
+    src.stage.captured = True
     with pytest.raises(CodedCaptureStaleError, match="CUDA graphs were captured"):
         src.code_blocks([3], "exp-k")
 
@@ -401,7 +401,7 @@ def test_a_background_job_waits_while_its_blocks_are_not_taken(monkeypatch):
         want = first(ref(**x))
         assert torch.equal(first(wrapped(**x)), want)
         src.code_blocks(range(len(src.raw)), "exp-k", background=True)
-        job = src._coding
+        job = src.images._coding
         t0 = time.monotonic()
         while not job._done:
             assert time.monotonic() - t0 < 30
@@ -411,7 +411,7 @@ def test_a_background_job_waits_while_its_blocks_are_not_taken(monkeypatch):
         assert torch.equal(first(wrapped(**x)), want)  # swaps the one in, the job goes on
         assert sum(src.raw) < len(src.raw)
     assert _until_coded(wrapped, x, want) >= 1
-    assert not any(src.raw) and not job.running and not src._retiring
+    assert not any(src.raw) and not job.running and not src.images._retiring
     assert all(src.region(k).data_ptr() != src.arena[src.offsets[k]:].data_ptr() for k in range(len(src.raw)))
 
 

@@ -1,7 +1,8 @@
 """Stream/event ordering of the coded source (H2D of coded bytes on the copy stream, decode on
 the decode stream), checked on the CPU with RecordingStreams and tests/stream_trace.py, as
 tests/test_happens_before.py does for the pinned and DLO sources: every schedule is clean,
-and one-line mutations of CodedSource keep the CPU outputs bit-exact but break the rules."""
+and one-line mutations of CodedSource (the pinned transport) and of its DecodeStage keep the CPU
+outputs bit-exact but break the rules."""
 import dataclasses
 import copy
 import warnings
@@ -13,7 +14,8 @@ from test_happens_before import MODES, SKIPS, SkippingToyDiT, _traced, mutant
 
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import toy_inputs
-from weightstream.offload.sources.coded import CodedSource, coded_source
+from weightstream.offload.sources.decode import DecodeStage
+from weightstream.offload.sources.pinned import CodedSource, coded_source
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
 
@@ -23,8 +25,8 @@ DEV = torch.device("cpu")
 class CodedCase:
     """A wrapped SkippingToyDiT (7 blocks, fp32 and bf16) streamed from coded images, traced."""
 
-    def __init__(self, *, slots=2, resident=0, mode="ring", source_cls=CodedSource, decode_at="load",
-                 decode_stream=True, coded=None):
+    def __init__(self, *, slots=2, resident=0, mode="ring", source_cls=CodedSource, stage_cls=DecodeStage,
+                 decode_at="load", decode_stream=True, coded=None):
         """``coded``: weight_codec="auto" with these streamed blocks coded (exp-k), the rest raw."""
         self.rec = RecordingStreams()
         model = SkippingToyDiT()
@@ -37,7 +39,8 @@ class CodedCase:
         def factory(req):
             src = coded_source(req)
             src.__class__ = source_cls  # the same object, with the (mutated) methods of source_cls
-            src.decode_at, src.decode_stream = decode_at, decode_stream  # before the executor attaches it
+            src.stage.__class__ = stage_cls  # ... and its stage, with those of stage_cls
+            src.stage.decode_at, src.stage.decode_stream = decode_at, decode_stream  # before the executor attaches it
             src.caps = dataclasses.replace(src.caps, writes_at_use=decode_at == "use")
             return src
 
@@ -93,10 +96,10 @@ def _exercise(case) -> None:
 
 CODED_MUTATIONS = {
     # the decode does not wait for the H2D of its coded bytes
-    "decode-no-wait-copied": ("ds.wait_event(self._copied[slot])", {"read_after_load"}, "ring"),
+    "decode-no-wait-copied": ("written", "ds.wait_event(self._copied[slot])", {"read_after_load"}, "ring"),
     # the H2D into a coded buffer does not wait for the decode that last read it (a skipped
     # block's slot is freed without anyone waiting for its decode)
-    "copy-no-wait-read": ("cs.wait_event(self._read[slot])", {"no_concurrent_write"}, "ring"),
+    "copy-no-wait-read": ("before_write", "cs.wait_event(self._read[slot])", {"no_concurrent_write"}, "ring"),
 }
 
 
@@ -115,7 +118,7 @@ USE_MUTATIONS = {
     # ... nor for the slot's release by the block computed from it before
     "use-decode-no-wait-free": ("before_use", "ds.wait_event(self._free[slot])", {"no_concurrent_write"}, True),
     # the H2D into a coded buffer does not wait for the decode that last read it
-    "use-copy-no-wait-read": ("_copy", "cs.wait_event(self._read[slot])", {"no_concurrent_write"}, False),
+    "use-copy-no-wait-read": ("before_write", "cs.wait_event(self._read[slot])", {"no_concurrent_write"}, False),
 }
 
 
@@ -137,30 +140,30 @@ def test_decode_at_use_is_ordered(decode_stream, slots, resident, mode):
 @pytest.mark.parametrize("name", list(USE_MUTATIONS))
 def test_decode_at_use_mutation_is_caught(name):
     method, line, rules, decode_stream = USE_MUTATIONS[name]
-    case = CodedCase(source_cls=mutant(CodedSource, method, line), decode_at="use", decode_stream=decode_stream)
+    case = CodedCase(stage_cls=mutant(DecodeStage, method, line), decode_at="use", decode_stream=decode_stream)
     broken = _broken_rules(case)
     assert rules <= broken, f"{name}: expected {sorted(rules)} broken, got {sorted(broken)}"
 
 
 def test_decode_at_use_needs_the_executor_call():
     """A source whose before_use does nothing leaves the slots coded: the outputs differ."""
-    line = 'if self.decode_at != "use" or self._streams is None or self.raw[k]:'
-    case = CodedCase(source_cls=mutant(CodedSource, "before_use", line, "if True:"), decode_at="use")
+    line = 'if self.decode_at != "use" or self._streams is None:'
+    case = CodedCase(stage_cls=mutant(DecodeStage, "before_use", line, "if True:"), decode_at="use")
     with pytest.raises(AssertionError):
         case.forward()
 
 
 @pytest.mark.parametrize("name", list(CODED_MUTATIONS))
 def test_coded_mutation_is_caught(name):
-    line, rules, mode = CODED_MUTATIONS[name]
-    case = CodedCase(mode=mode, source_cls=mutant(CodedSource, "_issue", line))
+    method, line, rules, mode = CODED_MUTATIONS[name]
+    case = CodedCase(mode=mode, stage_cls=mutant(DecodeStage, method, line))
     broken = _broken_rules(case)
     assert rules <= broken, f"{name}: expected {sorted(rules)} broken, got {sorted(broken)}"
 
 
 def test_coded_unmutated_twin_is_clean():
-    line = CODED_MUTATIONS["copy-no-wait-read"][0]
-    case = CodedCase(source_cls=mutant(CodedSource, "_issue", line, line))
+    method, line = CODED_MUTATIONS["copy-no-wait-read"][:2]
+    case = CodedCase(stage_cls=mutant(DecodeStage, method, line, line))
     for skip in SKIPS:
         case.forward(skip=skip)
     _assert_clean(case, min_reads=3 * 7)
@@ -180,16 +183,17 @@ def test_mixed_raw_and_coded_blocks_are_ordered(decode_at, decode_stream, slots,
 
 RAW_MUTATIONS = {
     # nobody waits for the slot's release before a raw block's copy into it (the source claims it does)
-    "raw-no-wait-free": ("waits_for_free_of", "return not self.raw[k]", "return True", "use"),
+    "raw-no-wait-free": (CodedSource, "waits_for_free_of", "return not self.images.raw[k]", "return True", "use"),
     # the copy does not wait for the decode a skipped coded block left running into the same slot
-    "raw-no-wait-decode": ("_load_raw", "cs.wait_stream(self._dstream)", "pass", "load"),
+    "raw-no-wait-decode": (DecodeStage, "before_raw", "cs.wait_stream(self._dstream)", "pass", "load"),
 }
 
 
 @pytest.mark.parametrize("name", list(RAW_MUTATIONS))
 def test_raw_load_mutation_is_caught(name):
-    method, line, replacement, decode_at = RAW_MUTATIONS[name]
-    case = CodedCase(source_cls=mutant(CodedSource, method, line, replacement), decode_at=decode_at, coded=(0, 2, 3))
+    cls, method, line, replacement, decode_at = RAW_MUTATIONS[name]
+    kind = "stage_cls" if cls is DecodeStage else "source_cls"
+    case = CodedCase(**{kind: mutant(cls, method, line, replacement)}, decode_at=decode_at, coded=(0, 2, 3))
     assert "no_concurrent_write" in _broken_rules(case)
 
 
@@ -206,7 +210,7 @@ def test_background_coding_switch_is_ordered(mode):
     t0 = time.monotonic()
     for i in range(400):
         case.forward(skip=SKIPS[i % len(SKIPS)])
-        if src._coding is None:
+        if src.images._coding is None:
             break
         assert time.monotonic() - t0 < 60
         time.sleep(0.01)

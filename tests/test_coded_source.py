@@ -19,7 +19,8 @@ from weightstream.offload.discovery import discover_blocks
 from weightstream.offload.host.arena import HostStore
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.sources.base import STATS_KEYS, check_stats
-from weightstream.offload.sources.coded import CodedSource, check_codec_supported
+from weightstream.offload.sources.decode import check_codec_supported
+from weightstream.offload.sources.pinned import CodedSource
 from weightstream.offload.codecs import CodedCaptureStaleError
 from weightstream.offload.streams import RecordingStreams
 
@@ -202,7 +203,7 @@ def test_host_view_edit_is_reencoded_at_step_start(recording, codec):
     assert not _spans_equal(src.image(0), want, layouts[0])
     del hv, views
     src.check()  # nobody holds a view any more: the decoded copy goes
-    assert not src._decoded
+    assert not src.images._decoded
     slots[1].zero_()
     src.load(0, 1, position=2, after=None, tag=None)
     assert not _spans_equal(slots[1], want, layouts[0])
@@ -223,7 +224,7 @@ def test_write_reencodes_and_unheld_copies_go(codec):
     src.load(k, 0, position=0, after=None, tag=None)
     assert not _spans_equal(slots[0], want, layouts[k])
     src.check()
-    assert not src._decoded, "a decoded copy made only for write() is dropped at the next step"
+    assert not src.images._decoded, "a decoded copy made only for write() is dropped at the next step"
     assert not _spans_equal(src.image(k), want, layouts[k])
 
 
@@ -544,7 +545,7 @@ def test_encode_on_is_validated():
 def test_decode_placement_by_config():
     """Graphs decode at use on the compute stream (their copies ran slower when each decode was
     captured right after its copy); eager decodes at load on the decode stream; stats() says which."""
-    from weightstream.offload.sources.coded import decode_placement
+    from weightstream.offload.sources.decode import decode_placement
 
     assert decode_placement(OffloadConfig.layerwise(weight_codec="exp-k")) == {"decode_at": "load",
                                                                                 "decode_stream": True}

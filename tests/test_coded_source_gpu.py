@@ -168,7 +168,7 @@ def case_encode_on_device_same_bytes(codec="exp-k"):
 
     from test_coded_source import _blocks
     from weightstream.models import tiny_flux
-    from weightstream.offload.sources.coded import CodedSource
+    from weightstream.offload.sources.pinned import CodedSource
 
     model = _student_t(tiny_flux(dtype=torch.bfloat16), torch)
     tensors, layouts = _blocks(model)

@@ -63,7 +63,7 @@ print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"),
 CHILD_CODED = CHILD.split("wrapped = ")[0] + r"""
 from weightstream.offload.discovery import discover_blocks
 from weightstream.offload.layout import block_tensors, build_layout
-from weightstream.offload.sources.coded import CodedSource
+from weightstream.offload.sources.pinned import CodedSource
 from weightstream.offload.host.encode import encode_workers
 blocks = discover_blocks(model, None)
 tensors = [[t for _, _, t in block_tensors(b.module)] for b in blocks]

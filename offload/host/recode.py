@@ -1,13 +1,14 @@
-"""weight_codec="auto" on the coded source: raw blocks coded, at once or in the background.
+"""weight_codec="auto" on the block image store: raw blocks coded, at once or in the background.
 
-:class:`AutoCoding` is a mixin of :class:`~.coded.CodedSource` (the planner's side of it: sample a
+:class:`AutoCoding` is a mixin of :class:`~.images.BlockImages` (the planner's side of it: sample a
 block, code a set of raw blocks, swap in a background job's blocks at a step start, give the raw
 pages back). At once (CUDA graphs come next), each block is coded in its region. In the
 background, the job's thread writes each coded block into a buffer of its own and pins it
 (:meth:`AutoCoding._prepare_coded`); a step start then only points the block at that buffer
 (:meth:`AutoCoding._swap_in`), and a thread of its own unpins the raw region and gives its pages
-back once the copies issued before the swap are done (:meth:`AutoCoding._retire`). The raw
-blocks' loads live with the other load paths in :mod:`.coded`; the policy in
+back once the copies issued before the swap are done (:meth:`AutoCoding._retire`). What that
+means on the device (tables, buffers, copies in flight) goes to the store's ``side``; the raw
+blocks' loads live with the transports (:mod:`weightstream.offload.sources.pinned`); the policy in
 :mod:`weightstream.offload.plan.codec`, the hooks in :mod:`weightstream.offload.plan.auto_codec`.
 """
 from __future__ import annotations
@@ -115,7 +116,11 @@ def _anonymous(nbytes: int) -> torch.Tensor:
 
 
 class AutoCoding:
-    """Raw blocks of a :class:`~.coded.CodedSource` (``self.raw[k]``) becoming coded."""
+    """Raw blocks of a :class:`~.images.BlockImages` (``self.raw[k]``) becoming coded."""
+
+    @property
+    def _captured(self) -> bool:  # read by checked_blocks
+        return self.side.captured
 
     def sample(self, k: int, codec: str, max_bytes: int | None = SAMPLE_BYTES) -> tuple[int, torch.Tensor, DecodeTable, int]:
         """Raw block ``k`` encoded with ``codec`` aside (nothing stored), or of a larger block a
@@ -152,7 +157,6 @@ class AutoCoding:
         if self._dirty:
             self._fold()
         self.levels, self.codec = levels, codec
-        self.name = f"coded-auto({codec}){self.name_suffix}"
         images = [[s.view_of(self.region(k)) for s in self.layouts[k].tensors] for k in ks]
         if background:
             self._coding_progress = progress
@@ -188,14 +192,12 @@ class AutoCoding:
         self.raw[k] = False
         self._pin(k)
         self._release_tail(k)
-        if self._dev_tables:
-            self._dev_tables[k] = table.upload(self.device) if table.num_tiles else None
+        self.side.recoded(k)
 
     def _coded_since(self) -> None:
         """After blocks became coded: coded buffers large enough; the slots loaded raw re-copied."""
-        if self._slots and self._buffer_bytes() > (self._buffers[0].numel() if self._buffers else 0):
-            self._alloc_buffers()
-        self._host_edits += 1
+        self.side.fit_buffers()
+        self.edits += 1
 
     def _take_coded(self) -> None:
         """Step start: swap in the blocks the background job finished (:meth:`_swap_in`); a block
@@ -217,8 +219,7 @@ class AutoCoding:
                         swapped.append((k, self._swap_in(k, item)))
                         continue
                     item.reg.release()  # written after the job read it: never read by a copy
-                    if self._copy_stream is not None:
-                        self._copy_stream.synchronize()  # raw copies read the region rewritten now
+                    self.side.sync_copies()  # raw copies read the region rewritten now
                     self._apply_coded(k, *self._encode_now(k))
             finally:  # the blocks swapped in before an error give their raw regions back all the same
                 if swapped:
@@ -256,17 +257,13 @@ class AutoCoding:
         elif self.budget is not None and total + item.reg.bytes > self.budget:
             item.reg.release()  # a block that was not pinned raw (budget) stays pageable coded
         self._regs[k] = item.reg
-        if self._dev_tables:
-            self._dev_tables[k] = item.table.upload(self.device) if item.table.num_tiles else None
+        self.side.recoded(k)
         return old
 
     def _retire(self, swapped) -> None:
         """The raw regions of the blocks swapped in: unpinned and their pages given back on a
         thread of their own, once the copies issued before now (which may read them) are done."""
-        event = None
-        if self._copy_stream is not None and self.device.type == "cuda":
-            event = self._streams.new_event()
-            event.record(self._copy_stream)
+        event = self.side.copies_event()
         ranges = [(k, old, self.offsets[k], self.capacity[k]) for k, old in swapped]
         job = _Retiring(event, ranges, self._map)
         for k, *_ in ranges:

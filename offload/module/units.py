@@ -24,7 +24,7 @@ from torch import nn
 from weightstream.offload.host.registration import empty_host
 from weightstream.offload.host.arena import HostStore, copy_from_image
 from ..progress import Progress
-from weightstream.offload.sources.coded import CodedSource
+from weightstream.offload.sources.pinned import CodedSource
 from weightstream.offload.codecs import module_codec
 from ..placeholders import drop_storage
 

@@ -33,7 +33,7 @@ from weightstream.offload.layout import all_tensors, tensor_bytes
 from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from weightstream.offload.layout import align_up
 from weightstream.offload.codecs import AUTO_CODECS
-from weightstream.offload.sources.coded import CodedSource
+from weightstream.offload.sources.pinned import CodedSource
 from weightstream.offload.codecs import CODECS
 from weightstream.offload.host.encode import _ALIGN, _slack
 

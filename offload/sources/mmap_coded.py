@@ -75,7 +75,9 @@ from weightstream.offload.placeholders import drop_storage
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, changed_message, host_tensor
 from weightstream.offload.host.arena import PAGE
 from ..layout import BlockLayout, align_up
-from weightstream.offload.sources.coded import CodedRegion, CodedSource, decode_placement
+from weightstream.offload.host.images import CodedRegion
+from weightstream.offload.sources.pinned import CodedSource
+from weightstream.offload.sources.decode import decode_placement
 from weightstream.offload.codecs import CODECS, codec_levels
 from weightstream.offload.host.encode import _capacity, decode_paths, encode_image, in_order
 from weightstream.offload.host.copy_plans import build_plan, file_keys, file_ordered_layout

@@ -34,6 +34,12 @@ from weightstream.offload.host.packing import pack_blocks
 from ..schedule import Schedule
 from weightstream.offload.host.staging import Stager, check_threads
 from .base import SourceCaps, WeightSource
+from .decode import DecodeStage, decode_placement, runs
+from ...kernels._buffers import canonical_device
+from ...kernels.codec_format import DecodeTable
+from weightstream.offload.codecs import AUTO, codec_levels
+from weightstream.offload.host.images import BlockImages, DeviceSide
+from weightstream.offload.host.recode import SAMPLE_BYTES
 
 # staged blocks of at least this many bytes are packed over the CopyPool's threads
 POOL_MIN_BYTES = 8 << 20
@@ -274,3 +280,235 @@ class _Packer:
                 buf[:n].copy_(img)
         self.bytes += n
         self.versions[buf.data_ptr()] = version
+
+
+class CodedSource(WeightSource, DeviceSide):
+    """The pinned copy transport over a :class:`~..host.images.BlockImages` store (raw or coded
+    per block) with a :class:`~.decode.DecodeStage`: one H2D of a coded block's bytes into the
+    slot's coded buffer on the copy stream, decoded into the slot by the stage (at load, on its
+    decode stream or the copy stream; or at use); a raw block (weight_codec="auto", not coded)
+    copies its plain image straight into the slot. The coded H2D runs ahead of the slot's
+    release (its own buffer); only the decode waits for ``after`` (the slot-free event)."""
+
+    name_suffix = ""  # the source's name: "coded-" + its codec + this
+
+    def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
+                 budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
+                 encoded=None, encode_on: str = "cpu", codec: str = "exp-k", decode_at: str = "load", trust=None):
+        """The store's arguments (``encode_on``, ``codec``, ``encoded``, ...: :class:`BlockImages`),
+        the stage's (``decode_at``, ``decode_stream``: :class:`DecodeStage`)."""
+        self.stage = DecodeStage(list(layouts), decode_at=decode_at, decode_stream=decode_stream)
+        self.images = BlockImages(layouts, objs, device=device, pin=pin, budget_bytes=budget_bytes, progress=progress,
+                                  drop=drop, encoded=encoded, encode_on=encode_on, codec=codec, trust=trust)
+        self.images.side = self
+        self.caps = SourceCaps(codes_blocks=True, writes_at_use=decode_at == "use")
+        self.layouts = self.images.layouts
+        self.device = self.images.device
+        self.slot_bytes = max(lay.nbytes for lay in self.layouts)
+        self._copy_stream = self._streams = None
+        self._runs: dict[int, tuple] = {}  # runs(): block -> (its table, run_bytes, runs)
+
+    # -- the store, as the planners and module offload read it ------------------------------
+    name = property(lambda self: (f"coded-auto({self.images.codec})" if self.images.auto and self.images.codec != AUTO
+                                  else f"coded-{self.images.codec}") + self.name_suffix)
+    raw = property(lambda self: self.images.raw)
+    tables = property(lambda self: self.images.tables)
+    coded = property(lambda self: self.images.coded)
+    copy_bytes = property(lambda self: self.images.copy_bytes)
+    capacity = property(lambda self: self.images.capacity)
+    codec = property(lambda self: self.images.codec)
+    levels = property(lambda self: self.images.levels)
+    pin_failure = property(lambda self: self.images.pin_failure)
+    coding_active = property(lambda self: self.images.coding_active)
+    decode_at = property(lambda self: self.stage.decode_at)
+    decode_stream = property(lambda self: self.stage.decode_stream)
+    encode_s = property(lambda self: self.images.encode_s)
+    arena = property(lambda self: self.images.arena)
+    offsets = property(lambda self: self.images.offsets)
+
+    def region(self, k: int) -> torch.Tensor:
+        return self.images.region(k)
+
+    def sample(self, k: int, codec: str, max_bytes: int | None = SAMPLE_BYTES):
+        return self.images.sample(k, codec, max_bytes)
+
+    def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
+        self.images.code_blocks(ks, codec, progress=progress, background=background)
+
+    def capture_deferred(self) -> str | None:
+        return self.images.capture_deferred()
+
+    def block_stats(self, k: int) -> dict:
+        return self.images.block_stats(k)
+
+    decode_table = staticmethod(DecodeStage.decode)
+
+    def runs(self, k: int, run_bytes: int) -> list[tuple[int, int, DecodeTable]]:
+        """Block ``k``'s coded bytes in runs of about ``run_bytes`` (:func:`.decode.runs`); cached
+        until the block is re-encoded."""
+        table = self.images.tables[k]
+        hit = self._runs.get(k)
+        if hit is not None and hit[0] is table and hit[1] == run_bytes:
+            return hit[2]
+        out = runs(table, run_bytes)
+        self._runs[k] = (table, run_bytes, out)
+        return out
+
+    # -- what the store tells its device side (DeviceSide) -----------------------------------
+    @property
+    def captured(self) -> bool:
+        return self.stage.captured
+
+    def retabled(self, k: int) -> None:
+        self.stage.retable(k, self.images.tables[k])
+
+    def recoded(self, k: int) -> None:
+        self.stage.upload(k, self.images.tables[k])
+
+    def grew(self) -> None:
+        self.stage.grew(self.images.buffer_bytes(), "a weight update or an edit of a state_dict() tensor")
+
+    def fit_buffers(self) -> None:
+        self.stage.fit(self.images.buffer_bytes())
+
+    def copies_event(self):
+        if self._copy_stream is None or self.device.type != "cuda":
+            return None
+        event = self._streams.new_event()
+        event.record(self._copy_stream)
+        return event
+
+    def sync_copies(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    # -- the executor's side ------------------------------------------------------
+    def attach(self, slots: list[torch.Tensor], streams, device: torch.device) -> None:
+        """The stage's coded buffers, decode stream and events; every decode table on the device now."""
+        self._streams, self.device = streams, canonical_device(device)
+        self.stage.attach(slots, streams, self.device, self.images.buffer_bytes(), self.images.tables)
+
+    def side_streams(self) -> list:
+        return self.stage.side_streams()
+
+    def load(self, k: int, slot: int, *, position: int = 0, after=None, tag=None):
+        """H2D of block ``k``'s coded bytes into the slot's coded buffer on the current (copy)
+        stream, decoded by the stage (at load: returns the stream that decoded); a raw block
+        copies into the slot."""
+        self.images.fold()
+        st, images = self._streams, self.images
+        self.stage.note_load(tag)
+        if images.raw[k]:
+            return self._load_raw(k, slot, tag)
+        n = images.copy_bytes[k]
+        if st is None:  # CPU, no streams: decode straight from the host region, synchronously
+            self.stage.decode(images.region(k)[:n], self.stage.slot(slot), images.tables[k])
+            return None
+        cs = self._copy_stream = st.current_stream(self.device)
+        self.stage.before_write(slot, cs, tag, after)
+        copy_from_image(self.stage.buffer(slot)[:n], images.region(k)[:n])
+        return self.stage.written(k, slot, n, images.tables[k], cs, tag, after)
+
+    def waits_for_free_of(self, k: int) -> bool:
+        """Whether load(k) orders its slot write after ``after`` itself: a coded block's H2D runs
+        ahead into its own buffer (the decode waits); a raw block's copy writes the slot, so the
+        executor waits before it (and its copy record times the copy alone: the link rate
+        weight_codec="auto" plans with; measured with the wait inside, Wan's read 9.2 GB/s)."""
+        return not self.images.raw[k]
+
+    def _load_raw(self, k: int, slot: int, tag):
+        """A raw block (weight_codec="auto", not coded): one H2D of its plain image straight into
+        the slot, after the last decode into it (the executor waited for the slot's release, see
+        :meth:`waits_for_free_of`); no decode (:meth:`before_use` does nothing for it)."""
+        n, dst, src, st = self.layouts[k].nbytes, self.stage.slot(slot), self.images.region(k), self._streams
+        if st is None:
+            dst[:n].copy_(src[:n])
+            return None
+        cs = self._copy_stream = st.current_stream(self.device)
+        self.stage.before_raw(slot, cs, tag)
+        copy_from_image(dst[:n], src[:n])  # after the slot's release: the executor waited (waits_for_free_of)
+        self.stage.raw_written(k, slot)
+        return cs
+
+    def before_use(self, k: int, slot: int, stream, tag=None) -> None:
+        """decode_at="use": the stage decodes block ``k`` into the slot now (raw blocks: nothing)."""
+        if self.images.raw[k]:
+            return
+        self.stage.before_use(k, slot, stream, self.images.copy_bytes[k], self.images.tables[k], tag)
+
+    def check(self) -> None:
+        """Step start / before a replay: refuse stale captures; re-encode decoded host copies
+        edited in place (then :meth:`host_version` moves and the executor re-copies the slots
+        already loaded); swap in blocks coded in the background."""
+        self.stage.check()
+        self.images.check()
+
+    def slot_bytes_of(self, ks) -> int:
+        """Slot bytes for a ring that streams only blocks ``ks`` (auto placement): their largest image."""
+        return max((self.layouts[k].nbytes for k in ks), default=self.slot_bytes)
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over the host link (the planner's transfer term)."""
+        return self.images.copy_bytes[k]
+
+    def host_version(self) -> int:
+        """Moves when a step start re-encoded an edited host copy or blocks became coded (the
+        executor then re-copies the slots already loaded for upcoming positions)."""
+        return self.images.edits
+
+    def reload(self) -> None:
+        """Before the executor re-copies pending slots (update_weights): re-encode written blocks."""
+        self.images.fold()
+
+    def uncapturable(self) -> str | None:
+        """Why CUDA graphs cannot hold the loads: a copy from pageable memory cannot be captured."""
+        if self.device.type == "cuda" and not self.images.all_pinned:
+            why = self.images.pin_failure or "pin_memory is off"
+            return f"some coded blocks are in pageable host memory ({why})"
+        return None
+
+    def remove(self) -> None:
+        """Executor teardown: no threads to stop; let go of the slots and the coded buffers."""
+        self.stage.remove()
+
+    # -- host side ------------------------------------------------------------------
+    def host_views(self):
+        return self.images.host_views()
+
+    def host_view(self, k: int, i: int) -> torch.Tensor:
+        return self.images.host_view(k, i)
+
+    def write(self, k: int, index: int, value: torch.Tensor) -> None:
+        """Tensor ``index`` of block ``k`` = ``value`` (re-encoded at the next reload/load/check)."""
+        self.images.write(k, index, value)
+
+    def image(self, k: int) -> torch.Tensor:
+        """Block ``k``'s runtime image in a fresh tensor on the device (current stream)."""
+        return self.images.image(k, self.device)
+
+    def stats(self) -> dict:
+        return {"source": self.name, **self.images.stats(), "slot_bytes": self.slot_bytes, **self.stage.stats()}
+
+    def close(self) -> None:
+        """Unregister the regions; drop decoded copies and device buffers."""
+        self.images.close()
+        self._runs.clear()
+        self.stage.close()
+
+    def __repr__(self) -> str:
+        s = self.images.stats()
+        return (f"CodedSource({len(self.layouts)} blocks, {s['coded_bytes'] / 1e9:.3f} GB coded of "
+                f"{s['raw_bytes'] / 1e9:.3f} GB, pinned {s['pinned_bytes'] / 1e9:.3f} GB)")
+
+
+def coded_source(req: SourceRequest, *, encode_on: str = "cpu") -> CodedSource:
+    """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``req.codec != 'none'``
+    (``encode_on``: see :class:`BlockImages`)."""
+    cfg = req.config
+    if req.codec != AUTO:
+        codec_levels(req.codec)
+    return CodedSource(
+        req.layouts, [[t for _, _, t in ts] for ts in req.tensors], device=req.device,
+        pin=cfg.pin_memory, budget_bytes=req.pin_budget(), progress=cfg.progress,
+        drop=lambda ts: drop_storage(ts, req.device), encode_on=encode_on, codec=req.codec, **decode_placement(cfg),
+    )
