@@ -294,7 +294,7 @@ def prepare_mmap(spec: ModeSpec, model_on_meta: nn.Module, ckpt_dir, device: tor
                  *, record_events: bool = False) -> Prepared:
     """A weightstream mode whose streamed blocks come from a mapped checkpoint."""
     try:
-        from weightstream.offload.sources.mmap import offload_from_safetensors
+        from weightstream.offload.checkpoint_offload import offload_from_safetensors
     except ImportError as e:
         raise RuntimeError(f"mode {spec.name!r}: the weightstream mmap source is not available ({e})") from e
     cfg = weightstream_config(spec, record_events)

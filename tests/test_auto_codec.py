@@ -231,7 +231,7 @@ def test_rules_are_named():
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
         codec_levels("auto")
     OffloadConfig.layerwise(weight_codec="auto", cuda_graphs="on")  # planned at the warm-up step
-    from weightstream.offload.sources.mmap import offload_from_safetensors
+    from weightstream.offload.checkpoint_offload import offload_from_safetensors
 
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed with the mmap source"):
         offload_from_safetensors(ToyDiT(), "/nonexistent", OffloadConfig.layerwise(weight_codec="auto"))

@@ -278,8 +278,8 @@ def test_config_weight_codec():
     assert OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
                          layer_options={"dit": {"weight_transfer": "allgather"}}).weight_codec == "exp-k"
     with pytest.raises(ValueError, match="weight_codec='exp-k' is not allowed with the mmap source"):
-        check_codec_supported(cfg, "the mmap source")
-    check_codec_supported(OffloadConfig.layerwise(), "the mmap source")
+        check_codec_supported(cfg.weight_codec, "the mmap source")
+    check_codec_supported(OffloadConfig.layerwise().weight_codec, "the mmap source")
 
 
 # -- the whole model through the wrapper (StreamedBlocks picks the coded source) -------------------

@@ -106,7 +106,7 @@ class Case:
         from safetensors.torch import save_file
 
         from weightstream.offload.host.checkpoint import Checkpoint, as_sources, on_meta
-        from weightstream.offload.sources.mmap import mmap_streamed_blocks
+        from weightstream.offload.checkpoint_offload import mmap_streamed_blocks
 
         class MmapToy(ToyDiT):
             _supports_mmap_loading = True
@@ -569,7 +569,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
     from safetensors.torch import save_file
 
     from weightstream.offload.host import checkpoint as ms
-    from weightstream.offload.sources.mmap import mmap_streamed_blocks
+    from weightstream.offload.checkpoint_offload import mmap_streamed_blocks
     from weightstream.offload.host import copy_plans as mmap_plans
     from weightstream.offload.host import registration
 

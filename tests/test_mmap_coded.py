@@ -21,9 +21,9 @@ import weightstream.offload.host.encode as coded_mod
 from weightstream import OffloadConfig
 from weightstream.kernels.codec_format import HEADER_BYTES
 from weightstream.offload.host.checkpoint import CheckpointChangedError, meta_from_pretrained, on_meta
-from weightstream.offload.sources.mmap_coded import CodedSidecarError
-from weightstream.offload.sources.mmap import offload_from_safetensors
-from weightstream.offload.sources.mmap_coded import SIDECAR_DIR
+from weightstream.offload.host.sidecar import CodedSidecarError
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
+from weightstream.offload.host.sidecar import SIDECAR_DIR
 
 from test_mmap_source import (
     _GQA, _diffusers_case, _gqa_ckpt, _meta, _save, _toy, _transposed_ckpt, _Transposed, _x, first,
@@ -171,7 +171,7 @@ def test_sidecar_written_then_reused_without_encoding(tmp_path, encodes):
 def test_a_sidecar_of_one_codec_is_never_loaded_for_the_other(tmp_path, encodes):
     """The sidecar's name and header bind the codec: an exp-k2 sidecar is another file than the
     exp-k one; copied over it, it is foreign (and the other way round); each loads for its own."""
-    from weightstream.offload.sources.mmap_coded import _codec_id
+    from weightstream.offload.host.sidecar import _codec_id
 
     assert _codec_id("exp-k") == ["exp-k", 1, 4096]  # the identity exp-k sidecars were written with
     model, x, cls, folder, want = _flux(tmp_path)
@@ -401,7 +401,7 @@ def test_unused_meta_model_is_refused_before_any_encode(tmp_path, encodes):
 def test_exp_kp_sidecar_round_trip_and_is_its_own(tmp_path, encodes):
     """An exp-kp sidecar (version-3 tensors) loads without encoding, streams bit-exact, and is
     another file than the exp-k one (the identity names the codec and its format version)."""
-    from weightstream.offload.sources.mmap_coded import _codec_id
+    from weightstream.offload.host.sidecar import _codec_id
 
     assert _codec_id("exp-kp") == ["exp-kp", 3, 4096]
     model, x, cls, folder, want = _flux(tmp_path)

@@ -11,7 +11,7 @@ import torch
 
 from weightstream import OffloadConfig
 from weightstream.offload.host.checkpoint import meta_from_pretrained
-from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
 
 from test_mmap_source import _Blocks, _diffusers_case, _meta, _save, first
 

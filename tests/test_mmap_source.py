@@ -13,7 +13,7 @@ from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_in
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.host.checkpoint import Checkpoint, WeightsSource, meta_from_pretrained, on_meta
 from weightstream.offload.host.copy_plans import merge_runs, Run, split_run
-from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
 from weightstream.offload.host.registration import plan_registration
 
 DEV = "cpu"
@@ -806,7 +806,7 @@ def test_direct_kernel_transform_is_ordered_on_the_copy_stream(tmp_path):
 
     from weightstream import OffloadedTransformer
     from weightstream.offload.host.checkpoint import as_sources
-    from weightstream.offload.sources.mmap import mmap_streamed_blocks
+    from weightstream.offload.checkpoint_offload import mmap_streamed_blocks
     from weightstream.offload.streamed import StreamedBlocks
     from weightstream.offload.streams import RecordingStreams
 

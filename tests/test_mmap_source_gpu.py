@@ -7,7 +7,7 @@ import torch
 from weightstream import OffloadConfig
 from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY
 from weightstream.offload.host.checkpoint import meta_from_pretrained
-from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
 
 from test_mmap_source import (
     _GQA, _diffusers_case, _gqa_ckpt, _meta, _source, _toy, _transposed_ckpt, _Transposed, _x, first,

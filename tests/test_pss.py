@@ -44,7 +44,7 @@ CHILD = textwrap.dedent(
 
     mode, path = sys.argv[1], sys.argv[2]
     from safetensors.torch import load_file  # both modes import the same modules
-    from weightstream.offload.sources.mmap import offload_from_safetensors
+    from weightstream.offload.checkpoint_offload import offload_from_safetensors
     from weightstream.offload.host.checkpoint import on_meta
     torch.set_num_threads(1)
     print("imported", flush=True)

@@ -17,7 +17,7 @@ from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.host.checkpoint import CheckpointChangedError, on_meta
 from weightstream.offload.host.registration import direct_after_registration, plan_registration
-from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
 
 DEV = "cpu"
 OLD_NS = 1_000_000_000 * 1_600_000_000  # 2020: any later write changes the mtime, however coarse its clock

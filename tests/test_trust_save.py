@@ -22,7 +22,7 @@ from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline
 from weightstream.offload.module import SplitOffloadMixin
 from weightstream.models import flux_inputs, tiny_flux, tiny_wan, wan_inputs
 from weightstream.offload.host.checkpoint import meta_from_pretrained
-from weightstream.offload.sources.mmap import offload_from_safetensors
+from weightstream.offload.checkpoint_offload import offload_from_safetensors
 from weightstream.offload.streamed import HostStateDictHook
 
 DEV = "cpu"

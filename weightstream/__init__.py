@@ -31,7 +31,7 @@ _EXPORTS = {
     "offload_pipeline": "weightstream.offload.pipeline",
     "ParallelConfig": "weightstream.offload.dlo.topology",
     "validate_wave": "weightstream.offload.dlo.control",
-    "offload_from_safetensors": "weightstream.offload.sources.mmap",
+    "offload_from_safetensors": "weightstream.offload.checkpoint_offload",
     "meta_from_pretrained": "weightstream.offload.host.checkpoint",
     "CheckpointFormatError": "weightstream.offload.host.checkpoint",
     # named misuse errors
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
         OffloadMisuseError, SharedStorageError, StreamedModuleAccessError, StreamedWriteError,
         UnsupportedOperationError, WeightUpdateError,
     )
-    from weightstream.offload.sources.mmap import offload_from_safetensors
+    from weightstream.offload.checkpoint_offload import offload_from_safetensors
     from weightstream.offload.pipeline import offload_pipeline
     from weightstream.offload.transformer import LayerwiseOffloadHandle, OffloadedTransformer, apply_layerwise_offload
 

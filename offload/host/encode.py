@@ -4,7 +4,7 @@ One block's tensors coded into one coded image (:func:`encode_image`, :func:`enc
 tensor per worker: :func:`encode_tensors_into`), blocks coded a few at a time in block order
 (:func:`encoded_in_order`, :func:`in_order`), and the host sizes a coded block may take
 (:func:`_capacity`, its worst case; :func:`_slack`, what every load copies beyond its coded
-size). Used by :mod:`.coded`, :mod:`.mmap_coded` and :mod:`.dlo_coded`.
+size). Used by :mod:`.images`, :mod:`weightstream.offload.checkpoint_offload` and the DLO source.
 """
 from __future__ import annotations
 

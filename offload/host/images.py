@@ -153,7 +153,7 @@ class BlockImages(AutoCoding):
         copied there and coded with the same integer ops, the coded bytes copied back: the
         same bytes). ``codec``: one of :data:`~weightstream.offload.codecs.CODECS` or "auto".
         ``encoded``: per block ``(blobs, table)`` or a :class:`CodedRegion`, instead of encoding
-        ``objs``. ``trust(k)``: called before a borrowed region's bytes are decoded here."""
+        ``objs``. ``trust(images, k)``: called before a borrowed region's bytes are decoded here."""
         self.levels = None if codec == AUTO else codec_levels(codec)
         self.codec, self.auto = codec, codec == AUTO
         if encode_on not in ENCODE_ON:
@@ -163,7 +163,7 @@ class BlockImages(AutoCoding):
         self.encode_on = encode_on
         self.layouts = list(layouts)
         self.device = canonical_device(device)
-        self.side = DeviceSide()
+        self._side = None  # a weakref to the device side (the transport holds the store, not back)
         self.trust = trust
         n = len(self.layouts)
         self.raw = [self.auto] * n  # block k stored as its plain image (codec="auto")
@@ -189,6 +189,15 @@ class BlockImages(AutoCoding):
         self._build(objs, drop or (lambda ts: drop_storage(ts, "cpu")), progress, encoded)
         self.encode_s = time.perf_counter() - t0
 
+    @property
+    def side(self) -> DeviceSide:
+        """The device side over the store (:meth:`attach_side`), or one that does nothing."""
+        side = self._side() if self._side is not None else None
+        return side if side is not None else DeviceSide()
+
+    def attach_side(self, side: DeviceSide) -> None:
+        self._side = weakref.ref(side)
+
     # -- build -------------------------------------------------------------------
     def _init_arena(self) -> None:
         self.offsets, off = [], 0
@@ -213,6 +222,10 @@ class BlockImages(AutoCoding):
     def borrowed(self, k: int) -> bool:
         """Block ``k``'s coded bytes lie in a :class:`CodedRegion` (not yet re-encoded here)."""
         return self._backing[k] is not None
+
+    def forget_borrowed(self) -> None:
+        """The borrowed regions are going away (their mapping is closed): none is read any more."""
+        self._backing = [None] * len(self._backing)
 
     def _build(self, objs, drop, progress, encoded=None) -> None:
         """Encode on worker threads (a few blocks ahead); store, drop, pin in block order.
@@ -448,7 +461,7 @@ class BlockImages(AutoCoding):
     def decode_to(self, k: int, device: torch.device) -> torch.Tensor:
         """Block ``k``'s image decoded into a fresh tensor on ``device`` (off the hot path)."""
         if self.trust is not None and self._backing[k] is not None:
-            self.trust(k)  # never a decode of unchecked borrowed bytes
+            self.trust(self, k)  # never a decode of unchecked borrowed bytes
         if self.raw[k]:
             return self.region(k)[: self.layouts[k].nbytes].to(device, copy=True)
         out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=device)

@@ -42,10 +42,9 @@ DECODE_AT = ("load", "use")  # when the stage issues a block's decode
 _NEVER = object()  # capture tag of an event never recorded
 
 
-def check_codec_supported(config, where: str) -> None:
+def check_codec_supported(codec: str, where: str) -> None:
     """ValueError naming ``weight_codec`` when ``where`` (a transport no decode stage is composed
-    with) is asked to decode."""
-    codec = config.weight_codec
+    with) is asked to decode with ``codec`` (a request's ``codec``)."""
     if codec != "none":
         raise ValueError(
             f"weight_codec={codec!r} is not allowed with {where}: coded weights are not supported "

@@ -76,21 +76,18 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from weightstream.kernels.materialise import materialise, materialise_torch
 
-from weightstream.offload.placeholders import drop_storage, give_data
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _listing, _named_tensors, as_sources, bind_checkpoint, check_opt_in, host_tensor
-from ..config import OffloadConfig
-from ..discovery import OffloadPlan
+from weightstream.offload.placeholders import drop_storage
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _listing, host_tensor
 from weightstream.offload.host.arena import copy_from_image
+from ..layout import BlockLayout
 from ..misuse import WeightUpdateError
 from weightstream.offload.host.staging import Stager, StagingError, check_threads
-from ..streamed import StreamedBlocks, resolve_device
 from .base import SourceCaps, WeightSource
-from .mmap_coded import check_sidecar_mode, mmap_coded_source
-from weightstream.offload.host.copy_plans import COPY_PATHS, BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block, split_run
+from .pinned import CodedSource
+from weightstream.offload.host.copy_plans import BlockPlan, CheckpointPages, Run, build_plan, choose_paths, file_keys, file_ordered_layout, pack_block, split_run
 
 
 class MmapSource(WeightSource):
@@ -391,132 +388,84 @@ class _HostViews(dict):
 
 
 # ----------------------------------------------------------------------------
-# building the streamed blocks over a checkpoint
+# the coded mmap source: the pinned copy transport + decode stage over blocks
+# encoded from the mapping, or over the regions of a coded sidecar
 # ----------------------------------------------------------------------------
 
 
-def _load_resident(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed_ids: set, device) -> None:
-    """Every bound tensor that does not stream: a private device copy from the mapping, now."""
-    with torch.no_grad():
-        for _, t in _named_tensors(module):
-            b = bindings.get(id(t))
-            if b is not None and id(t) not in streamed_ids:
-                give_data(t, host_tensor(ckpt, b).to(device, copy=True))
+class _SidecarTrust:
+    """A mapped coded sidecar (:class:`~..host.sidecar._Watched`) and its verifier: a block's mapped
+    bytes are trusted once its checksum matched; reads off the hot path ``fstat`` the sidecar
+    first. Called by the store as ``trust(images, k)`` (it holds no reference to the source)."""
+
+    def __init__(self, sidecar, verifier):
+        self.sidecar, self.verifier = sidecar, verifier
+
+    @staticmethod
+    def left(images) -> str:
+        """What the user still has when the mapped sidecar changed (for the error message)."""
+        private = [lay.name for k, lay in enumerate(images.layouts) if not images.borrowed(k)]
+        held = (f"the blocks re-encoded into this process's memory are intact ({', '.join(private)})" if private
+                else "no block was re-encoded into this process's memory (update_weights, an edited state_dict() copy)")
+        return (f"No weight is read from it any more: {held}; for the others build a new wrapper from the "
+                "checkpoint (coded_sidecar='auto' encodes it again and rewrites the sidecar, 'off' encodes without one).")
+
+    def __call__(self, images, k: int) -> None:
+        """Before block ``k``'s mapped sidecar bytes are read: the sidecar unchanged (one fstat)
+        and the block's checksum matched (waits for its own verification)."""
+        if not images.borrowed(k):
+            return
+        self.sidecar.check(lambda: self.left(images))
+        self.verifier.wait(k)
 
 
-def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
-                         ckpt: Checkpoint, copy_path: str = "auto", staging_threads: int | None = None, *,
-                         cls=StreamedBlocks, coded_sidecar: str = "off") -> StreamedBlocks:
-    """``cls`` (a StreamedBlocks) over ``module`` (on meta) whose source is an
-    :class:`MmapSource` over ``ckpt``. Binds every tensor (meta, checkpoint dtype,
-    runtime shape), lets StreamedBlocks pick the streamed blocks, then loads the
-    rest to ``device`` and builds the source (with ``weight_codec``: a coded source,
-    :mod:`.mmap_coded`). ``ckpt`` is closed on failure."""
-    t0 = time.perf_counter()
-    made: list[MmapSource] = []
-    try:
-        bindings = bind_checkpoint(module, ckpt)
-        with torch.no_grad():
-            for _, t in _named_tensors(module):
-                b = bindings.get(id(t))
-                if b is not None:
-                    give_data(t, torch.empty(b.shape, dtype=b.dtype, device="meta"))
-        bind_s = time.perf_counter() - t0
+class MmapCodedSource(CodedSource):
+    """The coded pinned transport over blocks built from a checkpoint mapping (encoded by
+    :func:`~..checkpoint_offload.mmap_coded_source`) or lying in a mapped coded sidecar
+    (:mod:`..host.sidecar`); a block's mapped bytes are checked (its checksum) at its first load."""
 
-        def factory(req) -> MmapSource:
-            t1 = time.perf_counter()
-            _load_resident(module, ckpt, bindings, {id(t) for ts in req.tensors for _, _, t in ts}, req.device)
-            timings = {"open_s": ckpt.open_s, "bind_s": bind_s, "resident_load_s": time.perf_counter() - t1}
-            if req.codec != "none":
-                made.append(mmap_coded_source(req, ckpt, bindings, coded_sidecar, timings))
-                return made[-1]
-            made.append(MmapSource(req, ckpt, bindings, copy_path=copy_path, staging_threads=staging_threads,
-                                   timings=timings))
-            return made[-1]
+    name_suffix = "-mmap"  # "coded-<codec>-mmap"
 
-        streamed = cls(module, config, device, plan, source=factory)
-    except BaseException:
-        for src in made:
-            src.close()
-        ckpt.close()
-        raise
-    try:
-        left = [n for n, t in _named_tensors(module) if t.device.type == "meta"]
-        if left:  # pragma: no cover - bind_checkpoint guarantees this
-            raise ValueError(f"tensors left on the meta device after setup: {_listing(left)}")
-        ckpt.check_unchanged()  # resident weights were read from the mapping during setup
-    except BaseException:
-        streamed.executor.remove()
-        made[-1].close()
-        raise
-    return streamed
+    def __init__(self, layouts: list[BlockLayout], objs, *, sidecar=None, verifier=None, **kw):
+        self.sidecar, self.verifier = sidecar, verifier
+        self._sidecar_trust = _SidecarTrust(sidecar, verifier) if sidecar is not None else None
+        self._trusted = [verifier is None] * len(layouts)  # block k may be loaded without a check
+        if verifier is not None:
+            weakref.finalize(self, verifier.stop, False)
+        self.checkpoint_files, self.sidecar_stats = 0, {}
+        super().__init__(layouts, objs, trust=self._sidecar_trust, **kw)
 
+    def load(self, k: int, slot: int, *, position: int = 0, after=None, tag=None):
+        if not self._trusted[k]:  # the first load only: one list read on the hot path after it
+            self._sidecar_trust(self.images, k)
+            self._trusted[k] = True
+        return super().load(k, slot, position=position, after=after, tag=tag)
 
-def offload_from_safetensors(
-    model_on_meta: nn.Module,
-    source=None,
-    config=None,
-    *,
-    device=None,
-    plan: OffloadPlan | None = None,
-    copy_path: str = "auto",
-    staging_threads: int | None = None,
-    coded_sidecar: str = "off",
-):
-    """Stream ``model_on_meta``'s blocks straight from safetensors files.
+    def check(self) -> None:
+        """Step start: the coded checks, and the mapped sidecar unchanged while any block streams
+        from it (CheckpointChangedError naming what is left)."""
+        super().check()
+        images = self.images
+        if self.sidecar is not None and any(images.borrowed(k) for k in range(len(self.layouts))):
+            self.sidecar.check(lambda: _SidecarTrust.left(images))
 
-    model_on_meta: the DiT with its parameters on ``meta`` (see :func:`on_meta`,
-    :func:`meta_from_pretrained`); it is bound in place and wrapped.
-    source: a folder (diffusers layout), a .safetensors file, an index.json,
-    a :class:`WeightsSource`, a dict with keys path/prefix/subfolder, or a list
-    of these; None: the model's ``weights_sources``.
-    config: as for :class:`OffloadedTransformer` (layer mode, rank-local).
-    copy_path: "auto" (direct DMA from registered pages on CUDA, staging on
-    CPU or where registration is not possible), "direct" (also on CPU:
-    synchronous copies straight from the mapping, for tests), or "staging".
-    staging_threads: threads that pack staged blocks (int >= 1; None: the
-    CPUs available less two, at most 16). 1 packs on the packer thread alone
-    (torch's multi-threaded copy).
-    coded_sidecar: with ``weight_codec='exp-k'`` or ``'exp-k2'`` (blocks packed from the mapping, encoded,
-    streamed coded; :mod:`.mmap_coded`): "off" (encode at every start), "write" (encode,
-    write ``<checkpoint dir>/.weightstream-coded/<hash>.wsc``), "auto" (load a valid sidecar,
-    else encode and write one) or "read" (load one; CodedSidecarError if none is valid).
-    """
-    from ..transformer import OffloadedTransformer  # the wrapper imports the front ends, not the sources
+    def uncapturable(self) -> str | None:
+        why = super().uncapturable()
+        if why is None and self.device.type == "cuda":
+            for k in range(len(self.layouts)):
+                if self.images.borrowed(k) and not self.images.region(k).is_pinned():
+                    return ("cuda_graphs='on' cannot capture copies from the mapped coded sidecar: torch does not "
+                            "count registered file pages as pinned; use coded_sidecar='off' (or cuda_graphs='off')")
+        return why
 
-    if not isinstance(model_on_meta, nn.Module):
-        raise TypeError(f"model_on_meta must be a torch.nn.Module, got {type(model_on_meta).__name__}")
-    if copy_path not in COPY_PATHS:
-        raise ValueError(f"copy_path={copy_path!r} is not allowed; choose from: {', '.join(COPY_PATHS)}")
-    check_threads(staging_threads)
-    cfg = OffloadConfig.coerce(config)
-    if cfg.mode != "layer":
-        raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
-    if cfg.weight_codec == "auto":
-        raise ValueError("weight_codec='auto' is not allowed with the mmap source (offload_from_safetensors): it "
-                         "plans from the pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2 "
-                         "(with a coded sidecar), none")
-    check_sidecar_mode(coded_sidecar, cfg.weight_codec)
-    if cfg.weight_codec != "none" and (copy_path != "auto" or staging_threads is not None):
-        key, val = ("copy_path", copy_path) if copy_path != "auto" else ("staging_threads", staging_threads)
-        raise ValueError(f"{key}={val!r} is not allowed with weight_codec={cfg.weight_codec!r}: coded blocks "
-                         f"copy from the coded host store; choose from: {key}={'auto' if key == 'copy_path' else None!r}")
-    if "dit" not in cfg.components:
-        raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; the mmap source streams a DiT")
-    if cfg.weight_transfer == "allgather":
-        raise ValueError(
-            "layer_options.dit.weight_transfer='allgather' is not allowed for the mmap source; choose from: "
-            "rank-local (every process maps the same checkpoint and shares its page cache)"
-        )
-    if cfg.resident_layers == "auto":
-        raise ValueError(
-            "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes "
-            "a demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int "
-            ">= 0, or a list of block indices"
-        )
-    dev = resolve_device(device)
-    check_opt_in(model_on_meta)
-    ckpt = Checkpoint(as_sources(source, model_on_meta))
-    streamed = mmap_streamed_blocks(model_on_meta, cfg, dev, plan, ckpt, copy_path, staging_threads,
-                                    coded_sidecar=coded_sidecar)
-    return OffloadedTransformer(model_on_meta, cfg, device=dev, streamed=streamed)
+    def stats(self) -> dict:
+        extra = self.verifier.stats() if self.verifier is not None else {}
+        return {**super().stats(), **self.sidecar_stats, **extra, "checkpoint_files": self.checkpoint_files}
+
+    def close(self) -> None:
+        if self.verifier is not None:
+            self.verifier.stop()
+        super().close()
+        self.images.forget_borrowed()
+        if self.sidecar is not None:
+            self.sidecar.close()

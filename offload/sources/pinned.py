@@ -300,7 +300,7 @@ class CodedSource(WeightSource, DeviceSide):
         self.stage = DecodeStage(list(layouts), decode_at=decode_at, decode_stream=decode_stream)
         self.images = BlockImages(layouts, objs, device=device, pin=pin, budget_bytes=budget_bytes, progress=progress,
                                   drop=drop, encoded=encoded, encode_on=encode_on, codec=codec, trust=trust)
-        self.images.side = self
+        self.images.attach_side(self)
         self.caps = SourceCaps(codes_blocks=True, writes_at_use=decode_at == "use")
         self.layouts = self.images.layouts
         self.device = self.images.device

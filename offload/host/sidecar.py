@@ -1,13 +1,9 @@
-"""The coded source over a safetensors checkpoint, and its coded sidecar file.
+"""The coded sidecar: a checkpoint's coded block images in a file of their own, verified.
 
 ``offload_from_safetensors(..., config with weight_codec='exp-k' or 'exp-k2')`` streams a
-:class:`~.coded.CodedSource` whose blocks come from the checkpoint mapping:
-each streamed block's runtime tensors are read from the mapping (views; kernel
-transforms and ``mmap_weight_transform`` applied into fresh tensors, as
-:func:`..checkpoint.host_tensor` does), encoded and stored coded, a few blocks at
-a time on worker threads (at most ``IN_FLIGHT_BYTES`` of raw blocks in flight;
-never the whole model in RAM). Once built, the source no longer reads the
-checkpoint (the coded bytes are its own copy), so the checkpoint is closed.
+:class:`~weightstream.offload.sources.mmap.MmapCodedSource` whose blocks come from the
+checkpoint mapping, encoded (:mod:`weightstream.offload.checkpoint_offload`), or from this
+sidecar, its regions used where they lie as :class:`~.images.CodedRegion` s.
 
 The coded sidecar (``coded_sidecar``): ``'off'`` encodes at every start;
 ``'write'`` encodes and writes ``<checkpoint dir>/.weightstream-coded/<name>.wsc``;
@@ -70,17 +66,12 @@ from pathlib import Path
 import torch
 
 from weightstream.kernels.codec_format import DEFAULT_TILE, PATCHED, VERSION, VERSION2, VERSION3, DecodeTable
-
-from weightstream.offload.placeholders import drop_storage
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, changed_message, host_tensor
-from weightstream.offload.host.arena import PAGE
-from ..layout import BlockLayout, align_up
-from weightstream.offload.host.images import CodedRegion
-from weightstream.offload.sources.pinned import CodedSource
-from weightstream.offload.sources.decode import decode_placement
 from weightstream.offload.codecs import CODECS, codec_levels
-from weightstream.offload.host.encode import _capacity, decode_paths, encode_image, in_order
-from weightstream.offload.host.copy_plans import build_plan, file_keys, file_ordered_layout
+from weightstream.offload.host.arena import PAGE
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, changed_message
+from weightstream.offload.host.encode import _capacity, decode_paths
+from weightstream.offload.host.images import BlockImages, CodedRegion
+from weightstream.offload.layout import BlockLayout, align_up
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
 SIDECAR_DIR = ".weightstream-coded"
@@ -418,7 +409,7 @@ class _Verifier:
 # -- writing ---------------------------------------------------------------------------------
 
 
-def _payload(src: CodedSource, k: int, n: int) -> memoryview:
+def _payload(src: BlockImages, k: int, n: int) -> memoryview:
     """Exactly the ``n`` bytes block ``k``'s region is written as (its host bytes, then zeros)."""
     region = src.region(k)
     data = memoryview(region[: min(n, region.numel())].numpy())
@@ -436,7 +427,7 @@ def _piece_digests(payloads: list[memoryview], threads: int) -> list[list[bytes]
     return out
 
 
-def write_sidecar(path: Path, ident: dict, src: CodedSource, threads: int | None = None) -> int:
+def write_sidecar(path: Path, ident: dict, src: BlockImages, threads: int | None = None) -> int:
     """Write ``src``'s coded blocks to ``path`` atomically (temp file + os.replace); its size."""
     recs, payloads = [], []
     for k, lay in enumerate(src.layouts):
@@ -473,82 +464,7 @@ def write_sidecar(path: Path, ident: dict, src: CodedSource, threads: int | None
     return size
 
 
-# -- the source ------------------------------------------------------------------------------
-
-
-class MmapCodedSource(CodedSource):
-    """A CodedSource built from a checkpoint mapping (or its coded sidecar); see the module docstring.
-
-    ``sidecar``/``verifier``: the mapped sidecar (:class:`_Watched`) and its :class:`_Verifier`
-    when blocks come from one. A block's mapped bytes are trusted once its checksum matched
-    (first load, or any decode of it); decodes off the hot path ``fstat`` the sidecar first."""
-
-    name_suffix = "-mmap"  # "coded-<codec>-mmap"
-
-    def __init__(self, layouts: list[BlockLayout], objs, *, sidecar: _Watched | None = None,
-                 verifier: _Verifier | None = None, **kw):
-        self.sidecar, self.verifier = sidecar, verifier  # set first: a failing build decodes (_give_back)
-        self._trusted = [verifier is None] * len(layouts)  # block k may be loaded without a check
-        if verifier is not None:
-            weakref.finalize(self, verifier.stop, False)
-        super().__init__(layouts, objs, **kw)
-
-    def _left(self) -> str:
-        """What the user still has when the mapped sidecar changed (for the error message)."""
-        private = [lay.name for lay, b in zip(self.layouts, self._backing) if b is None]
-        held = (f"the blocks re-encoded into this process's memory are intact ({', '.join(private)})" if private
-                else "no block was re-encoded into this process's memory (update_weights, an edited state_dict() copy)")
-        return (f"No weight is read from it any more: {held}; for the others build a new wrapper from the "
-                "checkpoint (coded_sidecar='auto' encodes it again and rewrites the sidecar, 'off' encodes without one).")
-
-    def _trust(self, k: int) -> None:
-        """Before block ``k``'s mapped sidecar bytes are read: the sidecar unchanged (one fstat)
-        and the block's checksum matched (waits for its own verification)."""
-        if self._backing[k] is None or self.sidecar is None:
-            return
-        self.sidecar.check(self._left)
-        self.verifier.wait(k)
-
-    def load(self, k: int, slot: int, *, position: int = 0, after=None, tag=None):
-        if not self._trusted[k]:  # the first load only: one list read on the hot path after it
-            self._trust(k)
-            self._trusted[k] = True
-        return super().load(k, slot, position=position, after=after, tag=tag)
-
-    def _decode_to(self, k: int, device: torch.device) -> torch.Tensor:
-        self._trust(k)  # state_dict(), disable(), image(), a re-encode: never a decode of unchecked bytes
-        return super()._decode_to(k, device)
-
-    def check(self) -> None:
-        """Step start: the coded checks, and the mapped sidecar unchanged while any block streams
-        from it (CheckpointChangedError naming what is left)."""
-        super().check()
-        if self.sidecar is not None and any(b is not None for b in self._backing):
-            self.sidecar.check(self._left)
-
-    def uncapturable(self) -> str | None:
-        why = super().uncapturable()
-        if why is None and self.device.type == "cuda":
-            for b in self._backing:
-                if b is not None and not b.is_pinned():
-                    return ("cuda_graphs='on' cannot capture copies from the mapped coded sidecar: torch does not "
-                            "count registered file pages as pinned; use coded_sidecar='off' (or cuda_graphs='off')")
-        return why
-
-    def stats(self) -> dict:
-        extra = self.verifier.stats() if self.verifier is not None else {}
-        return {**super().stats(), **self.sidecar_stats, **extra, "checkpoint_files": self.checkpoint_files}
-
-    def close(self) -> None:
-        if self.verifier is not None:
-            self.verifier.stop()
-        super().close()
-        self._backing = [None] * len(self._backing)
-        if self.sidecar is not None:
-            self.sidecar.close()
-
-
-def _write(path: Path, ident: dict, src: CodedSource, must: bool) -> int:
+def write_or_warn(path: Path, ident: dict, src: BlockImages, must: bool) -> int:
     """write_sidecar; with ``must`` False (coded_sidecar='auto') a failure only warns."""
     try:
         return write_sidecar(path, ident, src)
@@ -560,37 +476,7 @@ def _write(path: Path, ident: dict, src: CodedSource, must: bool) -> int:
         return 0
 
 
-IN_FLIGHT_BYTES = 4 << 30  # raw block bytes encoded at once (bounds the coded blobs waiting in order)
-
-
-def _runtime_tensors(ckpt: Checkpoint, plan, layout: BlockLayout, tensors, bindings) -> list[torch.Tensor]:
-    """Block ``plan.k``'s runtime host tensors: views of the mapping (no transform), fresh
-    tensors (kernel transforms, ``mmap_weight_transform``), the private bytes of unbound buffers."""
-    local = iter(plan.local)
-    out = []
-    for spec, t in zip(layout.tensors, tensors):
-        b = bindings.get(id(t))
-        out.append(host_tensor(ckpt, b) if b is not None else next(local)[0].view(spec.dtype).view(spec.shape))
-    return out
-
-
-def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter: list, levels: int = 1):
-    """(blobs, table) of every block in order, encoded on workers from the mapping (the files
-    checked before and after each block: never a truncated read, never a mixed block)."""
-
-    def work(k: int):
-        ckpt.check_unchanged()
-        blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings),
-                                   levels=levels)
-        ckpt.check_unchanged()
-        return blobs_table
-
-    for done in in_order(len(layouts), work, ahead=max(1, IN_FLIGHT_BYTES // max(lay.nbytes for lay in layouts))):
-        counter[0] += 1  # counted here, on the consuming thread
-        yield done
-
-
-def _try_sidecar(path: Path, ident: dict, layouts, mode: str):
+def try_sidecar(path: Path, ident: dict, layouts, mode: str):
     """(regions, watch, verifier) of a valid sidecar, or Nones (``'auto'``: a warning says why;
     ``'read'``: CodedSidecarError). ``'auto'`` waits for every checksum here, so that a sidecar
     that does not match is re-encoded instead of failing at its first use."""
@@ -610,58 +496,3 @@ def _try_sidecar(path: Path, ident: dict, layouts, mode: str):
         if path.exists():
             warnings.warn(f"weightstream: {e}; encoding the checkpoint again and rewriting it", stacklevel=5)
         return None, None, None
-
-
-def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off", timings: dict | None = None):
-    """A :class:`MmapCodedSource` for the streamed blocks of ``req`` from ``ckpt`` (closed once built)."""
-    cfg, device = req.config, req.device
-    tensors = [[t for _, _, t in ts] for ts in req.tensors]
-    layouts = [file_ordered_layout(lay, file_keys(ts, bindings, len(ckpt.files))) for lay, ts in zip(req.layouts, tensors)]
-    ident = identity(ckpt, layouts, tensors, bindings, req.codec)
-    path = sidecar_path(ckpt, ident)
-    t0 = time.perf_counter()
-    regions = watch = verifier = None
-    if sidecar in ("auto", "read"):
-        regions, watch, verifier = _try_sidecar(path, ident, layouts, sidecar)
-    size = watch.size if watch is not None else 0
-    plans = [build_plan(k, lay, ts, bindings) for k, (lay, ts) in enumerate(zip(layouts, tensors))]
-    with torch.no_grad():  # streamed tensors leave meta: the source drops them to placeholders
-        drop_storage([t for ts in tensors for t in ts if t.device.type == "meta"], device)
-    counter = [0]
-    levels = codec_levels(req.codec)
-    encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,
-                                                                 levels)
-    budget = cfg.pinned_memory_budget_gb
-    try:
-        src = MmapCodedSource(layouts, tensors, device=device, pin=cfg.pin_memory, progress=cfg.progress,
-                              budget_bytes=None if budget is None else int(budget * 1e9), encoded=encoded,
-                              codec=req.codec, sidecar=watch, verifier=verifier, **decode_placement(cfg))
-    except BaseException:
-        if verifier is not None:
-            verifier.stop()
-        if watch is not None:
-            watch.close()
-        raise
-    load_s = time.perf_counter() - t0
-    try:
-        ckpt.check_unchanged()  # resident weights and packed blocks were read from the mapping
-        write_s = 0.0
-        if sidecar == "write" or (sidecar == "auto" and regions is None):
-            t1 = time.perf_counter()
-            size = _write(path, ident, src, must=sidecar == "write")
-            write_s = time.perf_counter() - t1
-    except BaseException:
-        src.close()
-        raise
-    if regions is not None:
-        src.encode_s = 0.0
-    src.checkpoint_files = len(ckpt.files)
-    src.sidecar_stats = {
-        "coded_sidecar": sidecar, "sidecar_path": str(path) if sidecar != "off" else None,
-        "sidecar_loaded": regions is not None, "sidecar_load_s": load_s if regions is not None else 0.0,
-        "sidecar_bytes": size, "sidecar_write_s": write_s, "blocks_encoded": counter[0],
-        "sidecar_s_per_gb": load_s / (size / 1e9) if regions is not None and size else None,
-        **(timings or {}),
-    }
-    ckpt.close()  # the coded bytes are the source's own now (its arena, or the sidecar mapping)
-    return src
