@@ -274,7 +274,7 @@ class OffloadConfig:
         after the tile: about 0.75 of the bytes, decoded ~1.45x faster than
         "exp-k" (for compute-bound models). Both work wherever "exp-k" does. With DLO AllGather
         every rank keeps 1/N of each coded image and the gather moves coded
-        bytes (offload/sources/dlo_coded.py); rank-local DLO streams full coded
+        bytes (offload/sources/dlo.py); rank-local DLO streams full coded
         blocks per rank. In mode='module' each offloaded component's image is
         stored coded; an arrival copies the coded bytes H2D and decodes them
         into the component's device buffer (VAEs once, at setup). The mmap source

@@ -17,7 +17,7 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
     DLO collective. TP-local or HSDP-local tensors stream as they are.
 
 With ``weight_codec='exp-k'`` AllGather keeps 1/N of every block's *coded*
-image per rank (:class:`~.sources.dlo_coded.CodedShardSource`: H2D of the coded
+image per rank (:class:`~.sources.dlo.ShardSource` over coded shares: H2D of the coded
 shard, all-gather of coded bytes, one decode into the slot), and rank-local
 streams full coded blocks (:class:`~.sources.coded.CodedSource`). Coded shards
 are not a plain share of the weights: ``local_state_dict()`` holds
@@ -91,7 +91,6 @@ from weightstream.offload.dlo.guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardSource
 from .sources.pinned import SourceRequest, pinned_source
 from .sources.pinned import coded_source
-from .sources.dlo_coded import CodedShardSource
 from .streamed import StreamedBlocks
 from weightstream.offload.dlo.control import DEFAULT_PATH_KEYS, CodedPiece, DLOCollectiveError, ShardMergeError, ShardPiece, WeightDigest, _control_for, digest_mismatches, fit_digest, merge_shards, setup_digest, validate_wave, weight_mismatches
 from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, plan_dlo, resolve_transfer, shard_size
@@ -122,7 +121,7 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     StreamedBlocks with a DLO source (AllGather shards, or rank-local pinned
     images) and a DLO guard. ``dlo``, ``cls`` and ``source_cls`` let tests run it
     over a fake group. ``weight_codec != 'none'``: AllGather streams coded shards
-    (:class:`CodedShardSource`), rank-local full coded blocks (:class:`CodedSource`).
+    (:class:`ShardSource`), rank-local full coded blocks (:class:`CodedSource`).
 
     All compatibility rules are checked before any tensor is touched.
     """
@@ -130,7 +129,7 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
     coded = config.weight_codec != "none"
     if source_cls is None:
-        source_cls = CodedShardSource if coded else ShardSource
+        source_cls = ShardSource  # raw or coded shares (weight_codec)
     if dlo is None:
         dlo = plan_dlo(config, parallel, device)
     if config.graph_boundary_loads == "next-step":

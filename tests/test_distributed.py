@@ -27,7 +27,7 @@ import torch
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload import distributed as dlo
-from weightstream.offload.sources.dlo import ShardedStore
+from weightstream.offload.host.shares import Shares
 from weightstream.offload.dlo.topology import ParallelConfig, resolve_transfer, shard_size
 from weightstream.offload.dlo.control import validate_wave
 from weightstream.offload.host.arena import PAGE
@@ -338,7 +338,7 @@ def check_setup_failure_loses_nothing(parallel, rank):
 
     model, inputs = _model("toy", rank)
     ref_model = copy.deepcopy(model)
-    real_pin, calls = ShardedStore.pin, {"n": 0}
+    real_pin, calls = Shares.pin, {"n": 0}
 
     def failing_pin(self, k):
         calls["n"] += 1
@@ -346,14 +346,14 @@ def check_setup_failure_loses_nothing(parallel, rank):
             raise MemoryError("injected while pinning")
         return real_pin(self, k)
 
-    ShardedStore.pin = failing_pin
+    Shares.pin = failing_pin
     try:
         OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu", parallel=parallel)
         raised = None
     except MemoryError as e:
         raised = str(e)
     finally:
-        ShardedStore.pin = real_pin
+        Shares.pin = real_pin
     with torch.no_grad():
         intact = torch.equal(model(**inputs), ref_model(**inputs))
     return dict(raised=raised, intact=intact)
@@ -637,6 +637,8 @@ REJECTIONS = [
     (dict(sp=2, hsdp=2), None, 0, "would double-shard"),
     (dict(hsdp=2), "allgather", 0, "would double-shard"),
     (dict(dp=2), None, 2, "resident_layers=2 with layer_options.dit.weight_transfer unset"),
+    (dict(dp=2), None, "auto", "resident_layers='auto' with layer_options.dit.weight_transfer unset"),
+    (dict(sp=2), None, [1, 3], "resident_layers=(1, 3) with layer_options.dit.weight_transfer unset"),
     (dict(tp=2), "allgather", 0, "with tp=2"),
 ]
 
@@ -674,6 +676,19 @@ def test_dlo_refuses_next_step_graph_boundary_loads():
 def test_parallel_config_rejections(par, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):
         ParallelConfig(**par)
+
+
+def test_resolve_transfer_refuses_any_resident_set_under_allgather():
+    """resident_layers="auto" or a list under the default AllGather: the same refusal as an int
+    (a ValueError naming the value and the way out), never a TypeError from comparing it to 0."""
+    for resident in ("auto", [0], [2, 5]):
+        cfg = OffloadConfig.layerwise(resident_layers=resident)
+        with pytest.raises(ValueError, match=r"resident_layers=.* is not allowed: resident layers require "
+                                             r"weight_transfer='rank-local'"):
+            resolve_transfer(cfg, ParallelConfig(dp=2))
+        assert resolve_transfer(cfg, ParallelConfig()) == "rank-local"  # nothing to gather: allowed
+        cfg = OffloadConfig.layerwise(weight_transfer="rank-local", resident_layers=resident)
+        assert resolve_transfer(cfg, ParallelConfig(dp=2)) == "rank-local"
 
 
 @pytest.mark.parametrize("par,transfer,resident,want", [

@@ -68,7 +68,7 @@ def test_slow_link_codes_every_block_then_replays_coded(graphs):
     assert all(torch.equal(o, want) for o in outs)
     assert not any(src.raw) and src.codec in ("exp-k", "exp-k2")
     assert all(c < r for c, r in zip(src.store.shard_bytes, raw_shards))
-    assert all(b.numel() > 0 for b in src.coded_bufs) and src.store.pinned
+    assert src.stage.buffer_bytes() > 0 and src.store.pinned
     if graphs == "on":
         assert om.graphs.counts["replay"] >= 1, om.graphs.counts
     plain = om.disable()
@@ -141,12 +141,12 @@ def test_two_ranks_on_one_gpu_plan_alike_and_stay_exact(two_on_one, name):
 def test_two_ranks_on_one_gpu_join_their_measurements(two_on_one):
     """Rank 0 measures a fast link, rank 1 a slow one (set as the planner's inputs): both code every
     block, from the first step on; the coded shares merge back bit for bit."""
-    from weightstream.offload.sources.dlo_coded import merge_coded_shards
+    from weightstream.offload.dlo.control import merge_shards
 
     reps = get(two_on_one, "auto_forced")
     for r in reps:
         assert r["errors"] == [None] * 3 and r["equal"] == [True] * 3 and r["usable"] and r["back"], r["errors"]
         assert r["plans"][0] == list(range(5)) and not any(r["raw"]) and r["codec"] == "exp-k2"
     assert reps[0]["shards"] == reps[1]["shards"] and reps[0]["ncoll"] == reps[1]["ncoll"]
-    merged = merge_coded_shards([r["local"] for r in reps])
+    merged = merge_shards([r["local"] for r in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())

@@ -1,4 +1,4 @@
-"""DLO AllGather with coded shards (offload/sources/dlo_coded.py), on the CPU.
+"""DLO AllGather with coded shares (offload/sources/dlo.py over offload/host/shares.py), on the CPU.
 
 A fake world-of-1 group (the real source, the gather a copy) and real gloo
 groups of 2 ranks; outputs compare bit for bit with the unwrapped model."""
@@ -14,7 +14,8 @@ import torch
 from weightstream import OffloadConfig, OffloadedTransformer, ParallelConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload.dlo.control import merge_shards
-from weightstream.offload.sources.dlo_coded import CodedPiece, CodedShardSource, merge_coded_shards
+from weightstream.offload.dlo.control import CodedPiece
+from weightstream.offload.sources.dlo import ShardSource
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
 
@@ -33,7 +34,7 @@ class _Done:
         return True
 
 
-class FakeCodedGather(CodedShardSource):
+class FakeCodedGather(ShardSource):
     """The coded shard source over a fake world of 1: the gathered bytes are this rank's one share."""
 
     @staticmethod
@@ -127,7 +128,7 @@ def test_fake_update_weights_reshards_and_stays_exact(codec):
 @pytest.mark.parametrize("codec", ["exp-k", "exp-k2", "exp-kp"])
 def test_local_state_dict_gives_coded_pieces_that_merge(codec):
     """merge_shards (the recovery the README names) decodes coded pieces: the weights bit for bit,
-    never coded bytes under a weight's name; merge_coded_shards is the same function."""
+    never coded bytes under a weight's name."""
     model, x = _model("flux")
     ref = copy.deepcopy(model)
     om = _fake(model, codec=codec)
@@ -137,7 +138,6 @@ def test_local_state_dict_gives_coded_pieces_that_merge(codec):
     merged = merge_shards([local])
     assert sorted(merged) == sorted(ref.state_dict())
     assert all(v.dtype == merged[k].dtype and torch.equal(merged[k], v) for k, v in ref.state_dict().items())
-    assert merge_coded_shards is merge_shards
 
 
 def test_happens_before_over_the_fake_group():
@@ -252,7 +252,7 @@ def test_auto_fast_link_codes_nothing_and_streams_raw_shares():
         want = _first(ref(**x))
         assert all(torch.equal(_first(om(**x)), want) for _ in range(3))
     s = om.stats()
-    assert s["codec_plan"]["codec"] is None and all(src.raw) and src.coded_bufs[0].numel() == 0
+    assert s["codec_plan"]["codec"] is None and all(src.raw) and src.stage.buffer_bytes() == 0
     assert s["coded_blocks"] == 0 and src.stats()["coded_ratio"] == 1.0
     assert "nothing coded" in repr(om._streamed.codec_planner)
 

@@ -21,7 +21,7 @@ from test_distributed import Checks, get, run_ranks  # noqa: E402
 from test_distributed_gpu import gpu_world  # noqa: E402
 from test_dlo_coded import _coded_cfg, _model, _rank_equal, _rank_weights  # noqa: E402
 from weightstream.offload.dlo.topology import ParallelConfig  # noqa: E402
-from weightstream.offload.sources.dlo_coded import merge_coded_shards  # noqa: E402
+from weightstream.offload.dlo.control import merge_shards  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 
@@ -91,7 +91,7 @@ def test_nccl_coded_allgather_bit_exact(gpus, name):
         assert s["shard_bytes"] * len(reps) >= s["coded_bytes"] and s["h2d_bytes_per_step"] == s["shard_bytes"]
     if name != "toy":
         assert reps[0]["stats"]["bits_per_weight"] < 14 and reps[0]["stats"]["coded_bytes"] < reps[0]["stats"]["raw_bytes"]
-    merged = merge_coded_shards([rep["local"] for rep in reps])
+    merged = merge_shards([rep["local"] for rep in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())
 
 
@@ -129,5 +129,5 @@ def test_nccl_auto_codec_plans_alike_on_every_rank(gpus, name):
     assert len({tuple(rep["plan"]["coded_blocks"]) for rep in reps}) == 1
     assert len({rep["stats"]["shard_bytes"] for rep in reps}) == 1
     assert all(rep["stats"]["coded_blocks"] == len(rep["plan"]["coded_blocks"]) for rep in reps)
-    merged = merge_coded_shards([rep["local"] for rep in reps])
+    merged = merge_shards([rep["local"] for rep in reps])
     assert all(torch.equal(merged[k], v) for k, v in reps[0]["ref"].items())

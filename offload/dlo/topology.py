@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.offload.config import OffloadConfig
+from weightstream.offload.config import OffloadConfig, _keeps_resident
 from weightstream.offload.layout import TENSOR_ALIGN, align_up
 
 _DIMS = ("dp", "sp", "tp", "hsdp")
@@ -132,9 +132,9 @@ def resolve_transfer(config: OffloadConfig, parallel: ParallelConfig) -> str:
                 f"{said} with hsdp={parallel.hsdp} is not allowed: HSDP already shards the parameters, so a "
                 f"DLO AllGather would double-shard them; {fix} (HSDP keeps its own gathers)"
             )
-        if config.resident_layers > 0:
+        if _keeps_resident(config.resident_layers):  # an int > 0, "auto" or a list of blocks
             raise ValueError(
-                f"layer_options.dit.resident_layers={config.resident_layers} with {said} is not allowed: "
+                f"layer_options.dit.resident_layers={config.resident_layers!r} with {said} is not allowed: "
                 f"resident layers require weight_transfer='rank-local'; {fix} or resident_layers=0"
             )
         if parallel.shard_size == 1:

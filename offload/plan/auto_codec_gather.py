@@ -20,7 +20,7 @@ The mechanism, each part the same on every rank and in the same order:
 3. one control collective joins every rank's measurements: the slowest
    (per-block compute and decode rates at their worst, the link at its
    slowest), so every rank plans from the same inputs and gets the same plan;
-4. the chosen blocks are coded at once (:meth:`.sources.dlo_coded.CodedShardSource.code_blocks`:
+4. the chosen blocks are coded at once (:meth:`.sources.dlo.ShardSource.code_blocks`:
    a gather per block, in block order), before any CUDA graph is captured.
 
 One plan per backend: ranks may see different input signatures (data

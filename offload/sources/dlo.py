@@ -1,133 +1,63 @@
-"""DLO shards: this rank's 1/N of every block image; a load is the shard's H2D, then an all-gather.
+"""DLO AllGather: this rank's share over H2D, then an all-gather; coded shares end with a decode.
 
-Each rank packs and pins only its ``1/N`` share of every block image:
-``shard = align_up(ceil(image_bytes / N), 512)`` and rank ``r`` holds bytes
-``[r * shard, (r + 1) * shard)`` of the flat image (the last share
-zero-padded). Gathered rank-major, the ``N * shard`` bytes *are* the block
-image, so parameters are views at their layout offsets: no unpack step.
-Per load (CUDA):
+The bytes live in one store, :class:`~weightstream.offload.host.shares.Shares`: this rank's
+``1/N`` share of every block, of its raw image or of its coded image, per block. Gathered
+rank-major, the ``N * shard`` bytes *are* that image. Per load (CUDA):
 
-1. copy stream: wait until the gather that last read this shard slot is done,
-   H2D of the local shard into the shard slot, record ``shard_loaded``;
-2. communication stream: wait ``shard_loaded`` and the block slot's ``freed``
-   event, ``all_gather_into_tensor(block_slot, shard_slot)`` (``async_op=True``;
-   ``work.wait()`` makes the communication stream wait on NCCL's stream); the
-   executor records ``loaded`` there, and this source ``shard_read`` (the next
-   H2D into that shard slot waits on it).
+1. copy stream: wait until the gather that last read this shard slot is done, H2D of the
+   local share into the shard slot, record ``shard_loaded``;
+2. communication stream: wait ``shard_loaded``; ``all_gather_into_tensor`` (``async_op=True``;
+   ``work.wait()`` makes the communication stream wait on NCCL's stream), then record
+   ``shard_read`` (the next H2D into that shard slot waits on it). A raw block is gathered into
+   the block slot itself, after the slot's ``freed`` event (parameters are views at their
+   layout offsets: no unpack step; the executor records ``loaded`` on the communication
+   stream). A coded block is gathered into the slot's coded buffer of the
+   :class:`~.decode.DecodeStage` (after the decode that last read that buffer, not after the
+   slot's release: the gather of block p + 2 runs during block p's compute), and the stage
+   decodes it into the slot on its decode stream, after the slot's release (the executor
+   records ``loaded`` there).
 
-On CPU (gloo) the same code runs with synchronous copies and blocking
-collectives. The topology rules live in :mod:`..dlo_topology`, the failure
-policy in :mod:`..dlo_guard`.
+On CPU (gloo) the same code runs with synchronous copies, blocking collectives and a
+synchronous decode. Each rank's link moves ``shard`` bytes per block, the gather ``N * shard``.
+
+``weight_codec`` (read from the request, :attr:`SourceRequest.codec`): ``"none"`` keeps raw
+shares; a codec name codes every block at build (the deterministic encoder: the same bytes
+on every rank); ``"auto"`` starts with raw shares and :meth:`ShardSource.code_blocks` codes
+the blocks a plan (:mod:`~weightstream.offload.plan.auto_codec_gather`, the same on every
+rank) chose, at once (a gather of each raw image, the encode, this rank's share of it).
+
+Updates (``update_weights``, a collective: every rank calls it with the same weights): a raw
+block's new values go straight into this rank's share; a coded block keeps them until the
+executor's ``reload``, which gathers and decodes each written block (in block order, the same
+on every rank), patches it, re-encodes it and stores this rank's share again (re-sharded when
+the new coded size passes ``N * shard``; CUDA graphs captured before then refuse to replay).
+
+``state_dict()``: a rank holds a share (the error names ``gather_state_dict()``);
+``local_state_dict()`` gives this rank's pieces (raw: the tensor or a :class:`ShardPiece`;
+coded: a :class:`CodedPiece` of its coded bytes), which
+:func:`~weightstream.offload.dlo.control.merge_shards` joins (and decodes) with no collective.
+The topology rules live in :mod:`..dlo.topology`, the failure policy in :mod:`..dlo.guard`.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from weightstream.offload.dlo.control import ShardPiece, bounded_wait
+from weightstream.offload.codecs import AUTO, CodedCaptureStaleError, codec_levels
+from weightstream.offload.dlo.control import bounded_wait
+from weightstream.offload.host.arena import copy_from_image
+from weightstream.offload.host.encode import encode_image, encoded_in_order
+from weightstream.offload.host.recode import SAMPLE_BYTES, checked_blocks, sample_coded
+from weightstream.offload.host.shares import Shares, joined
 from ..event_log import _Record
-from weightstream.offload.dlo.topology import shard_size
-from weightstream.offload.host.arena import HostStore, copy_from_image
-from ..layout import TENSOR_ALIGN, BlockLayout, TensorSpec
-from .base import SourceCaps, WeightSource
-from .pinned import SourceRequest
+from ..layout import TENSOR_ALIGN
 from ..placeholders import drop_storage
-
-
-def _raw_bytes(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """The ``spec.nbytes`` bytes ``t`` occupies in a block image (uint8, 1-D)."""
-    t = t.detach()
-    if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-        raise ValueError(f"tensor {spec.name!r} is {t.dtype} {tuple(t.shape)}, the layout says "
-                         f"{spec.dtype} {spec.shape}")
-    if t.is_contiguous() and tuple(t.stride()) == spec.stride and t.numel() * t.element_size() == spec.nbytes:
-        return t.reshape(-1).view(torch.uint8)
-    tmp = torch.zeros(spec.nbytes, dtype=torch.uint8, device=t.device)
-    dataclasses.replace(spec, offset=0).view_of(tmp).copy_(t)
-    return tmp
-
-
-def write_share(share: torch.Tensor, lo: int, spec: TensorSpec, t: torch.Tensor) -> None:
-    """Write the bytes of tensor ``spec`` (value ``t``) that fall in ``share``: bytes
-    ``[lo, lo + share.numel())`` of the block image (a tensor outside it is only checked)."""
-    a, b = max(lo, spec.offset), min(lo + share.numel(), spec.offset + spec.nbytes)
-    if a >= b:
-        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-            _raw_bytes(t, spec)  # raises the shape/dtype error
-        return
-    raw = _raw_bytes(t, spec)
-    share[a - lo : b - lo].copy_(raw[a - spec.offset : b - spec.offset])
-
-
-class ShardedStore:
-    """This rank's share of every block image, in one pinned host arena.
-
-    ``layouts`` are the real block layouts (offsets into the gathered image);
-    ``image(k)`` is this rank's ``shard_bytes[k]`` bytes of block ``k``.
-    """
-
-    def __init__(self, layouts: list[BlockLayout], world: int, rank: int, *, pin: bool,
-                 budget_bytes: int | None = None):
-        self.layouts = list(layouts)
-        self.world, self.rank = world, rank
-        self.shard_bytes = [shard_size(lay.nbytes, world) for lay in self.layouts]
-        self.max_shard = max(self.shard_bytes)
-        shards = [BlockLayout(lay.index, f"{lay.name}[shard {rank}/{world}]", (), sb)
-                  for lay, sb in zip(self.layouts, self.shard_bytes)]
-        self._host = HostStore(shards, pin=pin, budget_bytes=budget_bytes)
-
-    def image(self, k: int) -> torch.Tensor:
-        return self._host.image(k)
-
-    def views(self, k: int):
-        raise RuntimeError("an AllGather DLO store holds 1/N of each block; full views need a gather")
-
-    def range(self, k: int) -> tuple[int, int]:
-        """Byte range [lo, hi) of block k's image held here (hi may pass the image end: padding)."""
-        lo = self.rank * self.shard_bytes[k]
-        return lo, lo + self.shard_bytes[k]
-
-    def write(self, k: int, spec: TensorSpec, t: torch.Tensor) -> None:
-        """Write the part of tensor ``spec`` (value ``t``) that falls in this rank's share."""
-        write_share(self.image(k), self.range(k)[0], spec, t)
-
-    def pack(self, k: int, tensors: list[torch.Tensor]) -> None:
-        specs = self.layouts[k].tensors
-        if len(tensors) != len(specs):
-            raise ValueError(f"block {self.layouts[k].name!r}: {len(tensors)} tensors given, layout has {len(specs)}")
-        with torch.no_grad():
-            self.image(k).zero_()  # alignment gaps and the last rank's padding
-            for spec, t in zip(specs, tensors):
-                self.write(k, spec, t)
-
-    def pin(self, k: int) -> None:
-        self._host.pin(k)
-
-    def close(self) -> None:
-        self._host.close()
-
-    @property
-    def nbytes(self) -> int:
-        return self._host.nbytes
-
-    @property
-    def pinned(self) -> bool:
-        return self._host.pinned
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._host.pinned_bytes
-
-    @property
-    def pin_failure(self) -> str | None:
-        return self._host.pin_failure
-
-    def __repr__(self) -> str:
-        return (f"ShardedStore(rank {self.rank}/{self.world}, {len(self.layouts)} blocks, "
-                f"{self.nbytes / 1e9:.3f} GB host, pinned {self.pinned_bytes / 1e9:.3f} GB)")
+from ..progress import Progress
+from .base import SourceCaps, WeightSource
+from .decode import DecodeStage
+from .pinned import SourceRequest
 
 
 class ShardedHostViews(Mapping):
@@ -164,60 +94,85 @@ class ShardedHostViews(Mapping):
         self._ids.clear()
 
 
-
-
 def _all_gather_tensor_fn():
     # torch >= 2.13 renames all_gather_into_tensor (now a deprecated alias) to all_gather_single.
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardSource(WeightSource):
-    """DLO AllGather: this rank's shard over H2D, then an all-gather into the block slot."""
+    """DLO AllGather: this rank's share over H2D, an all-gather, a decode for coded shares."""
 
     name = "dlo-allgather"
     caps = SourceCaps(collective=True, sharded=True)
+    coding_active = False  # blocks are coded at once, on every rank together (never in the background)
+    merge_hint = "weightstream.offload.distributed.merge_shards([...])"  # how local_state_dict()s join
+    loading: int | None = None  # block whose load or gather is under way (left set when a BaseException stops it)
 
     def __init__(self, req: SourceRequest, *, group, world: int, rank: int, gather: str, timeout_s: float,
                  failure=lambda: None):
         if gather not in ("tensor", "list"):
             raise ValueError(f"gather={gather!r} is not allowed; choose from: tensor, list")
+        codec = req.codec
+        self.codes = codec != "none"  # blocks may be coded (a codec, or "auto": when a plan says so)
+        self.auto = codec == AUTO
+        # blocks built and re-encoded with this codec (auto: the plan's, None until then)
+        self.codec = codec if self.codes and not self.auto else None
+        self.levels = None if self.codec is None else codec_levels(self.codec)
+        if self.codes:
+            self.name = "dlo-allgather-coded"
+            self.caps = SourceCaps(collective=True, sharded=True, codes_blocks=True)
         self.layouts = list(req.layouts)
         self.device, self.group, self.world, self.gather = req.device, group, world, gather
         self.timeout_s = timeout_s
         self._failure = failure  # the guard's failure (no gather after one)
         self.ncoll = 0  # DLO collectives this rank issued eagerly on the group (compared to recover)
-        self.store = ShardedStore(self.layouts, world, rank, pin=req.pin, budget_bytes=req.pin_budget())
-        # a gathered image is world * shard bytes: the block image plus the last share's padding
-        self.slot_bytes = max(world * sb for sb in self.store.shard_bytes)
+        self.store = Shares(self.layouts, world, rank, pin=req.pin, budget_bytes=req.pin_budget())
         self._pack(req)
+        # a raw block is gathered into the slot itself: its image plus the last share's padding
+        self.slot_bytes = max([lay.nbytes for lay in self.layouts] +
+                              [world * sb for sb, r in zip(self.store.shard_bytes, self.raw) if r])
         self._ids = {id(t): (k, i) for k in range(len(self.layouts)) for i, t in enumerate(req.objects(k))}
         self._host_views = ShardedHostViews(self._ids, world)
         self.slots, self.shard_slots, self.streams = [], [], None
+        # gathered coded bytes end in one decode stage (at load, on its decode stream)
+        self.stage = DecodeStage(self.layouts, decode_at="load", decode_stream=True) if self.codes else None
+        self._patches: dict[int, dict[int, torch.Tensor]] = {}
+
+    raw = property(lambda self: self.store.raw)  # block k's share is of its raw image (no decode)
+    _captured = property(lambda self: self.stage is not None and self.stage.captured)  # (recode.checked_blocks)
 
     def _pack(self, req: SourceRequest) -> None:
-        """The originals are released only once every share is packed: this rank keeps
-        1/N of each block, so a failure part-way could not be undone from the store
-        (host memory peaks at model + model/N during setup)."""
-        from ..progress import Progress
-
-        store = self.store
-        bar = Progress(f"packing this rank's 1/{self.world} share of {len(self.layouts)} blocks",
-                       store.nbytes, req.config.progress)
+        """Encode (worker threads) or copy, keep this rank's share; the originals are released
+        only once every share is stored: this rank keeps 1/N of each block, so a failure
+        part-way could not be undone from the store (host memory peaks at model + model/N)."""
+        n = len(self.layouts)
+        what = "coding" if self.levels is not None else "packing"
+        bar = Progress(f"{what} {n} blocks, keeping this rank's 1/{self.world} share",
+                       sum(lay.nbytes for lay in self.layouts), req.config.progress)
         try:
-            for k in range(len(self.layouts)):
-                store.pack(k, req.objects(k))
-                store.pin(k)
-                bar.update(store.shard_bytes[k])
+            objs = [req.objects(k) for k in range(n)]
+            if self.levels is None:  # raw shares (weight_codec 'none', or 'auto' before a plan)
+                for k, lay in enumerate(self.layouts):
+                    self.store.set_raw(k, objs[k])
+                    bar.update(lay.nbytes)
+            else:
+                for k, (blobs, table) in enumerate(encoded_in_order(self.layouts, objs, levels=self.levels)):
+                    self.store.set_coded(k, joined(blobs), table)
+                    bar.update(self.layouts[k].nbytes)
         except BaseException:
-            store.close()
+            self.store.close()
             raise
-        for k in range(len(self.layouts)):
+        finally:
+            bar.close()
+        for k in range(n):
             drop_storage(req.objects(k), req.device)  # only this rank's share stays in host memory
 
     # -- the executor's side --------------------------------------------------------
     def attach(self, slots, streams, device) -> None:
         self.slots, self.streams = slots, streams
         self.shard_slots = [torch.empty(self.store.max_shard, dtype=torch.uint8, device=device) for _ in slots]
+        if self.stage is not None:  # coded buffers, the decode stream; every table on the device now
+            self.stage.attach(slots, streams, device, self._coded_buf_bytes(), self.store.tables)
         if streams is None:
             return
         self.comm_stream = streams.new_stream(device)
@@ -230,12 +185,17 @@ class ShardSource(WeightSource):
                 t.record_stream(copy)
             for t in slots:
                 t.record_stream(self.comm_stream)
+            if self.stage is not None:
+                for s in range(len(slots)):
+                    self.stage.buffer(s).record_stream(self.comm_stream)
 
     def side_streams(self) -> list:
-        return [self.comm_stream] if self.streams is not None else []
+        if self.streams is None:
+            return []
+        return [self.comm_stream, *(self.stage.side_streams() if self.stage is not None else [])]
 
     def waits_for_free_of(self, k: int) -> bool:
-        """The shard's H2D runs ahead into its own buffer; only the gather waits for the slot."""
+        """The shard's H2D runs ahead into its own buffer; only the gather (raw) or decode waits for the slot."""
         return True
 
     @staticmethod
@@ -261,8 +221,6 @@ class ShardSource(WeightSource):
             return dist.all_gather(parts, inp, group=self.group, async_op=async_op)
         return _all_gather_tensor_fn()(out, inp, group=self.group, async_op=async_op)
 
-    loading: int | None = None  # block whose load or gather is under way (left set when a BaseException stops it)
-
     def cut_short(self) -> str | None:
         """What a BaseException that is not an Exception (KeyboardInterrupt, SystemExit, a
         cancellation) stopped part-way: a load (H2D, gather, decode) or a gather of a block,
@@ -272,6 +230,8 @@ class ShardSource(WeightSource):
 
     def load(self, k: int, slot: int, *, position: int, after, tag):
         self.loading = k
+        if self.stage is not None:
+            self.stage.note_load(tag)
         sb = self.store.shard_bytes[k]
         src = self.store.image(k)
         shard = self.shard_slots[slot][:sb]
@@ -289,7 +249,8 @@ class ShardSource(WeightSource):
             if rec is not None:
                 rec.end = log.mark()
                 log.records.append(rec)
-            self._after_gather(k, slot, None, None)
+            if not self.raw[k]:
+                self.stage.decode(full, self.slots[slot], self.store.tables[k])
             self.loading = None
             return None
         streams, comm = self.streams, self.comm_stream
@@ -305,11 +266,15 @@ class ShardSource(WeightSource):
         streams.access("write", ("shard", slot), block)
         self.shard_loaded[slot].record(cs)
         comm.wait_event(self.shard_loaded[slot])
-        if after is not None and self._gather_waits_free(k, slot, tag):
+        if not self.raw[k]:
+            self.stage.before_write(slot, comm, tag, after)  # after the decode that last read the buffer
+        elif after is not None:
             comm.wait_event(after)  # compute no longer reads what the gather writes
         with streams.stream(comm):
             if rec is not None:
                 rec.start = log.mark(comm)
+            if self.raw[k] and self.stage is not None:
+                self.stage.before_raw(slot, comm, tag)  # a skipped coded block's decode may write the slot
             streams.access("read_begin", ("shard", slot), block)
             work = self.all_gather(full, shard, async_op=True)
             work.wait()  # the comm stream waits for the collective's stream (no host block)
@@ -320,21 +285,81 @@ class ShardSource(WeightSource):
             if rec is not None:
                 rec.end = log.mark(comm)
                 log.records.append(rec)
-            self._after_gather(k, slot, after, tag)
+            done = comm
+            if not self.raw[k]:  # the stage decodes the gathered coded image into the slot
+                done = self.stage.written(k, slot, full.numel(), self.store.tables[k], comm, tag, after)
         self.loading = None
-        return comm
+        return done
 
     def _gather_out(self, k: int, slot: int) -> torch.Tensor:
-        """Where block ``k``'s gather lands: the block slot itself (the coded source: a coded buffer)."""
-        return self.slots[slot][: self.world * self.store.shard_bytes[k]]
+        """Where block ``k``'s gather lands: the block slot itself (raw), the stage's coded buffer (coded)."""
+        n = self.world * self.store.shard_bytes[k]
+        return self.slots[slot][:n] if self.raw[k] else self.stage.buffer(slot)[:n]
 
-    def _gather_waits_free(self, k: int, slot: int, tag) -> bool:
-        """Whether block ``k``'s gather into ``slot`` waits for the slot's release: it writes the block slot itself."""
-        return True
+    def _coded_buf_bytes(self) -> int:
+        """A coded buffer holds a gathered coded image (raw blocks are gathered into the slot)."""
+        return max([self.world * sb for sb, r in zip(self.store.shard_bytes, self.raw) if not r], default=0)
 
-    def _after_gather(self, k: int, slot: int, after, tag) -> None:
-        """Work after the gather on the communication stream (current): none here (the coded source
-        decodes; ``after`` and ``tag`` are the load's)."""
+    def check(self) -> None:
+        """Step start / before a replay: refuse graphs captured before a re-shard."""
+        if self.stage is not None:
+            self.stage.check()
+
+    def uncapturable(self) -> str | None:
+        if self.codes and self.device.type == "cuda" and not self.store.pinned:
+            return f"some coded shards are in pageable host memory ({self.store.pin_failure or 'pin_memory is off'})"
+        return None
+
+    def link_bytes(self, k: int) -> int:
+        """Bytes one load of block ``k`` moves over this rank's host link: its share."""
+        return self.store.shard_bytes[k]
+
+    # -- weight_codec="auto" (plan/auto_codec_gather.py plans, every rank alike) ----------------
+    def sample(self, k: int, codecs, max_bytes: int | None = SAMPLE_BYTES) -> dict:
+        """Raw block ``k`` (a collective: its image is gathered) encoded aside with each codec of
+        ``codecs``, nothing stored: codec -> :func:`~..host.recode.sample_coded`'s result. The
+        encoder is deterministic, so every rank computes the same sizes."""
+        if not self.raw[k]:
+            raise ValueError(f"block {self.layouts[k].name!r} is coded already; sample() reads raw blocks")
+        lay = self.layouts[k]
+        image = self.image(k).cpu()[: lay.nbytes]
+        return {c: sample_coded(lay, image, codec_levels(c), max_bytes) for c in codecs}
+
+    def coded_shard_bytes(self, k: int, coded: int) -> int:
+        """This rank's link bytes for block ``k`` coded in ``coded`` bytes (its share of them, slack included)."""
+        return self.store.coded_shard_bytes(k, coded)
+
+    def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
+        """weight_codec="auto": code raw blocks ``ks`` with ``codec`` now. A collective, in block
+        order, the same on every rank: each block's raw image is gathered, encoded (deterministic:
+        the same bytes everywhere), and this rank keeps its share of the coded image, sized anew.
+        Between steps only, before any CUDA graph is captured."""
+        if background:
+            raise ValueError("code_blocks: background=True is not allowed with DLO AllGather: every rank switches "
+                             "a block to coded at the same step; allowed: background=False")
+        if self.stage is None:
+            raise ValueError(f"code_blocks: this source streams raw shares (weight_codec='none'); codec={codec!r} "
+                             "is not allowed; allowed: weight_codec='auto' sources code blocks")
+        ks, levels = checked_blocks(self, ks, codec, "gathers")
+        if not ks:
+            return
+        self.ready_to_gather("coding blocks (weight_codec='auto')")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # between steps: in-flight copies may read the shares
+        self.levels, self.codec = levels, codec
+        bar = Progress(f"coding {len(ks)} blocks with {codec}, keeping this rank's 1/{self.world} share",
+                       sum(self.layouts[k].nbytes for k in ks), progress)
+        try:
+            for k in ks:
+                lay = self.layouts[k]
+                image = self.image(k).cpu()[: lay.nbytes]
+                blobs, table = encode_image(lay, [spec.view_of(image) for spec in lay.tensors], levels=levels)
+                self.store.set_coded(k, joined(blobs), table, fresh=True)
+                self.stage.upload(k, table)
+                bar.update(lay.nbytes)
+        finally:
+            bar.close()
+            self._fit_buffers()
 
     # -- host side -----------------------------------------------------------------------
     def host_views(self) -> "ShardedHostViews":
@@ -344,11 +369,57 @@ class ShardSource(WeightSource):
         """(block, tensor index) of a streamed tensor object, None for others."""
         return self._ids.get(tensor_id)
 
-    def write(self, k: int, index: int, value: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.store.write(k, self.layouts[k].tensors[index], value)
+    def check_write(self, k: int, index: int) -> None:
+        """With a codec, an update may need gathers (every rank re-encodes whole blocks): refused after a failure."""
+        if self.codes:
+            self.ready_to_gather("update_weights() with coded DLO shards")
 
-    merge_hint = "weightstream.offload.distributed.merge_shards([...])"  # how local_state_dict()s join
+    def write(self, k: int, index: int, value: torch.Tensor) -> None:
+        """A raw block: this rank's part of the new value into its share. A coded block: keep the
+        new value; :meth:`reload` (the same on every rank) re-encodes the block."""
+        spec = self.layouts[k].tensors[index]
+        if self.raw[k]:
+            with torch.no_grad():
+                self.store.write_raw(k, spec, value)
+            return
+        if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
+            raise ValueError(f"tensor {spec.name!r} is {value.dtype} {tuple(value.shape)}, the layout says "
+                             f"{spec.dtype} {spec.shape}")
+        self._patches.setdefault(k, {})[index] = value.detach().to("cpu", copy=True)
+
+    def reload(self) -> None:
+        """Re-encode every written coded block (gather + decode, patch, encode, keep the share),
+        in block order: the same collectives on every rank."""
+        if not self._patches:
+            return
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise CodedCaptureStaleError("coded weights changed while a CUDA graph was being captured; "
+                                             "call the model again")
+            torch.cuda.synchronize(self.device)  # not the hot path: in-flight copies may read the shares
+        patches, self._patches = self._patches, {}
+        for k in sorted(patches):
+            self._reencode(k, patches[k])
+
+    def _reencode(self, k: int, patch: dict[int, torch.Tensor]) -> None:
+        image = self.image(k).cpu()
+        specs = self.layouts[k].tensors
+        for i, v in patch.items():
+            specs[i].view_of(image).copy_(v)
+        blobs, table = encode_image(self.layouts[k], [s.view_of(image) for s in specs], levels=self.levels)
+        if self.store.set_coded(k, joined(blobs), table):
+            self._fit_buffers()
+            self.stage.grew(self._coded_buf_bytes(), "a weight update")  # captured graphs gather the old shards
+        self.stage.retable(k, table)
+
+    def _fit_buffers(self) -> None:
+        """Shard slots and coded buffers large enough for every block's share (between steps)."""
+        if not self.slots:
+            return
+        if self.store.max_shard > self.shard_slots[0].numel():
+            self.shard_slots = [torch.empty(self.store.max_shard, dtype=torch.uint8, device=self.device)
+                                for _ in self.slots]
+        self.stage.fit(self._coded_buf_bytes())
 
     def ready_to_gather(self, what: str) -> None:
         """After a failed collective no further one is issued: a timed-out gloo
@@ -366,7 +437,8 @@ class ShardSource(WeightSource):
             )
 
     def image(self, k: int) -> torch.Tensor:
-        """Block ``k``'s full image in a fresh device tensor (a collective; outside the hot path)."""
+        """Block ``k``'s full image in a fresh device tensor (a collective: a gather, then the decode
+        of a coded block; outside the hot path)."""
         self.ready_to_gather("this call")
         self.loading = k
         sb = self.store.shard_bytes[k]
@@ -378,32 +450,45 @@ class ShardSource(WeightSource):
         bounded_wait(work, self.timeout_s, f"the gather of block {self.layouts[k].name!r}",
                      poll=self.device.type == "cuda")
         self.loading = None
-        return full
+        if self.raw[k]:
+            return full
+        out = torch.zeros(self.layouts[k].nbytes, dtype=torch.uint8, device=self.device)
+        DecodeStage.decode(full, out, self.store.tables[k])
+        return out
 
     def local_piece(self, name: str, k: int, index: int):
-        """Tensor ``index`` of block ``k`` as far as this rank holds it: a CPU tensor when
-        wholly in this rank's share, else a :class:`ShardPiece` (possibly empty)."""
-        spec = self.layouts[k].tensors[index]
-        lo, hi = self.store.range(k)
-        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
-        whole = dataclasses.replace(spec, offset=0)
-        if a == spec.offset and b == spec.offset + spec.nbytes:
-            return dataclasses.replace(spec, offset=spec.offset - lo).view_of(self.store.image(k)).clone()
-        data = self.store.image(k)[a - lo : b - lo].clone() if a < b else torch.empty(0, dtype=torch.uint8)
-        return ShardPiece(name, whole, max(0, a - spec.offset), data)
+        """Tensor ``index`` of block ``k`` as far as this rank holds it (:meth:`Shares.piece`)."""
+        return self.store.piece(name, k, index)
 
     def stats(self) -> dict:
         s = self.store
-        return {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
-                "pin_failure": s.pin_failure, "h2d_bytes_per_step": sum(s.shard_bytes),
-                "slot_bytes": self.slot_bytes, "gather": self.gather, "shard_bytes": sum(s.shard_bytes)}
+        out = {"source": self.name, "host_bytes": s.nbytes, "pinned_bytes": s.pinned_bytes, "pinned": s.pinned,
+               "pin_failure": s.pin_failure, "h2d_bytes_per_step": sum(s.shard_bytes),
+               "slot_bytes": self.slot_bytes, "gather": self.gather, "shard_bytes": sum(s.shard_bytes)}
+        if not self.codes:
+            return out
+        raw = sum(lay.nbytes for lay in self.layouts)
+        coded16 = [(g.header.nbytes, g.header.numel) for t in s.tables if t is not None for g in t._live
+                   if g.header.k != 8 or g.header.dtype != torch.int16]
+        c16, n16 = sum(c for c, _ in coded16), sum(n for _, n in coded16)
+        # a raw block (weight_codec='auto', not coded by the plan) moves its raw image
+        moved = sum(lay.nbytes if r else c for lay, r, c in zip(self.layouts, self.raw, s.coded))
+        out.update({"coded_bytes": moved, "raw_bytes": raw, "coded_ratio": moved / raw if raw else 0.0,
+                    "bits_per_weight": 8.0 * c16 / n16 if n16 else 0.0,
+                    "coded_blocks": len(self.raw) - sum(self.raw), "codec": self.codec,
+                    "gathered_bytes_per_step": self.world * sum(s.shard_bytes), **self.stage.stats()})
+        return out
 
     def remove(self) -> None:
         self.slots, self.shard_slots = [], []
+        if self.stage is not None:
+            self.stage.remove()
 
     def close(self) -> None:
         self.store.close()
         self._host_views.clear()
+        if self.stage is not None:
+            self.stage.close()
 
     def __repr__(self) -> str:
         return f"ShardSource({self.store!r}, gather={self.gather})"
