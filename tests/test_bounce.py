@@ -9,7 +9,6 @@ the bounce buffers included.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 import warnings

@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch

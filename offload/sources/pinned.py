@@ -18,6 +18,19 @@ serialising with it as a pageable ``copy_`` does. No config key turns this off;
 (tests: every unpinned block, also on the CPU) are constructor arguments. CUDA
 graphs cannot hold a staged load (it waits on a host thread): the graph runner
 refuses a store that is not all pinned, and :meth:`uncapturable` says why.
+
+Coded images (``codec`` not "none"): :class:`CodedSource` is the same copy over a
+:class:`~..host.images.BlockImages` store (each block raw or losslessly coded, pinned block by
+block) composed with a :class:`~.decode.DecodeStage`. Per load (the copy stream current): one
+H2D of the block's coded bytes into the slot's coded buffer, then one decode launch into the
+slot on the stage's decode stream (the next block's H2D overlaps it; only the decode waits for
+the slot's release) or on the copy stream; with CUDA graphs the decode is issued at use
+(:func:`~.decode.decode_placement`). The decode tables go to the device at ``attach`` and never
+move: a re-encoded block (``write``, edited host views) updates its table in place, so captured
+graphs keep reading the current weights. Each block copies a fixed byte count (``copy_bytes``):
+a re-encode that grows past it still works eagerly, but makes graphs captured before it
+unusable (named error at the next step). A raw block (``codec="auto"``, not coded by a plan)
+copies its plain image straight into the slot.
 """
 from __future__ import annotations
 
