@@ -23,6 +23,28 @@ def test_demo_resident_layers(capsys):
     assert "2 resident" in capsys.readouterr().out
 
 
+def test_demo_resident_layers_auto(capsys):
+    assert main(["demo", "--model", "flux", "--steps", "1", "--device", "cpu", "--resident-layers", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "resident layers: auto, planner budget" in out and "outputs match bit for bit: True" in out
+
+
+def test_demo_closes_with_the_pipeline_recipe(capsys):
+    assert main(["demo", "--model", "toy", "--steps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for step in ("from_pretrained(", "offload_pipeline(pipe,", "= pipe(", "save_pretrained("):
+        assert step in out.split("next, your own pipeline")[1], step
+
+
+def test_a_missing_extra_is_one_line_naming_it():
+    from weightstream.__main__ import missing_extra
+
+    line = missing_extra(ModuleNotFoundError("No module named 'diffusers'", name="diffusers"), "weightstream plan")
+    assert line == "weightstream plan needs diffusers, which is not installed: pip install 'weightstream[models]'"
+    assert missing_extra(ModuleNotFoundError("x", name="matplotlib.figure"), "m").endswith("'weightstream[report]'")
+    assert missing_extra(ModuleNotFoundError("x", name="something_else"), "m") is None
+
+
 def test_demo_module_mode(capsys):
     assert main(["demo", "--mode", "module", "--device", "cpu"]) == 0
     assert "outputs match the resident pipeline bit for bit: YES" in capsys.readouterr().out
@@ -63,6 +85,13 @@ def test_bad_values_are_one_line_errors(argv, message, capsys):
 def test_cuda_without_cuda_is_a_one_line_error(capsys):
     assert main(["demo", "--device", "cuda"]) == 2
     assert "torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_resident_layers_takes_an_integer_or_auto(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--resident-layers", "many"])
+    assert e.value.code == 2
+    assert "'many' is not allowed; give an integer >= 0 or 'auto'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x"])

@@ -11,8 +11,9 @@ FOLDERS = {"weightstream": "weightstream", "offload": "weightstream/offload", "k
            "graphs": "weightstream/graphs"}
 
 
-def test_wheel_has_every_module(tmp_path):
-    src = tmp_path / "src"  # a clean copy: no build/ leftovers from earlier builds
+def build_wheel(tmp_path: Path) -> Path:
+    """Build the wheel from a clean copy of the checkout (no build/ leftovers); return its path."""
+    src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
@@ -21,7 +22,11 @@ def test_wheel_has_every_module(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path)], cwd=src, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    wheel = next(tmp_path.glob("weightstream-*.whl"))
+    return next(tmp_path.glob("weightstream-*.whl"))
+
+
+def test_wheel_has_every_module(tmp_path):
+    wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {f"{dst}/{p.relative_to(REPO / src).as_posix()}"
             for src, dst in FOLDERS.items() for p in (REPO / src).rglob("*.py")}

@@ -17,6 +17,19 @@ class CliError(ValueError):
     """A command-line value that is not allowed (printed as one line, exit 2)."""
 
 
+# top-level module -> the extra of pyproject.toml that installs it
+EXTRAS = {"diffusers": "models", "transformers": "models", "matplotlib": "report"}
+
+
+def missing_extra(error: ModuleNotFoundError, command: str) -> str | None:
+    """The one line for a subcommand that needs a module of an extra that is not
+    installed (None when the missing module belongs to no extra)."""
+    module = (error.name or "").split(".")[0]
+    if module not in EXTRAS:
+        return None
+    return (f"{command} needs {module}, which is not installed: pip install 'weightstream[{EXTRAS[module]}]'")
+
+
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
 
@@ -47,6 +60,16 @@ def _positive_float(text: str) -> float:
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"{text} is not allowed; give a finite number > 0")
     return v
+
+
+def _resident_layers(text: str) -> int | str:
+    """An argparse type: an integer >= 0 or "auto" (the planner picks the resident blocks)."""
+    if text == "auto":
+        return text
+    try:
+        return _non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give an integer >= 0 or 'auto'") from None
 
 
 def _slot_counts(text: str) -> tuple[int, ...]:
@@ -98,14 +121,24 @@ def _demo_model(name: str, device: str):
     return model, inputs
 
 
-def _check_resident_layers(model, resident: int) -> int:
+def _check_resident_layers(model, resident: int | str) -> int:
     from weightstream.offload.discovery import discover_blocks
 
     n = len(discover_blocks(model))
-    if resident >= n:
+    if resident != "auto" and resident >= n:
         raise CliError(f"--resident-layers {resident} is not allowed: {type(model).__name__} has {n} blocks; "
                        f"choose 0..{n - 1} (at least one block must stream)")
     return n
+
+
+def _cpu_auto_budget(model, weight_bytes: int) -> int:
+    """A demo budget for resident_layers="auto" on the CPU: the non-block weights, two slots of the
+    largest block and half of the block bytes (so the planner keeps some blocks resident)."""
+    from weightstream.offload.discovery import discover_blocks
+
+    sizes = [sum(t.numel() * t.element_size() for t in list(b.module.parameters()) + list(b.module.buffers()))
+             for b in discover_blocks(model)]
+    return weight_bytes - sum(sizes) + 2 * max(sizes) + sum(sizes) // 2
 
 
 def _median_ms(fn, device: str, steps: int):
@@ -157,12 +190,18 @@ def demo_layer(args) -> int:
     print(f"model: {type(model).__name__}, {nblocks} blocks, {weight_bytes / 1e6:.1f} MB of weights "
           f"(random init); device: {device}; median of {args.steps} steps after one warm-up")
     resident = copy.deepcopy(model).to(device)
-    ms_res, ref = _median_ms(lambda: _first(resident(**inputs)), device, args.steps)
+    ms_res, ref = _median_ms(lambda m=resident: _first(m(**inputs)), device, args.steps)
     del resident
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers, progress=False)
+    budget = None
+    if args.resident_layers == "auto" and not cuda:  # on CUDA the planner's budget is the free memory
+        budget = _cpu_auto_budget(model, weight_bytes) / 1e9
+        print(f"resident layers: auto, planner budget {budget * 1e3:.3f} MB (the non-block weights, 2 slots and "
+              "half the blocks; on the CPU the planner needs a budget)")
+    cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers, progress=False,
+                                  device_memory_budget_gb=budget)
     streamed = OffloadedTransformer(model, cfg, device=device)
     ms_str, out = _median_ms(lambda: _first(streamed(**inputs)), device, args.steps)
     s = streamed.stats()
@@ -185,7 +224,15 @@ def demo_layer(args) -> int:
         print("on the CPU copies are plain memcpy and compute is the CPU's: the times show overhead only; "
               "streaming pays off on a GPU (--device cuda)")
     print(f"outputs match bit for bit: {same}")
+    print(PIPELINE_HINT)
     return 0 if same else 1
+
+
+PIPELINE_HINT = """next, your own pipeline (README, Quickstart): load, offload, generate, save
+    pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
+    handle = weightstream.offload_pipeline(pipe, {"mode": "layer", "components": ["dit", "text_encoder"]})
+    image = pipe("a photo of a cat").images[0]
+    pipe.save_pretrained("flux-copy")"""
 
 
 def cmd_demo(args) -> int:
@@ -267,7 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--model", choices=["flux", "wan", "toy"], default="flux")
     d.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     d.add_argument("--steps", type=_positive_int, default=10, help="timed steps, median reported (default 10)")
-    d.add_argument("--resident-layers", type=_non_negative_int, default=0)
+    d.add_argument("--resident-layers", type=_resident_layers, default=0,
+                   help="the first N blocks stay on the device, or 'auto': the planner picks them")
     pl = sub.add_parser(
         "plan", help="the planner's placement for a model and a device budget (--budget-gb); without a "
                      "budget, list the discovered blocks, their layouts and slots",
@@ -314,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": cmd_demo, "plan": cmd_plan}[args.cmd](args)
     except CliError as e:
         print(f"weightstream: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        line = missing_extra(e, f"weightstream {' '.join(argv[:1])}".strip())
+        if line is None:
+            raise
+        print(f"weightstream: error: {line}", file=sys.stderr)
         return 2
 
 
