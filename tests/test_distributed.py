@@ -761,3 +761,60 @@ def test_validate_wave_without_collective():
 def test_shard_size(nbytes, n, want):
     got = shard_size(nbytes, n)
     assert got == want and got % TENSOR_ALIGN == 0 and got * n >= nbytes
+
+
+def test_shares_store_raw_and_coded_shares_gather_back_to_the_image():
+    """host/shares.py on its own (no collective): every rank's share of a block, joined
+    rank-major, is the block image (raw) or its coded image (coded), the rest zero padding;
+    pieces merge back into the tensors; a raw write lands in the one share that holds it."""
+    from weightstream.offload.dlo.control import merge_shards
+    from weightstream.offload.host.encode import encode_image
+    from weightstream.offload.host.shares import joined
+    from weightstream.offload.layout import block_tensors, build_layout
+
+    model = tiny_flux(dtype=torch.bfloat16, num_attention_heads=4)
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    tensors = [block_tensors(b) for b in blocks]
+    layouts = [build_layout(i, f"b{i}", ts) for i, ts in enumerate(tensors)]
+    world = 3
+    stores = [Shares(layouts, world, r, pin=False) for r in range(world)]
+    try:
+        for k, (lay, ts) in enumerate(zip(layouts, tensors)):
+            objs = [t for _, _, t in ts]
+            image = torch.zeros(lay.nbytes, dtype=torch.uint8)
+            for spec, t in zip(lay.tensors, objs):
+                spec.view_of(image).copy_(t)
+            if k % 2:  # odd blocks coded, even ones raw
+                blobs, table = encode_image(lay, objs)
+                whole = joined(blobs)
+                for s in stores:
+                    assert not s.set_coded(k, whole, table)
+                want = whole
+            else:
+                for s in stores:
+                    s.set_raw(k, objs)
+                want = image
+            gathered = torch.cat([s.image(k) for s in stores])
+            sb = shard_size(lay.nbytes, world) if k % 2 == 0 else stores[0].coded_shard_bytes(k, want.numel())
+            assert [s.shard_bytes[k] for s in stores] == [sb] * world and [s.range(k)[0] for s in stores] == [
+                r * sb for r in range(world)]
+            assert torch.equal(gathered[: want.numel()], want) and not gathered[want.numel():].any()
+            assert [s.raw[k] for s in stores] == [k % 2 == 0] * world
+        names = {(k, i): f"b{k}.{spec.name}" for k, lay in enumerate(layouts) for i, spec in enumerate(lay.tensors)}
+        local = [{n: s.piece(n, k, i) for (k, i), n in names.items()} for s in stores]
+        merged = merge_shards(local)
+        for (k, i), n in names.items():
+            t = tensors[k][i][2]
+            assert merged[n].dtype == t.dtype and torch.equal(merged[n].view(torch.int16), t.view(torch.int16)), n
+        spec = layouts[0].tensors[0]
+        new = torch.full(spec.shape, 0.5, dtype=spec.dtype)
+        for s in stores:
+            s.write_raw(0, spec, new)
+        gathered = torch.cat([s.image(0) for s in stores])
+        assert torch.equal(spec.view_of(gathered), new)
+        with pytest.raises(ValueError, match="is coded"):
+            stores[0].write_raw(1, layouts[1].tensors[0], tensors[1][0][2])
+        assert "Shares(rank 0/3" in repr(stores[0]) and stores[0].nbytes == sum(stores[0].shard_bytes)
+    finally:
+        for s in stores:
+            s.close()

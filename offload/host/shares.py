@@ -114,11 +114,13 @@ class Shares:
         for spec, t in zip(specs, tensors):
             _check_tensor(spec, t)  # all checked before any byte is written
         sb = self.raw_shard_bytes(k)
-        share = torch.zeros(sb, dtype=torch.uint8)  # alignment gaps and the last rank's padding
-        with torch.no_grad():
-            for spec, t in zip(specs, tensors):
-                write_share(share, self.rank * sb, spec, t)
-        self._store(k, share, 0, None)
+
+        def fill(share: torch.Tensor) -> None:  # zeroed: alignment gaps and the last rank's padding stay 0
+            with torch.no_grad():
+                for spec, t in zip(specs, tensors):
+                    write_share(share, self.rank * sb, spec, t)
+
+        self._store(k, sb, fill, 0, None)
 
     def write_raw(self, k: int, spec: TensorSpec, t: torch.Tensor) -> None:
         """Write the part of tensor ``spec`` (value ``t``) of raw block ``k`` in this rank's share."""
@@ -133,30 +135,30 @@ class Shares:
         old = 0 if self.raw[k] else self.shard_bytes[k]
         resharded = fresh or old == 0 or coded.numel() > self.world * old
         sb = self.coded_shard_bytes(k, coded.numel()) if resharded else old
-        lo = self.rank * sb
-        share = torch.zeros(sb, dtype=torch.uint8)
-        part = coded[lo : lo + sb]
-        share[: part.numel()] = part
-        self._store(k, share, coded.numel(), table)
+        part = coded[self.rank * sb : (self.rank + 1) * sb]
+        self._store(k, sb, lambda share: share[: part.numel()].copy_(part), coded.numel(), table)
         return resharded and old != 0
 
-    def _store(self, k: int, share: torch.Tensor, coded: int, table: DecodeTable | None) -> None:
-        """Block ``k``'s new share, in fresh host memory where its size changed. Nothing of the
-        block's state changes before the bytes are in place (a failed allocation keeps the old
-        share); callers made sure no copy still reads the old one."""
-        sb = share.numel()
+    def _store(self, k: int, sb: int, fill, coded: int, table: DecodeTable | None) -> None:
+        """Block ``k``'s new share of ``sb`` bytes, written by ``fill(zeroed share)``: in fresh host
+        memory (a new anonymous mapping, zero-filled) where its size changed, else through a
+        zeroed buffer copied over the old share. Nothing of the block's state changes before the
+        bytes are in place (a failed allocation or fill keeps the old share); callers made sure
+        no copy still reads the old one."""
         old = self._shares[k]
         if old is not None and old.numel() == sb:
+            share = torch.zeros(sb, dtype=torch.uint8)
+            fill(share)
             old.copy_(share)
         else:
             mapping = map_anonymous(max(align_up(sb, PAGE), PAGE),
                                     f"this rank's share of block {self.layouts[k].name!r}")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
-                dst = torch.frombuffer(mapping, dtype=torch.uint8)[:sb]
-            dst.copy_(share)
+                share = torch.frombuffer(mapping, dtype=torch.uint8)[:sb]
+            fill(share)
             self._regs[k].release()
-            self._shares[k] = dst
+            self._shares[k] = share
         self.shard_bytes[k], self.coded[k], self.tables[k], self.raw[k] = sb, coded, table, table is None
         self.pin(k)
 
