@@ -14,14 +14,16 @@ see the real components.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
 from torch import nn
 
 from .components import Components, discover_components
-from .config import OffloadConfig
+from .config import ConfigTypeError, OffloadConfig
 from .discovery import OffloadPlan
+from .misuse import AlreadyOffloadedError
 from .module import ModuleOffload
 from .streamed import resolve_device
 from .transformer import LayerwiseOffloadHandle
@@ -46,6 +48,22 @@ def _encoder_plan(module: nn.Module) -> OffloadPlan | None:
         f"text encoder {type(module).__name__} has no known block container (tried "
         f"{', '.join(ENCODER_BLOCK_CONTAINERS)}); declare _layerwise_offload_blocks_attrs on its class"
     )
+
+
+def check_no_foreign_offload(components: Components) -> None:
+    """Raise AlreadyOffloadedError when a component carries accelerate hooks (diffusers'
+    ``enable_model_cpu_offload`` / ``enable_sequential_cpu_offload``, a ``device_map``):
+    they move the weights on every call and would fight the offload for them. Reads only."""
+    for c in components.items:
+        for sub_name, m in c.module.named_modules():
+            hook = getattr(m, "_hf_hook", None)
+            if hook is not None:
+                where = f"{components.pipeline}.{c.name}" + (f".{sub_name}" if sub_name else "")
+                raise AlreadyOffloadedError(
+                    f"{where} is under accelerate offload hooks ({type(hook).__name__}: the pipeline's "
+                    "enable_model_cpu_offload / enable_sequential_cpu_offload, or a device_map); offload_pipeline "
+                    "refuses it, the two would move the same weights. Call pipe.remove_all_hooks() first (the "
+                    "weights stay where they are), then offload_pipeline(pipe, ...)")
 
 
 class LayerwisePipelineOffload:
@@ -90,8 +108,19 @@ class LayerwisePipelineOffload:
         return f"LayerwisePipelineOffload({', '.join(self.wrapped) or 'disabled'} streamed on {self.device})"
 
 
-def offload_pipeline(pipe: Any, config: Any = None, *, device=None) -> ModuleOffload | LayerwisePipelineOffload:
-    """Offload a pipeline's components; returns the handle (:class:`ModuleOffload`).
+OFFLOAD_PIPELINE_KEYWORDS = ("config", "device")
+
+
+def closest_first(key: str, allowed) -> list[str]:
+    """``allowed`` with the names closest to ``key`` first (for a typo's message)."""
+    close = difflib.get_close_matches(key, list(allowed), n=len(allowed), cutoff=0.5)
+    return close + [a for a in allowed if a not in close]
+
+
+def offload_pipeline(pipe: Any, config: Any = None, *, device=None,
+                     **unknown: Any) -> ModuleOffload | LayerwisePipelineOffload:
+    """Offload a pipeline's components; returns the handle (:class:`ModuleOffload` in
+    module mode, :class:`LayerwisePipelineOffload` in layer mode).
 
     ``pipe``: any object holding its components as attributes (a diffusers
     pipeline, an ``nn.Module`` pipeline, a plain object). ``config``: an
@@ -101,13 +130,24 @@ def offload_pipeline(pipe: Any, config: Any = None, *, device=None) -> ModuleOff
     spelling of that. ``device``: where components run (default CUDA if
     available, else CPU; CPU runs the same mechanism).
 
-    ``mode="layer"`` replaces each selected DiT (and text encoder) on the
-    pipeline by an :class:`weightstream.OffloadedTransformer` and returns a
-    :class:`LayerwisePipelineOffload`.
+    ``mode="layer"`` streams the blocks of each selected DiT (and text
+    encoder) in place: the pipeline keeps its module objects, so
+    ``pipe.save_pretrained`` writes the real weights.
+
+    A pipeline under diffusers' ``enable_model_cpu_offload`` (or any accelerate
+    hooks) is refused with :class:`AlreadyOffloadedError`: call
+    ``pipe.remove_all_hooks()`` first.
     """
+    if unknown:
+        key = next(iter(unknown))
+        raise ConfigTypeError(
+            f"offload_pipeline() got unknown keyword {key!r}, which is not allowed; choose from: "
+            f"{', '.join(closest_first(key, OFFLOAD_PIPELINE_KEYWORDS))} (config fields such as num_slots go "
+            "in the config: OffloadConfig.layerwise(num_slots=3) or {'mode': 'layer', 'num_slots': 3})")
     cfg = OffloadConfig.module() if config is None else OffloadConfig.coerce(config)
     dev = resolve_device(device)
     components = discover_components(pipe)
+    check_no_foreign_offload(components)
     if cfg.mode == "layer":
         return LayerwisePipelineOffload(pipe, cfg, dev, components)
     return ModuleOffload(pipe, cfg, dev, components)

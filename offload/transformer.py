@@ -241,6 +241,7 @@ class OffloadedTransformer(nn.Module):
         handle = LayerwiseOffloadHandle(module, config, device=device, plan=plan, parallel=parallel,
                                         streamed=streamed, intercept=False, who="OffloadedTransformer")
         self.module = module
+        self.__dict__["__module__"] = type(module).__module__  # with __class__: diffusers' component lookup
         self._handle = handle
         handle.streamed.ownership.add_entries(self)  # a graph replay holds the model from the wrapper's frame
         # not `.config`: that name passes through to the wrapped model (diffusers'
@@ -252,6 +253,19 @@ class OffloadedTransformer(nn.Module):
         # on the wrapped module itself: save_pretrained and parents reach it without the wrapper
         self.state_dict_hook = handle.state_dict_hook
         self._disabled = False
+
+    @property
+    def __class__(self):
+        """The wrapped model's class, as a transparent proxy reports it (``type()`` is still
+        OffloadedTransformer; ``isinstance`` sees both). With the instance's ``__module__``
+        it is what diffusers reads of a pipeline component: ``pipe.transformer = wrapper``
+        records the real class in ``model_index.json`` and ``pipe.save_pretrained`` calls
+        the model's own ``save_pretrained``, which reads the real weights (state_dict hook)."""
+        inner = (self.__dict__.get("_modules") or {}).get("module")
+        return type(self) if inner is None else type(inner)
+
+    def _get_name(self) -> str:  # the repr names the wrapper, not the __class__ above
+        return "OffloadedTransformer"
 
     # attribute access passes through to the wrapped model (.config, .dtype, ...)
     def __getattr__(self, name: str):

@@ -123,3 +123,62 @@ def test_bench_outside_the_repository_root_is_a_one_line_error(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "run", "--scenario", "flux-12b-1024"]) == 2
     assert "not installed" in capsys.readouterr().err
+
+
+FACTORY = '''from weightstream import models
+
+
+def make():
+    return models.ToyDiT(), models.toy_inputs()
+
+
+def bare():
+    return models.ToyDiT()
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_plan_takes_the_users_own_model(user_models, capsys):
+    assert main(["plan", "--model", "my_models:make"]) == 0
+    assert "ToyDiT: 7 blocks" in capsys.readouterr().out
+    assert main(["plan", "--model", "my_models:make", "--budget-gb", "0.0003"]) == 0
+    out = capsys.readouterr().out
+    assert "your factory my_models:make" in out and "ESTIMATED from FLOPs" in out and "plan:" in out
+    assert main(["plan", "--model", "my_models:bare", "--budget-gb", "0.0003", "--compute-ms", "1"]) == 0
+    assert "given (--compute-ms)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "my_models:bare", "--budget-gb", "0.0003"], "the factory returns no example inputs"),
+    (["plan", "--model", "my_models:nope"], "cannot load the factory"),
+    (["plan", "--model", "nowhere:make", "--budget-gb", "1"], "cannot load the factory (No module named"),
+])
+def test_a_bad_factory_is_a_one_line_error(user_models, argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_list_names_every_mode():
+    import re
+
+    from perf.dlo import MODES as DLO_MODES
+    from perf.modes import _LAYERWISE_VARIANT, HALF_PINNED_MODES, PEER_MODES
+    from perf.module_swap import MODES as MODULE_MODES
+
+    r = subprocess.run([sys.executable, "-m", "weightstream", "bench", "list"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    listed = set(re.findall(r"[\w<>-]+", r.stdout))
+    spelled = {r"r(\d+)": "r<N>", r"(\d+)gb": "<N>gb", r"t([1-9]\d*)": "t<N>", "coded2?": "coded"}
+    variants = [spelled.get(v, v) for v in _LAYERWISE_VARIANT.pattern[2:-2].split("|")] + ["coded2"]
+    want = ["resident", "resident-graph", "resident-compile", "resident-tfill", *PEER_MODES, *HALF_PINNED_MODES,
+            *DLO_MODES, *MODULE_MODES, *variants]
+    missing = [m for m in want if m not in listed]
+    assert not missing, f"bench list omits {missing}"

@@ -273,10 +273,19 @@ def _list_blocks(args) -> int:
     from weightstream.offload.layout import block_tensors, build_layout
     from weightstream.offload.schedule import Schedule
 
-    if args.model not in ("flux", "wan", "toy", "tiny-flux", "tiny-wan"):
+    from weightstream import plan_cli
+
+    if plan_cli.is_factory(args.model):
+        try:
+            model, _ = plan_cli.load_factory(args.model)
+        except ValueError as e:
+            raise CliError(str(e).splitlines()[0]) from None
+    elif args.model in ("flux", "wan", "toy", "tiny-flux", "tiny-wan"):
+        model, _ = _demo_model(args.model.removeprefix("tiny-"), "cpu")
+    else:
         raise CliError(f"--model {args.model}: listing blocks without --budget-gb builds the model on the CPU; "
-                       "choose from: flux, wan, toy (or give --budget-gb for the placement)")
-    model, _ = _demo_model(args.model.removeprefix("tiny-"), "cpu")
+                       "choose from: flux, wan, toy, or your own as package.module:attr (or give --budget-gb "
+                       "for the placement)")
     _check_resident_layers(model, args.resident_layers)
     cfg = OffloadConfig.layerwise(resident_layers=args.resident_layers)
     blocks = discover_blocks(model)
@@ -324,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
                     "--compute-ms gives measured figures.")
     pl.add_argument("--model", default="flux", metavar="MODEL",
                     help="tiny-flux, tiny-wan, toy, flux-12b-1024 (= flux-12b), flux-12b-512, wan-14b-480p "
-                         "(= wan-14b); flux / wan = the tiny ones (default flux)")
+                         "(= wan-14b); flux / wan = the tiny ones (default flux); or your own model: "
+                         "package.module:attr, a factory returning the model or (model, keyword inputs)")
     pl.add_argument("--budget-gb", type=_positive_float, default=None,
                     help="device budget for weights in GB (1e9 bytes): fixed modules + resident blocks + slots")
     pl.add_argument("--h2d-gbps", type=_positive_float, default=55.0,

@@ -57,7 +57,44 @@ class ModelFigures:
     block_flops: tuple[int, ...]
 
 
+def is_factory(name: str) -> bool:
+    """``--model package.module:attr``: the user's own model from a factory."""
+    return ":" in name
+
+
+def load_factory(name: str):
+    """(model, keyword inputs or None) from ``module:attr``: ``attr`` is a callable taking no
+    arguments that returns the model, or ``(model, inputs)`` with the keyword inputs of one forward
+    (tensors, on ``meta`` for a model built there) so that the planner can count its FLOPs."""
+    import importlib
+    import os
+    import sys
+
+    from torch import nn
+
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model {name!r} is not allowed; give a factory as package.module:attr")
+    if os.getcwd() not in sys.path:  # the console script does not put the current folder on the path
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--model {name!r}: cannot load the factory ({e}); give package.module:attr "
+                         "importable from the current folder") from None
+    out = factory()
+    model, inputs = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if not isinstance(model, nn.Module) or not (inputs is None or isinstance(inputs, dict)):
+        raise ValueError(f"--model {name!r}: the factory returned {type(out).__name__}; return an nn.Module or "
+                         "(nn.Module, dict of keyword inputs)")
+    return model.eval().requires_grad_(False), inputs
+
+
 def resolve_name(name: str) -> str:
+    if is_factory(name):
+        return name
     name = ALIASES.get(name, name)
     if name not in MODELS:
         known = ", ".join(list(MODELS) + [f"{a} (= {b})" for a, b in ALIASES.items()])
@@ -71,6 +108,8 @@ def build(name: str):
 
     from weightstream import models
 
+    if is_factory(name):
+        return load_factory(name)
     if name == "tiny-flux":
         m = models.tiny_flux()
         return m, models.flux_inputs(m)
@@ -145,6 +184,9 @@ def figures(name: str, *, count_flops: bool = True) -> ModelFigures:
             fixed += t.numel() * t.element_size()
     sizes = tuple(build_layout(b.index, b.name, block_tensors(b.module)).nbytes for b in blocks)
     flops = (0,) * len(blocks)
+    if count_flops and inputs is None:
+        raise ValueError(f"--model {name}: the factory returns no example inputs, so the FLOPs cannot be counted; "
+                         "return (model, inputs) from it or pass --compute-ms")
     if count_flops:
         from torch.utils.flop_counter import FlopCounterMode
 
@@ -210,7 +252,7 @@ def run(args) -> int:
         return 0
     print(f"{name}: {fig.class_name}, {n} blocks ({_size(sum(fig.block_bytes))} of block images), fixed "
           f"modules {_size(fig.fixed_bytes)}; budget {args.budget_gb:g} GB; H2D {args.h2d_gbps:g} GB/s")
-    print(f"model: {MODELS[name]}")
+    print(f"model: {MODELS.get(name, 'your factory ' + name)}")
     print(f"per-block compute: {source}")
     if args.codec_ratio is not None or args.decode_gbps is not None:
         decode = f"decoded at {args.decode_gbps:g} GB/s on the copy stream" if args.decode_gbps else "no decode time"

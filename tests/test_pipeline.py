@@ -1,0 +1,141 @@
+"""A real diffusers FluxPipeline built from configs (tiny Flux, CLIP and T5 text encoders, VAE,
+tokenizers written to a folder; no downloads), the way a user walks it: offload, generate, save,
+reload, generate; and what the pipeline entry points refuse."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline  # noqa: E402
+from weightstream.offload.misuse import AlreadyOffloadedError  # noqa: E402
+
+CALL = dict(height=16, width=16, num_inference_steps=2, max_sequence_length=8, output_type="pt")
+
+
+def tiny_flux_pipeline(folder: Path):
+    """FluxPipeline of tiny components from configs; character-level CLIP vocabulary, word-level T5."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    from weightstream.models import tiny_flux
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in letters:
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    clip_tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
+    words = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(["a", "photo", "of", "cat"])}}
+    word_level = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    t5_tokenizer = T5TokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", extra_ids=0)
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
+                                        projection_dim=16)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=len(words), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                 num_heads=4)).eval()
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        norm_num_groups=8, layers_per_block=1, sample_size=16, shift_factor=0.0,
+                        scaling_factor=1.0).eval()
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
+                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=tiny_flux())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe):
+    return pipe("a photo of a cat", generator=torch.Generator().manual_seed(0), **CALL).images
+
+
+def reload(pipe, folder: Path):
+    """FluxPipeline.from_pretrained of a saved folder. The test's word-level T5 tokenizer does not
+    survive transformers' save / load (it reloads as a Unigram one), so that one object is passed."""
+    from diffusers import FluxPipeline
+
+    back = FluxPipeline.from_pretrained(str(folder), tokenizer_2=pipe.tokenizer_2)
+    back.set_progress_bar_config(disable=True)
+    return back
+
+
+@pytest.fixture
+def pipe(tmp_path):
+    return tiny_flux_pipeline(tmp_path)
+
+
+def test_the_wrapper_on_a_pipeline_saves_and_reloads_bit_for_bit(pipe, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    expected = generate(pipe)
+    pipe.transformer = OffloadedTransformer(pipe.transformer, OffloadConfig.layerwise(progress=False), device="cpu")
+    assert pipe.config["transformer"] == ("diffusers", "FluxTransformer2DModel")  # model_index.json's entry
+    assert isinstance(pipe.transformer, FluxTransformer2DModel) and type(pipe.transformer) is OffloadedTransformer
+    assert repr(pipe.transformer).startswith("OffloadedTransformer(")
+    assert pipe.components["transformer"] is pipe.transformer
+    assert torch.equal(generate(pipe), expected)
+    pipe.save_pretrained(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    assert saved["transformer"] == ["diffusers", "FluxTransformer2DModel"]
+    back = reload(pipe, tmp_path / "saved")
+    assert type(back.transformer) is FluxTransformer2DModel
+    want = pipe.transformer.state_dict()
+    got = back.transformer.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(generate(back), expected)
+    # the reloaded pipeline offloads again, and still gives the same image
+    back.transformer = OffloadedTransformer(back.transformer, OffloadConfig.layerwise(progress=False), device="cpu")
+    assert torch.equal(generate(back), expected)
+
+
+def test_layer_mode_pipeline_saves_and_reloads_bit_for_bit(pipe, tmp_path):
+    expected = generate(pipe)
+    handle = offload_pipeline(pipe, {"mode": "layer", "components": ["dit", "text_encoder"], "progress": False},
+                              device="cpu")
+    assert torch.equal(generate(pipe), expected)
+    pipe.save_pretrained(str(tmp_path / "saved"))
+    back = reload(pipe, tmp_path / "saved")
+    assert torch.equal(generate(back), expected)
+    offload_pipeline(back, {"mode": "layer", "components": ["dit", "text_encoder"], "progress": False},
+                     device="cpu")
+    assert torch.equal(generate(back), expected)
+    assert handle.disable() is pipe
+
+
+def test_module_mode_pipeline_saves_and_reloads_bit_for_bit(pipe, tmp_path):
+    expected = generate(pipe)
+    handle = offload_pipeline(pipe, {"mode": "module", "components": ["dit", "text_encoder"]}, device="cpu")
+    assert torch.equal(generate(pipe), expected)
+    pipe.save_pretrained(str(tmp_path / "saved"))
+    assert torch.equal(generate(reload(pipe, tmp_path / "saved")), expected)
+    handle.disable()
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_a_pipeline_under_enable_model_cpu_offload_is_refused(pipe, mode):
+    pytest.importorskip("accelerate")
+    pipe.enable_model_cpu_offload(device="cpu")
+    with pytest.raises(AlreadyOffloadedError, match="enable_model_cpu_offload") as e:
+        offload_pipeline(pipe, {"mode": mode, "components": ["dit", "text_encoder"]}, device="cpu")
+    assert "remove_all_hooks()" in str(e.value)
+    pipe.remove_all_hooks()  # what the error says to do; then it offloads
+    handle = offload_pipeline(pipe, {"mode": mode, "components": ["dit", "text_encoder"]}, device="cpu")
+    handle.disable()
+
+
+def test_a_typo_keyword_to_offload_pipeline_names_the_allowed_ones(pipe):
+    from weightstream.offload.config import ConfigTypeError
+
+    with pytest.raises(ConfigTypeError, match=r"unknown keyword 'devcie', which is not allowed; choose from: "
+                                              r"device, config") as e:
+        offload_pipeline(pipe, {"mode": "layer"}, devcie="cpu")
+    assert isinstance(e.value, TypeError)  # as Python's own
+    with pytest.raises(ConfigTypeError, match="config fields such as num_slots go in the config"):
+        offload_pipeline(pipe, num_slots=3)
