@@ -89,7 +89,7 @@ class StepHook(RemovableHooks):
             return
         if ex.schedule.has_step_start:
             ex.begin_step()
-        elif ex.position % ex.schedule.n and ex._bound is None:
+        elif ex.position % ex.schedule.n and not ex.block_bound:
             ex.finish_step()  # the previous step's last blocks were skipped (SD3 skip_layers)
 
     def post_forward(self, module, args, output):

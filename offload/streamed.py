@@ -483,7 +483,7 @@ def explain_failure(exc: BaseException, streamed: "StreamedBlocks") -> StreamedM
     while tb is not None:
         frame = tb.tb_frame
         hit = owner.get(id(frame.f_locals.get("self"))) if frame.f_code.co_name == "forward" else None
-        if hit is not None and hit[0] != ex._bound:
+        if hit is not None and hit[0] != ex.bindings.bound:
             found = hit  # keep the innermost
         tb = tb.tb_next
     if found is None:

@@ -26,6 +26,7 @@ from weightstream.offload.distributed import build_streamed
 from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig
 from weightstream.offload.sources.dlo import ShardSource
 from weightstream.offload.executor import LayerwiseExecutor
+from weightstream.offload.ring_copies import RingCopies
 from weightstream.offload.host.arena import PAGE, HostStore, copy_from_image
 from weightstream.offload.host.registration import REGISTER_CHUNK
 from weightstream.offload.layout import block_tensors, build_layout
@@ -384,9 +385,10 @@ def test_cuda_backend_is_a_pass_through(num_slots, resident):
     wrapped, _, _ = check_equal_outputs("toy", "cuda", num_slots=num_slots, resident_layers=resident)
     ex = wrapped.executor
     assert isinstance(ex.streams, CudaStreams)
-    assert isinstance(ex.copy_stream, torch.cuda.Stream) and ex.copy_stream != torch.cuda.current_stream()
-    assert all(isinstance(e, torch.cuda.Event) for e in ex.loaded + ex.freed)
-    assert ex.side_streams() == [ex.copy_stream]
+    cp = ex.copies
+    assert isinstance(cp.copy_stream, torch.cuda.Stream) and cp.copy_stream != torch.cuda.current_stream()
+    assert all(isinstance(e, torch.cuda.Event) for e in cp.loaded + cp.freed)
+    assert ex.side_streams() == [cp.copy_stream]
 
 
 # ----------------------------------------------------------------- mutations of the real code
@@ -406,22 +408,22 @@ def mutant(cls, method: str, line: str, replacement: str = "pass"):
 
 MUTATIONS = {
     # compute does not wait for its block's copy
-    "no-wait-loaded": (LayerwiseExecutor, "_before_block", "cs.wait_event(self.loaded[slot])",
+    "no-wait-loaded": (RingCopies, "wait_loaded", "stream.wait_event(self.loaded[slot])",
                        {"read_after_load", "reads_expected_block", "no_concurrent_write"}, "host", "ring", 0),
     # the copy issued on the compute stream
-    "copy-on-compute": (LayerwiseExecutor, "_issue_load", ("with self.streams.stream(cs):", "if True:"), {"overlap"},
+    "copy-on-compute": (RingCopies, "_issue_load", ("with self.streams.stream(cs):", "if True:"), {"overlap"},
                         "host", "ring", 0),
     # the slot-free event never recorded
-    "no-freed-record": (LayerwiseExecutor, "_after_block", "self.freed[slot].record(self._compute_stream)",
+    "no-freed-record": (LayerwiseExecutor, "_after_block", "self.copies.freed[slot].record(self._compute_stream)",
                         {"write_after_previous_read", "no_concurrent_write"}, "host", "ring", 0),
     # the copy does not wait for the slot to be free
-    "copy-no-wait-freed": (LayerwiseExecutor, "_issue_load", "cs.wait_event(after)",
+    "copy-no-wait-freed": (RingCopies, "_issue_load", "cs.wait_event(after)",
                            {"write_after_previous_read", "no_concurrent_write"}, "host", "ring", 0),
     # step-start loads not ordered after the previous step's compute
-    "step-start-no-wait": (LayerwiseExecutor, "_step_start_loads", "side.wait_stream(compute)",
+    "step-start-no-wait": (RingCopies, "step_start", "side.wait_stream(compute)",
                            {"write_after_previous_read", "no_concurrent_write"}, "host", "step_local", 3),
     # the deferred boundary load not ordered after the step start
-    "late-no-wait": (LayerwiseExecutor, "_issue_late", "side.wait_event(ev)",
+    "late-no-wait": (RingCopies, "issue_late", "side.wait_event(ev)",
                      {"write_after_previous_read", "no_concurrent_write"}, "host", "defer_last", 0),
     # the DLO gather does not wait for the block slot to be free
     "dlo-gather-no-wait-freed": (FakeGatherSource, "load",
@@ -440,6 +442,8 @@ MUTATIONS = {
 def _mutated_case(cls, source, resident, mode, mutated) -> Case:
     if issubclass(cls, ShardSource):
         return Case(source, slots=2, resident=resident, mode=mode, source_cls=mutated)
+    if issubclass(cls, RingCopies):  # the executor composes its copies from copies_cls
+        mutated = type("MutantCopiesExecutor", (LayerwiseExecutor,), {"copies_cls": mutated})
     return Case(source, slots=2, resident=resident, mode=mode, executor_cls=mutated)
 
 

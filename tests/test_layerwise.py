@@ -353,7 +353,7 @@ def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
     cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
     sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
     copies_seen = []
-    count = lambda: sum(r.lane == "copy" for r in sb.executor.log.records)  # noqa: E731
+    count = lambda: sum(r.lane == "copy" for r in sb.executor.ring_log.log.records)  # noqa: E731
     first_block = sb.blocks[0].module
     h1 = model.x_embedder.register_forward_pre_hook(lambda m, a: copies_seen.append(("embed", count())))
     h2 = first_block.register_forward_pre_hook(lambda m, a: copies_seen.append(("block0", count())))
