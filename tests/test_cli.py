@@ -182,3 +182,24 @@ def test_bench_list_names_every_mode():
             *DLO_MODES, *MODULE_MODES, *variants]
     missing = [m for m in want if m not in listed]
     assert not missing, f"bench list omits {missing}"
+
+
+META_FACTORY = '''import torch
+from diffusers import FluxTransformer2DModel
+
+def make_dit():
+    with torch.device("meta"):
+        return FluxTransformer2DModel(num_layers=19, num_single_layers=38).to(torch.bfloat16)
+'''
+
+
+def test_plan_takes_a_factory_on_meta(tmp_path, monkeypatch, capsys):
+    """docs/cli.md's my_models.py, as written there: a Flux.1-sized model on meta, planned without memory."""
+    doc = open(os.path.join(ROOT, "docs", "cli.md")).read()
+    assert META_FACTORY.strip() in doc, "docs/cli.md's factory example changed: update this test"
+    (tmp_path / "my_models.py").write_text(META_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--model", "my_models:make_dit", "--budget-gb", "16", "--compute-ms", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "FluxTransformer2DModel, 57 blocks" in out and "budget 16 GB" in out and "plan:" in out

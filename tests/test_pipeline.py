@@ -139,3 +139,12 @@ def test_a_typo_keyword_to_offload_pipeline_names_the_allowed_ones(pipe):
     assert isinstance(e.value, TypeError)  # as Python's own
     with pytest.raises(ConfigTypeError, match="config fields such as num_slots go in the config"):
         offload_pipeline(pipe, num_slots=3)
+
+
+@pytest.mark.parametrize("mode", ["module", "layer"])
+def test_budget_errors_speak_the_configs_unit(pipe, mode):
+    """device_memory_budget_gb means 1e9 bytes: the messages give decimal units, never GiB / MiB."""
+    cfg = {"mode": mode, "components": ["dit", "text_encoder"], "device_memory_budget_gb": 1e-5}
+    with pytest.raises(ValueError, match="device_memory_budget_gb=1e-05 is too small") as e:
+        offload_pipeline(pipe, cfg, device="cpu")
+    assert "iB" not in str(e.value) and " KB" in str(e.value), str(e.value)
