@@ -5,7 +5,7 @@ sidecar, :mod:`.host.sidecar`) and :func:`offload_from_safetensors`, the entry p
 
 Coded: each streamed block's runtime tensors are read from the mapping (views; kernel
 transforms and ``mmap_weight_transform`` applied into fresh tensors, as
-:func:`.host.checkpoint.host_tensor` does), encoded and stored coded, a few blocks at a time
+:func:`.host.binding.host_tensor` does), encoded and stored coded, a few blocks at a time
 on worker threads (at most :data:`IN_FLIGHT_BYTES` of raw blocks in flight; never the whole
 model in RAM). Once built, the source no longer reads the checkpoint (the coded bytes are its
 own copy, or the sidecar's mapping), so the checkpoint is closed.
@@ -19,8 +19,8 @@ from torch import nn
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan
-from .host.checkpoint import (Checkpoint, _listing, _named_tensors, as_sources, bind_checkpoint, check_opt_in,
-                              host_tensor)
+from .host.binding import _named_tensors, bind_checkpoint, check_opt_in, host_tensor
+from .host.checkpoint import Checkpoint, _listing, as_sources
 from .host.copy_plans import COPY_PATHS, build_plan, file_keys, file_ordered_layout
 from .host.encode import encode_image, in_order
 from .host.sidecar import check_sidecar_mode, identity, sidecar_path, try_sidecar, write_or_warn

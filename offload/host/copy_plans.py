@@ -18,7 +18,8 @@ import torch
 
 from weightstream.kernels.materialise import SegmentTable, materialise_torch
 
-from weightstream.offload.host.checkpoint import Checkpoint, TensorBinding, apply_transform
+from weightstream.offload.host.binding import TensorBinding, apply_transform
+from weightstream.offload.host.checkpoint import Checkpoint
 from weightstream.offload.config import OffloadConfig
 from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, _pages, _Registration, direct_after_registration, plan_registration
 from weightstream.offload.host.arena import PAGE

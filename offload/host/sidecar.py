@@ -68,7 +68,8 @@ import torch
 from weightstream.kernels.codec_format import DEFAULT_TILE, PATCHED, VERSION, VERSION2, VERSION3, DecodeTable
 from weightstream.offload.codecs import CODECS, codec_levels
 from weightstream.offload.host.arena import PAGE
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, TensorBinding, changed_message
+from weightstream.offload.host.binding import TensorBinding
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, changed_message
 from weightstream.offload.host.encode import _capacity, decode_paths
 from weightstream.offload.host.images import BlockImages, CodedRegion
 from weightstream.offload.layout import BlockLayout, align_up

@@ -80,7 +80,8 @@ import torch
 from weightstream.kernels.materialise import materialise, materialise_torch
 
 from weightstream.offload.placeholders import drop_storage
-from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, TensorBinding, _listing, host_tensor
+from weightstream.offload.host.binding import TensorBinding, host_tensor
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, _listing
 from weightstream.offload.host.arena import copy_from_image
 from ..layout import BlockLayout
 from ..misuse import WeightUpdateError
