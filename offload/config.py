@@ -3,7 +3,9 @@
 `OffloadConfig` accepts the vLLM-Omni ``diffusion_offload_config`` JSON schema
 (``mode``, ``components``, ``layer_options``, ``pin_memory``, and the
 ``enable_cpu_offload=True`` compatibility entry point) plus weightstream's own
-keys. It is frozen, and every check lives in ``OffloadConfig.__post_init__``.
+keys. It is frozen, and every check runs in ``OffloadConfig.__post_init__``: each
+value alone against its schema (:mod:`.config_schema`: choice tables, limits,
+legacy flags), then the rules that tie keys together (``_check_combinations``).
 
 Errors: a value that is not allowed raises ``ValueError``; a value of the wrong
 Python type raises ``ConfigTypeError``, which is both a ``TypeError`` and a
@@ -16,156 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import types
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from .codecs import WEIGHT_CODECS  # every weight_codec value, from the codec registry
+from .sources.select import check_config_cells
+from .config_schema import (CODEC_MODES, COMPAT_COMPONENTS, COMPONENTS, CUDA_GRAPHS, GB, GRAPH_BOUNDARY_LOADS,
+                            LAYER_COMPONENTS, LEGACY_MAPPED, LEGACY_REJECTED, MODES, RESIDENT_AUTO,
+                            WEIGHT_TRANSFERS, ConfigTypeError, _check_bool, _check_budget, _check_choice,
+                            _check_int, _check_resident, _check_timeout, _choices, _keeps_resident, _map_legacy,
+                            _reject, _short_repr, _unknown_key, _wrong_type)
 
 __all__ = ["OffloadConfig", "LayerOptions", "ConfigTypeError"]
 
-MODES = ("module", "layer")
-COMPONENTS = ("dit", "text_encoder", "vae")
-LAYER_COMPONENTS = ("dit", "text_encoder")  # layer mode streams only these
-WEIGHT_TRANSFERS = ("allgather", "rank-local")
-CUDA_GRAPHS = ("off", "on")
-GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
-CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
-COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
-RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
 # resident_layers="auto" without device_memory_budget_gb: the weight budget is the
 # device memory free after the first eager step (plus what weightstream already
 # holds there), less this margin in GB (1e9 bytes) for the allocator's fragmentation,
 # other processes and larger later inputs (planner.auto_budget_bytes).
 AUTO_DEVICE_MARGIN_GB = 2.0
-
-# numeric keys: what the code computes from them must stay representable
-GB = 10**9  # the size keys are in GB (1e9 bytes), never GiB; messages say GB too
-MAX_INT = 2**63 - 1  # ints, and byte counts made from sizes, must fit an int64 (torch, CUDA, C)
-MIN_BUDGET_GB = 1e-9  # one byte: a smaller budget would be 0 bytes, and budgets are > 0
-MAX_BUDGET_GB = MAX_INT // GB  # 9223372036 GB: int(budget * 1e9) bytes is still an int64
-MIN_TIMEOUT_S = 1e-3  # collective waits take whole milliseconds, and 0 ms means "no timeout"
-MAX_TIMEOUT_S = 1e9  # about 31.7 years; datetime.timedelta and int64 milliseconds both hold it
-
-# vLLM-Omni's older flat flags (engine arguments before diffusion_offload_config).
-# Mapped: the new spelling is unambiguous; a DeprecationWarning names it.
-# Rejected: no exact equivalent; the message gives the new spelling to choose.
-LEGACY_MAPPED = {
-    "pin_cpu_memory": "pin_memory",
-}
-LEGACY_REJECTED = {
-    "enable_layerwise_offload": "'mode': 'layer', 'components': ['dit']",
-    "layerwise_num_gpu_layers": "'num_slots' (device block buffers, >= 2) and/or "
-                                "'layer_options': {'dit': {'resident_layers': N}}",
-    "layerwise_offload_blocks_attrs": "an OffloadPlan(block_containers=[...]) passed as plan=",
-    "enable_sequential_cpu_offload": "'mode': 'module', 'components': [...]",
-    "enable_model_cpu_offload": "'mode': 'module', 'components': [...]",
-}
-
-
-class ConfigTypeError(TypeError, ValueError):
-    """A config value has the wrong Python type (also a ValueError, so callers
-    that catch ValueError see every config rejection)."""
-
-
-def _choices(options) -> str:
-    return "choose from: " + ", ".join(options)
-
-
-def _reject(path: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{path}={value!r} is not allowed; {allowed}")
-
-
-def _wrong_type(path: str, value: Any, expected: str) -> ConfigTypeError:
-    return ConfigTypeError(
-        f"{path}={value!r} is not allowed; expected {expected} (got {type(value).__name__})"
-    )
-
-
-def _unknown_key(path: str, key: Any, allowed) -> ValueError:
-    return ValueError(f"{path} has unknown key {key!r}, which is not allowed; {_choices(allowed)}")
-
-
-def _check_bool(path: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _wrong_type(path, value, "a bool (true or false)")
-
-
-def _check_int(path: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _wrong_type(path, value, f"an int >= {minimum}")
-    if not minimum <= value <= MAX_INT:
-        raise _reject(path, value, f"expected an int >= {minimum} (at most {MAX_INT}, an int64)")
-
-
-def _check_real(path: str, value: Any, low: float, high: float, allowed: str) -> float:
-    """A finite int or float in [low, high], as a float (``allowed`` says so in words). Ints
-    are compared exactly: one too large for a float fails here, not as an OverflowError later."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(path, value, allowed)
-    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
-        raise _reject(path, value, f"expected {allowed}")
-    return float(value)
-
-
-def _check_timeout(path: str, value: Any) -> float:
-    return _check_real(path, value, MIN_TIMEOUT_S, MAX_TIMEOUT_S,
-                       f"a finite number of seconds > 0, from {MIN_TIMEOUT_S:g} (one millisecond) "
-                       f"to {MAX_TIMEOUT_S:g}")
-
-
-def _check_budget(path: str, value: Any) -> float | None:
-    """GB (1e9 bytes): at least one byte, at most what an int64 of bytes holds; or None."""
-    if value is None:
-        return None
-    return _check_real(path, value, MIN_BUDGET_GB, MAX_BUDGET_GB,
-                       f"a finite number > 0 of GB (1e9 bytes), from {MIN_BUDGET_GB:g} (one byte) to "
-                       f"{MAX_BUDGET_GB} (an int64 of bytes), or null")
-
-
-_RESIDENT_ALLOWED = "an int >= 0, 'auto', or a list of block indices (ints >= 0)"
-
-
-def _check_resident(path: str, value: Any) -> int | str | tuple[int, ...]:
-    """``resident_layers``: an int N (the first N blocks), "auto", or block indices
-    (returned as a sorted tuple; ``[0, .., N-1]`` as the int N, the same set)."""
-    if isinstance(value, str):
-        if value != RESIDENT_AUTO:
-            raise _wrong_type(path, value, _RESIDENT_ALLOWED)
-        return value
-    if isinstance(value, (list, tuple, frozenset, set)):
-        for i, b in enumerate(value):
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise _wrong_type(f"{path}[{i}]" if not isinstance(value, (set, frozenset)) else path, b,
-                                  "a block index (an int >= 0)")
-            if not 0 <= b <= MAX_INT:
-                raise _reject(path, value, f"block indices are ints >= 0 (at most {MAX_INT}, an int64)")
-        out = tuple(sorted(set(value)))
-        if len(out) != len(value):
-            raise _reject(path, value, "each block index at most once")
-        return len(out) if out == tuple(range(len(out))) else out
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _wrong_type(path, value, _RESIDENT_ALLOWED)
-    if not 0 <= value <= MAX_INT:
-        raise _reject(path, value, f"expected {_RESIDENT_ALLOWED}; ints at most {MAX_INT} (an int64)")
-    return value
-
-
-def _keeps_resident(value: int | str | tuple[int, ...]) -> bool:
-    """Whether a checked resident_layers value may keep blocks resident."""
-    return value == RESIDENT_AUTO or bool(value)
-
-
-def _check_choice(path: str, value: Any, options, *, nullable: bool = False) -> None:
-    if value is None and nullable:
-        return
-    if not isinstance(value, str):
-        extra = " or null" if nullable else ""
-        raise _wrong_type(path, value, f"a str{extra}; {_choices(options)}")
-    if value not in options:
-        raise _reject(path, value, _choices(options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +213,7 @@ class OffloadConfig:
     def _check_combinations(self) -> None:
         """Every rule that ties two keys together, in one place (each value alone
         was checked above)."""
-        if self.cuda_graphs == "on" and self.mode == "module":
-            raise _reject("cuda_graphs", "on",
-                          "CUDA graphs need mode='layer'; with mode='module' choose from: off")
+        check_config_cells(self)  # the support matrix (sources/select.py SUPPORT)
         if self.graph_boundary_loads == "next-step":
             if self.cuda_graphs != "on":
                 raise _reject("graph_boundary_loads", "next-step",
@@ -357,18 +226,9 @@ class OffloadConfig:
             self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
-            if opts.resident_layers == RESIDENT_AUTO and self.cuda_graphs == "on":
-                raise _reject(f"{path}.resident_layers", RESIDENT_AUTO,
-                              "the automatic placement re-plans between eager steps and does not run under "
-                              "CUDA graphs yet; with cuda_graphs='on' give an int or a list of block indices "
-                              "(`python -m weightstream plan` prints one)")
             if _keeps_resident(opts.resident_layers) and comp != "dit":
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               "resident layers apply only to dit; expected 0 here")
-            if _keeps_resident(opts.resident_layers) and opts.weight_transfer == "allgather":
-                raise _reject(f"{path}.resident_layers", opts.resident_layers,
-                              f"resident layers require rank-local ({path}.weight_transfer="
-                              "'rank-local'), not 'allgather'; or set resident_layers to 0")
 
     def _check_codec(self) -> None:
         """weight_codec codes host images: streamed blocks in layer mode (DLO included:
@@ -378,11 +238,6 @@ class OffloadConfig:
             raise _reject("weight_codec", self.weight_codec,
                           f"coded weights need mode in {list(CODEC_MODES)} (got mode={self.mode!r}); "
                           "choose from: none")
-        if self.weight_codec == "auto" and any(o.resident_layers == RESIDENT_AUTO for o in self.layer_options.values()):
-            raise _reject("weight_codec", "auto",
-                          "it is planned from the same first step as resident_layers='auto', which moves the blocks "
-                          "it would code; give one of them explicitly (weight_codec='exp-k' / 'exp-k2', or "
-                          "resident_layers=<int>)")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components
@@ -614,12 +469,6 @@ def _budget_bytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * GB)
 
 
-def _short_repr(s: Any, limit: int = 200) -> str:
-    """``repr(s)``, cut to about ``limit`` characters (a config string may be megabytes)."""
-    text = repr(s)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(s)} characters)"
-
-
 def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...] = ()) -> None:
     """Keyword arguments that become config fields: a named ConfigTypeError (a TypeError, as
     Python's own, and a ValueError) for one that is not a field or that ``where`` sets itself."""
@@ -634,21 +483,3 @@ def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...]
             hint = f"; it is a legacy vLLM-Omni flag: write {legacy} instead" if legacy else ""
             raise ConfigTypeError(
                 f"{where} got unknown keyword {key!r}, which is not allowed{hint}; {_choices(names)}")
-
-
-def _map_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM-Omni's older flat flags: mapped with a DeprecationWarning where the
-    new spelling is exact, else rejected with the new spelling in the message."""
-    out = dict(d)
-    for old, new in LEGACY_MAPPED.items():
-        if old not in out:
-            continue
-        if new in out and out[new] != out[old]:
-            raise _reject(old, out[old], f"it is the old spelling of {new!r}, which is also given "
-                          f"as {out[new]!r}; give only {new!r}")
-        warnings.warn(f"OffloadConfig key {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=4)
-        out[new] = out.pop(old)
-    for old, new in LEGACY_REJECTED.items():
-        if old in out:
-            raise _reject(old, out[old], f"it is a legacy vLLM-Omni flag; write {new} instead")
-    return out

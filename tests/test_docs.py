@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from weightstream.__main__ import _parser
-from weightstream.offload import config as config_mod
+from weightstream.offload import config_schema as schema
+from weightstream.offload.codecs import WEIGHT_CODECS
 from weightstream.offload.config import LayerOptions, OffloadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,9 +117,9 @@ def test_configuration_has_a_row_with_the_default_of_every_field():
 
 def test_configuration_names_every_value_and_legacy_flag():
     text = (DOCS / "configuration.md").read_text()
-    values = (config_mod.MODES + config_mod.COMPONENTS + config_mod.WEIGHT_TRANSFERS + config_mod.CUDA_GRAPHS
-              + config_mod.GRAPH_BOUNDARY_LOADS + config_mod.WEIGHT_CODECS + (config_mod.RESIDENT_AUTO,))
-    legacy = tuple(config_mod.LEGACY_MAPPED) + tuple(config_mod.LEGACY_REJECTED)
+    values = (schema.MODES + schema.COMPONENTS + schema.WEIGHT_TRANSFERS + schema.CUDA_GRAPHS
+              + schema.GRAPH_BOUNDARY_LOADS + WEIGHT_CODECS + (schema.RESIDENT_AUTO,))
+    legacy = tuple(schema.LEGACY_MAPPED) + tuple(schema.LEGACY_REJECTED)
     missing = [v for v in values + legacy if f"`{v}`" not in text]
     assert not missing, f"docs/configuration.md does not name {missing}"
     for method in ("layerwise(", "module(", "from_json(", "from_dict(", "coerce(", "replace(", "to_dict()"):

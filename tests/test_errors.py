@@ -17,8 +17,8 @@ import torch
 import weightstream
 from weightstream import HostMemoryError, OffloadConfig, OffloadMisuseError
 from weightstream.models import ToyDiT
-from weightstream.offload.config import (MAX_BUDGET_GB, MAX_INT, MAX_TIMEOUT_S, MIN_BUDGET_GB, MIN_TIMEOUT_S,
-                                         ConfigTypeError)
+from weightstream.offload.config import ConfigTypeError
+from weightstream.offload.config_schema import MAX_BUDGET_GB, MAX_INT, MAX_TIMEOUT_S, MIN_BUDGET_GB, MIN_TIMEOUT_S
 from weightstream.offload.discovery import discover_blocks
 from weightstream.offload.host.registration import _cuda_register, _cuda_unregister, empty_host, map_anonymous
 from weightstream.offload.host.arena import HostStore

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.offload.config import OffloadConfig, _keeps_resident
+from weightstream.offload.config import OffloadConfig
+from weightstream.offload.config_schema import _keeps_resident
 from weightstream.offload.layout import TENSOR_ALIGN, align_up
 
 _DIMS = ("dp", "sp", "tp", "hsdp")
