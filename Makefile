@@ -17,14 +17,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python -m weightstream demo
 
+# Two pytest-xdist workers (CI's 2-core machine); --dist loadfile keeps each test
+# file in one worker, so module-scoped fixtures are built once per file.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not gpu and not multigpu"
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m "not gpu and not multigpu"
 
 # On the device machine (no network): the image's python already has torch,
-# triton and safetensors; diffusers travels as wheels (see perf/RUNBOOK.md).
-# These tests fail (never skip) where the GPUs they need are missing.
+# triton and safetensors; diffusers and pytest-xdist travel as wheels, installed
+# with --no-index (docs/performance.md, "Running the benchmarks on the device").
+# These tests fail (never skip) where the GPUs they need are missing. Eight
+# workers share the GPU(s), one test file each at a time.
 test-gpu:
-	python3 -m pytest -q -m gpu
+	python3 -m pytest -q -n 8 --dist loadfile -m gpu
 
 test-multigpu:
 	python3 -m pytest -q -m multigpu
