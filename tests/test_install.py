@@ -104,3 +104,12 @@ def test_commands_without_an_extra_run(venv, argv):
     r = _run(venv, "python", "-m", "weightstream", *argv)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "bit for bit" in r.stdout
+
+
+def test_monitor_runs_without_matplotlib(venv):
+    """The report extra only adds the PNG: without matplotlib monitor still writes trace and HTML."""
+    out = venv[1] / "monitor-out"
+    r = _run(venv, "weightstream", "monitor", "--out", str(out), "--no-live", "--", "python", "-c", "pass")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (out / "trace.json").is_file() and (out / "report.html").is_file()
+    assert not (out / "report.png").exists()

@@ -148,3 +148,14 @@ def test_budget_errors_speak_the_configs_unit(pipe, mode):
     with pytest.raises(ValueError, match="device_memory_budget_gb=1e-05 is too small") as e:
         offload_pipeline(pipe, cfg, device="cpu")
     assert "iB" not in str(e.value) and " KB" in str(e.value), str(e.value)
+
+
+def test_pipeline_calls_on_the_wrapper_work_or_name_the_error(pipe):
+    from weightstream.offload.misuse import UnsupportedOperationError
+
+    expected = generate(pipe)
+    pipe.transformer = OffloadedTransformer(pipe.transformer, OffloadConfig.layerwise(progress=False), device="cpu")
+    assert pipe.to("cpu") is pipe  # the device it runs on: a no-op
+    assert torch.equal(generate(pipe), expected)
+    with pytest.raises(UnsupportedOperationError, match=r"\.to\(torch.bfloat16\) on an OffloadedTransformer"):
+        pipe.to(torch.bfloat16)
