@@ -25,6 +25,19 @@ import triton  # noqa: E402, F401  (now, under that setting: tests that set TRIT
 # and the interpreter of later tests fails: "Cannot call @triton.jit'd outside of the scope of a kernel")
 
 
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist (``make test``: -n 2) each worker gets its share of the cores as
+    intra-op threads: N workers with all the cores each oversubscribe the machine, and the
+    many small CPU ops of the suite then take about twice as long (measured on 2 cores).
+    OMP_NUM_THREADS, when set, wins; tests that set the thread count restore it themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_cores_between_workers()
+
+
 def pytest_runtest_setup(item):
     """`gpu` / `multigpu` tests are deselected by `make test`'s -m filter; selected
     explicitly on a machine without the hardware they fail, never pass or skip."""

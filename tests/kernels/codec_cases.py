@@ -25,6 +25,19 @@ def _all_patterns(dtype, seed=0) -> torch.Tensor:
     return (perm - 32768).to(torch.int16).view(dtype)
 
 
+def _every_symbol(dtype, per: int = 8, seed: int = 0) -> torch.Tensor:
+    """Every coded symbol (the exponent byte: bits 7-14 of bf16, the high byte of fp16) ``per``
+    times, each with other bits drawn from its 256 patterns, shuffled: the kernel's whole symbol
+    space at ``per / 256`` of :func:`_all_patterns`' tiles (the bits beside the symbol are copied
+    raw). Kernel sweeps over k and paths use it; every pattern runs once per dtype and path."""
+    x = _all_patterns(dtype, seed)
+    s = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    sym = (s >> 7) & 0xFF if dtype == torch.bfloat16 else s >> 8
+    order = torch.argsort(sym, stable=True)  # 256 runs of one symbol, 256 patterns each
+    keep = order[torch.arange(65536) % 256 < per]
+    return x[keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(seed))]]
+
+
 def _roundtrip(x: torch.Tensor, **kw) -> torch.Tensor:
     blob = encode(x, **kw)
     head = read_header(blob)

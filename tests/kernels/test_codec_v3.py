@@ -26,6 +26,7 @@ from codec_cases import (
     _all_patterns,
     _bits,
     _edge_input,
+    _every_symbol,
     _gpu_decode_eager_and_graph,
     _gpu_ok,
     _kernel_vs_reference,
@@ -62,12 +63,26 @@ def test_v3_exhaustive_roundtrip_reference(dtype, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("words", [True, False])
-def test_v3_exhaustive_kernel(dtype, k, words):
-    x = _all_patterns(dtype)
+def test_v3_every_symbol_kernel(dtype, k, words):
+    """Every symbol, escaped or coded, at the small tile (16 tiles of patches) for each k and path."""
+    x = _every_symbol(dtype, seed=k)
     blob = encode(x, k=k, levels=PATCHED, tile=SMALL_TILE)
     table = DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words)
     assert table.patched
     out = _kernel_vs_reference(blob, table, seed=k)
+    assert torch.equal(out[: 2 * x.numel()], x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("words", [True, False])
+def test_v3_exhaustive_kernel(dtype, words):
+    """Every 16-bit pattern through the kernel, at the default tile (the reference round trip of
+    every pattern for every k is test_v3_exhaustive_roundtrip_reference)."""
+    x = _all_patterns(dtype)
+    blob = encode(x, k=3, levels=PATCHED)
+    table = DecodeTable([CodecSegment(0, 0, read_header(blob))], words=words)
+    assert table.patched
+    out = _kernel_vs_reference(blob, table, seed=3)
     assert torch.equal(out[: 2 * x.numel()], x.view(torch.uint8))
 
 
@@ -123,7 +138,7 @@ def test_v3_word_path(words):
 def test_v3_beside_versions_1_and_2_in_one_launch():
     """One table holding version-1, version-2 and version-3 tensors (both compiled paths)."""
     gen = torch.Generator().manual_seed(9)
-    ts = [fill("student-t", (2 * SMALL_TILE + 3,), generator=gen) for _ in range(3)] + [_all_patterns(torch.float16)]
+    ts = [fill("student-t", (2 * SMALL_TILE + 3,), generator=gen) for _ in range(3)] + [_every_symbol(torch.float16)]
     blobs = [encode(ts[0], tile=SMALL_TILE), encode(ts[1], tile=SMALL_TILE, levels=2, k=2, k2=3),
              encode(ts[2], tile=SMALL_TILE, levels=PATCHED), encode(ts[3], tile=SMALL_TILE, levels=PATCHED, k=4)]
     segs, at, off = [], 0, 0
