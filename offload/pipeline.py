@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .components import Components, discover_components
-from .config import ConfigTypeError, OffloadConfig
+from .config import OffloadConfig
+from .config_schema import ConfigTypeError
 from .discovery import OffloadPlan
 from .misuse import AlreadyOffloadedError
 from .module import ModuleOffload
