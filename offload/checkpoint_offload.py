@@ -30,6 +30,8 @@ from .layout import BlockLayout
 from .placeholders import drop_storage, give_data
 from .sources.decode import decode_placement
 from .sources.mmap import MmapCodedSource, MmapSource
+from .build import streamed_blocks
+from .sources.select import Topology, select
 from .streamed import StreamedBlocks, resolve_device
 
 __all__ = ["offload_from_safetensors", "mmap_streamed_blocks", "mmap_coded_source", "IN_FLIGHT_BYTES"]
@@ -74,7 +76,8 @@ def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch
                                    timings=timings))
             return made[-1]
 
-        streamed = cls(module, config, device, plan, source=factory)
+        streamed = streamed_blocks(module, config, device, plan, select(config, Topology(device_type=device.type), ckpt),
+                                   source=factory, cls=cls)
     except BaseException:
         for src in made:
             src.close()
@@ -132,14 +135,11 @@ def offload_from_safetensors(
     cfg = OffloadConfig.coerce(config)
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
-    if cfg.weight_codec == "auto":
-        raise ValueError("weight_codec='auto' is not allowed with the mmap source (offload_from_safetensors): it "
-                         "plans from the pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2 "
-                         "(with a coded sidecar), none")
-    check_sidecar_mode(coded_sidecar, cfg.weight_codec)
-    if cfg.weight_codec != "none" and (copy_path != "auto" or staging_threads is not None):
+    codec = select(cfg, Topology(), checkpoint="safetensors").codec  # the support matrix's refusals
+    check_sidecar_mode(coded_sidecar, codec)
+    if codec != "none" and (copy_path != "auto" or staging_threads is not None):
         key, val = ("copy_path", copy_path) if copy_path != "auto" else ("staging_threads", staging_threads)
-        raise ValueError(f"{key}={val!r} is not allowed with weight_codec={cfg.weight_codec!r}: coded blocks "
+        raise ValueError(f"{key}={val!r} is not allowed with weight_codec={codec!r}: coded blocks "
                          f"copy from the coded host store; choose from: {key}={'auto' if key == 'copy_path' else None!r}")
     if "dit" not in cfg.components:
         raise ValueError(f"components={list(cfg.components)!r} does not select 'dit'; the mmap source streams a DiT")
@@ -147,12 +147,6 @@ def offload_from_safetensors(
         raise ValueError(
             "layer_options.dit.weight_transfer='allgather' is not allowed for the mmap source; choose from: "
             "rank-local (every process maps the same checkpoint and shares its page cache)"
-        )
-    if cfg.resident_layers == "auto":
-        raise ValueError(
-            "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes "
-            "a demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int "
-            ">= 0, or a list of block indices"
         )
     dev = resolve_device(device)
     check_opt_in(model_on_meta)

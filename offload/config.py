@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .codecs import WEIGHT_CODECS  # every weight_codec value, from the codec registry
+from .sources.select import check_config_cells, refusal_error
 from .config_schema import (CODEC_MODES, COMPAT_COMPONENTS, COMPONENTS, CUDA_GRAPHS, GB, GRAPH_BOUNDARY_LOADS,
                             LAYER_COMPONENTS, LEGACY_MAPPED, LEGACY_REJECTED, MODES, RESIDENT_AUTO,
                             WEIGHT_TRANSFERS, ConfigTypeError, _check_bool, _check_budget, _check_choice,
@@ -212,9 +213,7 @@ class OffloadConfig:
     def _check_combinations(self) -> None:
         """Every rule that ties two keys together, in one place (each value alone
         was checked above)."""
-        if self.cuda_graphs == "on" and self.mode == "module":
-            raise _reject("cuda_graphs", "on",
-                          "CUDA graphs need mode='layer'; with mode='module' choose from: off")
+        check_config_cells(self)  # the support matrix (sources/select.py SUPPORT)
         if self.graph_boundary_loads == "next-step":
             if self.cuda_graphs != "on":
                 raise _reject("graph_boundary_loads", "next-step",
@@ -227,18 +226,9 @@ class OffloadConfig:
             self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
-            if opts.resident_layers == RESIDENT_AUTO and self.cuda_graphs == "on":
-                raise _reject(f"{path}.resident_layers", RESIDENT_AUTO,
-                              "the automatic placement re-plans between eager steps and does not run under "
-                              "CUDA graphs yet; with cuda_graphs='on' give an int or a list of block indices "
-                              "(`python -m weightstream plan` prints one)")
             if _keeps_resident(opts.resident_layers) and comp != "dit":
                 raise _reject(f"{path}.resident_layers", opts.resident_layers,
                               "resident layers apply only to dit; expected 0 here")
-            if _keeps_resident(opts.resident_layers) and opts.weight_transfer == "allgather":
-                raise _reject(f"{path}.resident_layers", opts.resident_layers,
-                              f"resident layers require rank-local ({path}.weight_transfer="
-                              "'rank-local'), not 'allgather'; or set resident_layers to 0")
 
     def _check_codec(self) -> None:
         """weight_codec codes host images: streamed blocks in layer mode (DLO included:
@@ -298,9 +288,7 @@ class OffloadConfig:
             raise _wrong_type("layer_options", raw,
                               "a dict of component -> {weight_transfer, resident_layers}")
         if raw and self.mode != "layer":
-            raise _reject("layer_options", dict(raw),
-                          f"layer_options apply only to mode='layer' (got mode={self.mode!r}); "
-                          "remove them")
+            raise refusal_error(("module", "none", "fixed", "off"), dict(raw))  # the support matrix
         out: dict[str, LayerOptions] = {}
         for comp, opts in raw.items():
             if comp not in COMPONENTS:

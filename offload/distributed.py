@@ -89,8 +89,9 @@ from .config import OffloadConfig
 from .discovery import OffloadPlan
 from weightstream.offload.dlo.guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardSource
-from .sources.pinned import SourceRequest, pinned_source
-from .sources.pinned import coded_source
+from .build import default_source, streamed_blocks
+from .sources.pinned import SourceRequest
+from .sources.select import Topology, select
 from .streamed import StreamedBlocks
 from weightstream.offload.dlo.control import DEFAULT_PATH_KEYS, CodedPiece, DLOCollectiveError, ShardMergeError, ShardPiece, WeightDigest, _control_for, digest_mismatches, fit_digest, merge_shards, setup_digest, validate_wave, weight_mismatches
 from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, plan_dlo, resolve_transfer, shard_size
@@ -127,7 +128,6 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
     """
     if not isinstance(parallel, ParallelConfig):
         raise TypeError(f"parallel must be a weightstream ParallelConfig, got {type(parallel).__name__}")
-    coded = config.weight_codec != "none"
     if source_cls is None:
         source_cls = ShardSource  # raw or coded shares (weight_codec)
     if dlo is None:
@@ -139,21 +139,23 @@ def build_streamed(module: nn.Module, config: OffloadConfig, device: torch.devic
             f"graph_boundary_loads={config.graph_boundary_loads!r} is not supported with distributed "
             "layerwise offload (DLO); choose: auto (in-graph under DLO), in-graph"
         )
+    selection = select(config, Topology(dlo.group_size, dlo.rank, dlo.transfer, device.type))  # the support matrix
     control = _control_for(parallel, dlo, config, device)
-    allgather = dlo.transfer == "allgather"
+    allgather = selection.transport == "dlo-allgather"
     guard = AllGatherGuard(control) if allgather else DLOGuard()
 
     def source(req: SourceRequest):
         _check_peers(control, config, dlo, req, module)
         if not allgather:
-            return coded_source(req) if coded else pinned_source(req)
+            return default_source(selection)(req)
         guard.source = source_cls(req, group=dlo.group, world=dlo.group_size, rank=dlo.rank,
                                   gather=source_cls.gather_mode(dlo, config.dlo_timeout_s, device),
                                   timeout_s=config.dlo_timeout_s,
                                   failure=lambda: guard.failure)
         return guard.source
 
-    sb = cls(module, config, device, plan, source=source, guard=guard, prime="first_forward", next_step=False)
+    sb = streamed_blocks(module, config, device, plan, selection, source=source, guard=guard, prime="first_forward",
+                         next_step=False, cls=cls)
     sb.parallel, sb.dlo, sb.control = parallel, dlo, control
     sb.add_stats(lambda: _dlo_stats(sb))
     sb.add_root_hook(DLOForwardCheck(sb))
@@ -195,12 +197,12 @@ def _end_forward(sb: StreamedBlocks, guard: AllGatherGuard, exc: BaseException |
     """At the end of every forward, however it ended (``exc``: what it raised, or None; a
     KeyboardInterrupt or any other BaseException too, through StreamedBlocks.forward_aborted):
     the end-of-step agreement; then, where every rank completed the step, weight_codec='auto'
-    plans and codes (the same collectives on every rank: offload/auto_codec_gather.py).
+    plans and codes (the same collectives on every rank: offload/plan/auto.py).
 
     After a BaseException that is not an Exception this raises nothing of its own: the rank
     re-raises what stopped it (a failure of the drain or the agreement is kept, sticky, and
     named by the next call)."""
-    planner = sb.codec_planner
+    planner = sb.auto_step
     try:
         guard.end_forward(sb.executor, exc)
     except BaseException as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = [
     "OffloadMisuseError", "WeightUpdateError", "ConcurrentUseError", "StreamedWriteError", "SharedStorageError",
     "UnsupportedOperationError", "AlreadyOffloadedError", "StreamedModuleAccessError", "InferenceOnlyError",
-    "DuplicateKeyError", "HostMemoryError",
+    "DuplicateKeyError", "HostMemoryError", "UnsupportedCombinationError",
 ]
 
 
@@ -59,3 +59,9 @@ class DuplicateKeyError(OffloadMisuseError, ValueError):
 class HostMemoryError(OffloadMisuseError, MemoryError):
     """A host buffer (the block arena, a staging buffer) could not be allocated; the message
     names the bytes asked for, what the process already held, and how to need less."""
+
+
+class UnsupportedCombinationError(OffloadMisuseError, ValueError):
+    """A combination of transport, codec, residency and graph mode that the support matrix
+    (offload/sources/select.py SUPPORT) refuses; the message names the key, the cell, why,
+    and what to use instead."""

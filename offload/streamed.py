@@ -2,9 +2,8 @@
 executor), and what every front end shares: device resolution, the wrap-time
 checks, the state-dict hook that serves host weights, failure explanations.
 
-The front ends (the wrapper and the in-place handle in :mod:`transformer`,
-DLO in :mod:`distributed`, the mmap source) build on this module; it imports
-none of them.
+Every front end builds it through :mod:`.build` for one cell of the support matrix
+(:mod:`.sources.select`); it imports none of them.
 """
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
-from .sources.pinned import SourceRequest, pinned_source
-from .sources.pinned import coded_source
+from .sources.pinned import SourceRequest, coded_source, pinned_source
+from .sources.select import Selection, Topology, select
 from .layout import all_tensors, block_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -53,11 +52,9 @@ def resolve_device(device) -> torch.device:
 class StreamedBlocks:
     """The layerwise machinery for one DiT: blocks, schedule, weight source, executor.
 
-    Built in one place so that every front end (the wrapper, the in-place
-    handle, DLO, the mmap source, the graph runner) shares it. ``source`` is a
-    factory ``SourceRequest -> WeightSource`` (default: pinned host images); it
-    runs before anything is packed, so it may refuse (DLO's setup agreement).
-    ``guard``: DLO failure policy (:mod:`.dlo_guard`).
+    ``selection``: its cell of the support matrix. ``source``: a factory ``SourceRequest ->
+    WeightSource`` (default: pinned host images), run before anything is packed, so it may
+    refuse (DLO's setup agreement). ``guard``: DLO failure policy (:mod:`.dlo.guard`).
     """
 
     # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
@@ -67,10 +64,12 @@ class StreamedBlocks:
     executor_cls = LayerwiseExecutor  # tests substitute mutants (tests/test_happens_before.py)
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
-                 *, source=None, guard=None, prime: str = "now", next_step: bool = True):
+                 *, selection: Selection | None = None, source=None, guard=None, prime: str = "now",
+                 next_step: bool = True):
         t0 = time.perf_counter()
         check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
         self.module, self.config, self.device = module, config, device
+        self.selection = selection or select(config, Topology(device_type=device.type))  # build.py passes it
         self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
@@ -107,9 +106,10 @@ class StreamedBlocks:
                 f"{format_bytes(slot_total)}; raise the budget or lower num_slots/resident_layers"
             )
         self.tensors = tensors
-        req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule, codec=config.weight_codec)
-        if source is None:  # the default: pinned host images, coded ones with weight_codec
-            source = pinned_source if config.weight_codec == "none" else coded_source
+        codec = self.selection.codec
+        req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule, codec=codec)
+        if source is None:  # the default: pinned host images, coded ones with a codec
+            source = pinned_source if codec == "none" else coded_source
         self.source = source(req)
         self.layouts = self.source.layouts
         with torch.no_grad():
@@ -139,7 +139,7 @@ class StreamedBlocks:
             self._root_hooks.append(self.placement)
             self._stats_extra.append(self.placement.stats)
         self.codec_planner = None
-        if config.weight_codec == "auto":
+        if codec == "auto":
             if self.source.caps.collective:  # DLO AllGather: the ranks plan together
                 from weightstream.offload.plan.auto_codec_gather import GatherAutoCodec as AutoCodec
             else:

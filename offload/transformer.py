@@ -15,6 +15,7 @@ from weightstream.offload.executor import LayerwiseExecutor
 from weightstream.offload.hooks import StepHook
 from .misuse import UnsupportedOperationError
 from .tracing import not_traced
+from .build import streamed_blocks
 from .streamed import (
     StreamedBlocks, check_wrappable, explain_failure, install_state_dict_hook, resolve_device,
 )
@@ -48,7 +49,7 @@ def build_streamed_blocks(module: nn.Module, cfg: OffloadConfig, device: torch.d
             "layer_options.dit.weight_transfer='allgather' needs a process group: pass "
             "parallel=ParallelConfig(...) (DLO); allowed without one: rank-local or unset"
         )
-    return StreamedBlocks(module, cfg, device, plan)
+    return streamed_blocks(module, cfg, device, plan)  # the one builder (build.py), select()'s cell
 
 
 class GraphForward:

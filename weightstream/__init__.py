@@ -46,6 +46,7 @@ _EXPORTS = {
     "InferenceOnlyError": "weightstream.offload.misuse",
     "DuplicateKeyError": "weightstream.offload.misuse",
     "HostMemoryError": "weightstream.offload.misuse",
+    "UnsupportedCombinationError": "weightstream.offload.misuse",
 }
 __all__ = list(_EXPORTS)
 
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.misuse import (
         AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, HostMemoryError, InferenceOnlyError,
         OffloadMisuseError, SharedStorageError, StreamedModuleAccessError, StreamedWriteError,
-        UnsupportedOperationError, WeightUpdateError,
+        UnsupportedCombinationError, UnsupportedOperationError, WeightUpdateError,
     )
     from weightstream.offload.checkpoint_offload import offload_from_safetensors
     from weightstream.offload.pipeline import offload_pipeline

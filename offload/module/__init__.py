@@ -70,6 +70,7 @@ from torch import nn
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
+from ..sources.select import Topology, select
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
 from .hooks import ModuleHook, forward_running, unit_hooks
@@ -107,6 +108,7 @@ class ModuleOffload:
     def __init__(self, pipe: Any, config: OffloadConfig, device: torch.device, components: Components):
         t0 = time.perf_counter()
         self.pipe, self.config, self.device = pipe, config, device
+        self.selection = select(config, Topology(device_type=device.type))  # the support matrix's cell
         self.components = components
         self.cuda = device.type == "cuda"
         self._log = TransitionLog(t0)
@@ -150,7 +152,7 @@ class ModuleOffload:
                                              self.config.device_memory_budget_gb)
         gb = self.config.pinned_memory_budget_gb
         self.images = UnitImages(
-            list(self.units.values()), self.device, codec=self.config.weight_codec,
+            list(self.units.values()), self.device, codec=self.selection.codec,
             pin=self.config.pin_memory and self.cuda, budget=None if gb is None else int(gb * 1e9),
             progress=self.config.progress,
         )
@@ -300,7 +302,7 @@ class ModuleOffload:
             "mode": "module",
             "device": str(self.device),
             "source": self.components.source,
-            "weight_codec": self.config.weight_codec,
+            "weight_codec": self.selection.codec,
             "components": comps,
             "on_device": list(self.on_device()),
             "transitions": self._transitions,
@@ -380,7 +382,7 @@ class ModuleOffload:
             f"ModuleOffload({self.components.pipeline}, device={self.device}, "
             f"components={list(self.config.components)}, source={self.components.source!r}, "
             f"host={format_bytes(totals['host_bytes'])}, pinned={format_bytes(totals['pinned_bytes'])},"
-            + ("" if self.coded is None else f" coded {self.config.weight_codec},"),
+            + ("" if self.coded is None else f" coded {self.selection.codec},"),
             f"  on_device={list(self.on_device())}, transitions={self._transitions}, "
             f"h2d={format_bytes(self._h2d_bytes)},",
             "  hooks=[",

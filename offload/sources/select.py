@@ -1,0 +1,171 @@
+"""One support matrix, one pure ``select(config, topology, checkpoint)``.
+
+Every front end (the wrapper and the in-place handle, DLO, the mmap source, module
+offload) asks :func:`select` which transport streams its weights, with which codec,
+residency and graph mode. The answer is a :class:`Selection`, or the refusal of the
+cell from :data:`SUPPORT`: an :class:`~..misuse.UnsupportedCombinationError` naming
+the key, the value, the cell, why, and what to use instead. The config's own
+validation asks the same table (:func:`check_config_cells`) for the cells it can
+decide alone, so a refused cell fails when the config is built.
+
+Torch-free: reads the config's attributes only. docs/architecture.md prints the
+matrix from :func:`support_table_markdown` (tests/test_matrix.py keeps them equal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import types
+
+from ..codecs import AUTO, NONE, WEIGHT_CODECS
+from ..misuse import UnsupportedCombinationError
+
+TRANSPORTS = ("pinned", "mmap", "dlo-allgather", "dlo-rank-local", "module")
+LAYER_TRANSPORTS = TRANSPORTS[:4]
+RESIDENCIES = ("none", "fixed", "auto")  # resident_layers 0 / an int > 0 or a list / "auto"
+GRAPHS = ("off", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where the weights go: ``world``/``rank`` of the DLO sharding group, its
+    ``transfer`` ("allgather" | "rank-local"; None without DLO), the device type."""
+    world: int = 1
+    rank: int = 0
+    transfer: str | None = None
+    device_type: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """One supported cell of :data:`SUPPORT` and what the builder needs of it."""
+    transport: str  # one of TRANSPORTS
+    codec: str  # a weight_codec value ("none", a codec, "auto")
+    residency: str  # one of RESIDENCIES
+    graphs: bool
+    topology: Topology = Topology()
+
+    @property
+    def cell(self) -> tuple[str, str, str, str]:
+        return (self.transport, self.codec, self.residency, "on" if self.graphs else "off")
+
+    @property
+    def coded(self) -> bool:
+        """Whether the source keeps coded images (a codec, or "auto": raw until planned)."""
+        return self.codec != NONE
+
+
+# (config key, why, what to use instead) of each rule; the first rule that matches a cell refuses it
+_RULES = (
+    (lambda t, c, r, g: t == "module" and g == "on", "cuda_graphs", "on",
+     "CUDA graphs need mode='layer'; with mode='module' choose from: off"),
+    (lambda t, c, r, g: t == "module" and r != "none", "layer_options", None,
+     "layer_options apply only to mode='layer' (got mode='module'); remove them (module offload moves whole "
+     "components: leave 'dit' out of components to keep it resident)"),
+    (lambda t, c, r, g: t == "dlo-allgather" and r != "none", "layer_options.dit.resident_layers", None,
+     "resident layers require rank-local (layer_options.dit.weight_transfer='rank-local'), not 'allgather'; "
+     "or set resident_layers to 0"),
+    (lambda t, c, r, g: t == "mmap" and c == AUTO, "weight_codec", AUTO,
+     "weight_codec='auto' is not allowed with the mmap source (offload_from_safetensors): it plans from the "
+     "pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2 (with a coded sidecar), none"),
+    (lambda t, c, r, g: t == "mmap" and r == "auto", "layer_options.dit.resident_layers", "auto",
+     "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes a "
+     "demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int >= 0, "
+     "or a list of block indices"),
+    (lambda t, c, r, g: r == "auto" and g == "on", "layer_options.dit.resident_layers", "auto",
+     "the automatic placement re-plans between eager steps and does not run under CUDA graphs yet; with "
+     "cuda_graphs='on' give an int or a list of block indices (`python -m weightstream plan` prints one)"),
+)
+
+
+def _refusal(cell) -> tuple[str, object, str] | None:
+    for rule, key, value, why in _RULES:
+        if rule(*cell):
+            return key, value, why
+    return None
+
+
+# the matrix: (transport, codec, residency, graphs) -> None (supported) or (key, value, why)
+SUPPORT = types.MappingProxyType({
+    cell: _refusal(cell) for cell in itertools.product(TRANSPORTS, WEIGHT_CODECS, RESIDENCIES, GRAPHS)})
+
+
+def _residency(resident) -> str:
+    if resident == "auto":
+        return "auto"
+    if isinstance(resident, int):
+        return "fixed" if resident > 0 else "none"
+    return "fixed" if len(resident) else "none"
+
+
+def _raise(cell, refusal, actual) -> None:
+    raise refusal_error(cell, actual)
+
+
+def refusal_error(cell, actual) -> UnsupportedCombinationError:
+    """The named error of the refused ``cell`` of :data:`SUPPORT` (``actual``: the value the
+    caller gave, where the rule names no single value)."""
+    key, value, why = SUPPORT[cell]
+    transport, codec, residency, graphs = cell
+    return UnsupportedCombinationError(
+        f"{key}={actual if value is None else value!r} is not allowed; {why} (support matrix cell: "
+        f"transport={transport}, weight_codec={codec}, residency={residency}, cuda_graphs={graphs})")
+
+
+def transport_of(config, topology: Topology, checkpoint) -> str:
+    """The transport a config, topology and checkpoint ask for."""
+    if config.mode == "module":
+        return "module"
+    if topology.transfer == "allgather":
+        return "dlo-allgather"
+    if topology.transfer == "rank-local":
+        return "dlo-rank-local"
+    return "mmap" if checkpoint is not None else "pinned"
+
+
+def select(config, topology: Topology = Topology(), checkpoint=None) -> Selection:
+    """The :class:`Selection` for ``config`` (an OffloadConfig) over ``topology``, streaming
+    from ``checkpoint`` (a mapped checkpoint; None: the weights in the module), or the
+    refusal of its cell from :data:`SUPPORT`. Pure: reads attributes, touches no tensor."""
+    resident = config.resident_layers
+    cell = (transport_of(config, topology, checkpoint), config.weight_codec, _residency(resident),
+            "on" if config.cuda_graphs == "on" else "off")
+    refusal = SUPPORT[cell]
+    if refusal is not None:
+        _raise(cell, refusal, resident)
+    return Selection(cell[0], cell[1], cell[2], cell[3] == "on", topology)
+
+
+def check_config_cells(config) -> None:
+    """At config validation: refuse the cells every transport this config can run on refuses
+    (mode='module': module; weight_transfer='allgather': DLO AllGather; else any layer transport)."""
+    if config.mode == "module":
+        transports = ("module",)
+    elif config.weight_transfer == "allgather":
+        transports = ("dlo-allgather",)
+    else:
+        transports = LAYER_TRANSPORTS
+    resident = config.resident_layers
+    rest = (config.weight_codec, _residency(resident), "on" if config.cuda_graphs == "on" else "off")
+    refused = [(t, *rest) for t in transports if SUPPORT[(t, *rest)] is not None]
+    if len(refused) == len(transports):
+        _raise(refused[0], SUPPORT[refused[0]], resident)
+
+
+def support_table_markdown() -> str:
+    """The matrix as markdown (docs/architecture.md prints it): a row per transport and
+    residency, a column per codec and graph mode; "yes" or the refused key."""
+    cols = [(c, g) for g in GRAPHS for c in WEIGHT_CODECS]
+    head = "| transport | resident layers | " + " | ".join(f"{c}, graphs {g}" for c, g in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 2)]
+    for t in TRANSPORTS:
+        for r in RESIDENCIES:
+            cells = []
+            for c, g in cols:
+                ref = SUPPORT[(t, c, r, g)]
+                cells.append("yes" if ref is None else f"no ({ref[0].rsplit('.', 1)[-1]})")
+            lines.append(f"| {t} | {r} | " + " | ".join(cells) + " |")
+    reasons = sorted({(ref[0], ref[2]) for ref in SUPPORT.values() if ref is not None})
+    lines += ["", "Refusals (the named error is `UnsupportedCombinationError`):", ""]
+    lines += [f"- `{key}`: {why}" for key, why in reasons]
+    return "\n".join(lines) + "\n"
