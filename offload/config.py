@@ -150,10 +150,10 @@ class OffloadConfig:
         stored coded; an arrival copies the coded bytes H2D and decodes them
         into the component's device buffer (VAEs once, at setup). The mmap source
         (offload_from_safetensors) codes with "exp-k" / "exp-k2" and can keep a
-        coded sidecar file. "auto" (offload/auto_codec.py) stores the streamed
+        coded sidecar file. "auto" (offload/plan/auto.py) stores the streamed
         blocks raw, measures the first eager step (with cuda_graphs="on": the
         warm-up step, before any capture), then codes the blocks a plan predicts
-        faster to code, with the codec predicted fastest (offload/codec_plan.py:
+        faster to code, with the codec predicted fastest (offload/plan/codec.py:
         a transfer-bound step codes every block, a compute-bound one none);
         printed, in stats()["codec_plan"]; eager, the blocks are coded in the
         background while steps stream them raw, and a new input signature is
@@ -162,8 +162,9 @@ class OffloadConfig:
         bare transfer). With rank-local DLO each rank plans its own stream; with
         DLO AllGather the ranks plan together (the slowest rank's measurements,
         the same plan everywhere) after the first step every rank completed, and
-        code the chosen blocks at once (offload/auto_codec_gather.py). Not with
-        resident_layers="auto" or the mmap source.
+        code the chosen blocks at once (offload/plan/coding.py). With
+        resident_layers="auto" the residency is planned first, then the codec for the
+        blocks that still stream. Not with the mmap source.
 
     Errors: ValueError for values that are not allowed, `ConfigTypeError`
     (a TypeError and a ValueError) for wrong Python types; each message names
@@ -238,11 +239,6 @@ class OffloadConfig:
             raise _reject("weight_codec", self.weight_codec,
                           f"coded weights need mode in {list(CODEC_MODES)} (got mode={self.mode!r}); "
                           "choose from: none")
-        if self.weight_codec == "auto" and any(o.resident_layers == RESIDENT_AUTO for o in self.layer_options.values()):
-            raise _reject("weight_codec", "auto",
-                          "it is planned from the same first step as resident_layers='auto', which moves the blocks "
-                          "it would code; give one of them explicitly (weight_codec='exp-k' / 'exp-k2', or "
-                          "resident_layers=<int>)")
 
     def _check_mode_components(self) -> tuple[str, tuple[str, ...]]:
         mode, components = self.mode, self.components

@@ -73,7 +73,7 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
-        self.auto = resident == "auto"  # the planner picks the resident set after a first step (auto_placement.py)
+        self.auto = resident == "auto"  # the planner picks the resident set after a first step (plan/auto.py)
         if self.auto:
             resident = 0
             if device.type != "cuda" and config.device_memory_budget_gb is None:
@@ -131,23 +131,15 @@ class StreamedBlocks:
         self._root_hooks: list = []
         self._forward_end: list[ForwardEndHook] = []
         self._stats_extra: list = []
-        self.placement = None
-        if self.auto:
-            from weightstream.offload.plan.auto_placement import AutoPlacement
+        self.auto_step = self.placement = self.codec_planner = None
+        if self.auto or codec == "auto":  # measure a step, plan, apply (plan/auto.py)
+            from weightstream.offload.plan.auto import AutoStep
 
-            self.placement = AutoPlacement(self)
-            self._root_hooks.append(self.placement)
-            self._stats_extra.append(self.placement.stats)
-        self.codec_planner = None
-        if codec == "auto":
-            if self.source.caps.collective:  # DLO AllGather: the ranks plan together
-                from weightstream.offload.plan.auto_codec_gather import GatherAutoCodec as AutoCodec
-            else:
-                from weightstream.offload.plan.auto_codec import AutoCodec
-
-            self.codec_planner = AutoCodec(self)
-            self._root_hooks.append(self.codec_planner)
-            self._stats_extra.append(self.codec_planner.stats)
+            self.auto_step = AutoStep(self, residency=self.auto, codec=codec == "auto",
+                                      gather=self.source.caps.collective)  # DLO AllGather: the ranks plan together
+            self.placement, self.codec_planner = self.auto_step.residency, self.auto_step.codec
+            self._root_hooks.append(self.auto_step)
+            self._stats_extra.append(self.auto_step.stats)
         self.setup_s = time.perf_counter() - t0
 
     def _schedule(self, num_blocks: int, resident: int) -> Schedule:

@@ -1,4 +1,4 @@
-"""weight_codec="auto" (offload/auto_codec.py): raw first, a measured step, then the planned blocks coded.
+"""weight_codec="auto" (offload/plan/auto.py, plan/coding.py): raw first, a measured step, then the planned blocks coded.
 
 On the CPU the measured link and decode rates are noise, so the tests that need
 a given plan set them (``h2d_gbps``, ``decode_gbps``) the way a slow or a fast
@@ -224,9 +224,9 @@ def test_code_blocks_mixes_raw_and_coded_blocks():
 
 
 def test_rules_are_named():
-    with pytest.raises(ValueError, match="resident_layers='auto'"):
-        OffloadConfig.layerwise(weight_codec="auto", resident_layers="auto")
-    # AllGather: the ranks plan together (offload/auto_codec_gather.py, tests/test_dlo_coded.py)
+    # planned together: the residency, then the codec (tests/test_auto_joint.py)
+    assert OffloadConfig.layerwise(weight_codec="auto", resident_layers="auto").weight_codec == "auto"
+    # AllGather: the ranks plan together (offload/plan/auto.py, gather=True; tests/test_dlo_coded.py)
     assert OffloadConfig.layerwise(weight_codec="auto", weight_transfer="allgather").weight_codec == "auto"
     with pytest.raises(ValueError, match="weight_codec='auto' is not allowed here.*exp-k, exp-k2"):
         codec_levels("auto")

@@ -323,7 +323,7 @@ def test_code_blocks_refusals_are_named():
 
 
 def test_join_measurements_takes_the_slowest_rank():
-    from weightstream.offload.plan.auto_codec_gather import join_measurements
+    from weightstream.offload.plan.coding import join_measurements
 
     a = {"compute": [1.0, 5.0], "h2d": 50.0, "decode": {"exp-k": 900.0}, "coded": {"exp-k": {"L": 70}}}
     b = {"compute": [2.0, 4.0], "h2d": 40.0, "decode": {"exp-k": 1000.0}, "coded": {"exp-k": {"L": 70}}}

@@ -5,10 +5,9 @@ import random
 
 import pytest
 
-from weightstream.offload.plan.placement import (
-    AutoPlan, Placement, PlanInputs, auto_budget_bytes, compute_from_events, describe, evaluate, h2d_from_events,
-    plan, plan_from_events, step_ms,
-)
+from weightstream.offload.plan.measure import auto_budget_bytes, compute_from_events, h2d_from_events
+from weightstream.offload.plan.placement import AutoPlan, Placement, describe, evaluate, plan, plan_from_events
+from weightstream.offload.plan.ring import PlanInputs, step_ms
 from weightstream.offload.schedule import Schedule
 
 MB = 1_000_000
@@ -688,7 +687,6 @@ def test_a_cold_first_block_is_not_taken_for_compute():
     with cold_outliers (auto placement's choice) the block takes the median of its
     layout's other blocks; a unique layout keeps its figure; by default every
     measurement is kept."""
-    from weightstream.offload.plan.placement import compute_from_events
 
     dev = [100, 100, 100, 100, 50]
     ms = [97.0, 3.6, 3.7, 3.65, 9.0]

@@ -9,7 +9,7 @@ background, the job's thread writes each coded block into a buffer of its own an
 back once the copies issued before the swap are done (:meth:`AutoCoding._retire`). What that
 means on the device (tables, buffers, copies in flight) goes to the store's ``side``; the raw
 blocks' loads live with the transports (:mod:`weightstream.offload.sources.pinned`); the policy in
-:mod:`weightstream.offload.plan.codec`, the hooks in :mod:`weightstream.offload.plan.auto_codec`.
+:mod:`weightstream.offload.plan.codec`, the hooks in :mod:`weightstream.offload.plan.auto`.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ like the resident set (:mod:`.planner`):
   first eager step's event log (every block streamed raw); per codec the coded
   bytes of each streamed block (sampled: one block of each layout encoded) and
   its decode rate (that block decoded on the device, timed);
-- model: the planner's ring (:func:`planner.ring_ms`). A coded block's load
+- model: the planner's ring (:func:`.ring.ring_ms`). A coded block's load
   moves its coded bytes; its decode runs on the decode stream after its copy
   (eager) or, with CUDA graphs, on the compute stream just before the block
   (the block's compute grows by the decode time). Eager decodes share the SMs
@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass
 
 from weightstream.offload.config import ConfigTypeError
-from weightstream.offload.plan.placement import _radical_inverse, ring_ms
+from weightstream.offload.plan.placement import _radical_inverse
+from weightstream.offload.plan.ring import ring_ms
 
 __all__ = ["CodecOption", "CodecPlanInputs", "CodecPlan", "plan_codec", "predict_ms", "DECODE_STEAL", "MIN_GAIN",
            "DECODE_ON"]

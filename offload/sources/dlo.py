@@ -23,7 +23,7 @@ synchronous decode. Each rank's link moves ``shard`` bytes per block, the gather
 ``weight_codec`` (read from the request, :attr:`SourceRequest.codec`): ``"none"`` keeps raw
 shares; a codec name codes every block at build (the deterministic encoder: the same bytes
 on every rank); ``"auto"`` starts with raw shares and :meth:`ShardSource.code_blocks` codes
-the blocks a plan (:mod:`~weightstream.offload.plan.auto_codec_gather`, the same on every
+the blocks a plan (:mod:`~weightstream.offload.plan.coding`, the same on every
 rank) chose, at once (a gather of each raw image, the encode, this rank's share of it).
 
 Updates (``update_weights``, a collective: every rank calls it with the same weights): a raw
@@ -314,7 +314,7 @@ class ShardSource(WeightSource):
         """Bytes one load of block ``k`` moves over this rank's host link: its share."""
         return self.store.shard_bytes[k]
 
-    # -- weight_codec="auto" (plan/auto_codec_gather.py plans, every rank alike) ----------------
+    # -- weight_codec="auto" (plan/coding.py plans, every rank alike) ----------------
     def sample(self, k: int, codecs, max_bytes: int | None = SAMPLE_BYTES) -> dict:
         """Raw block ``k`` (a collective: its image is gathered) encoded aside with each codec of
         ``codecs``, nothing stored: codec -> :func:`~..host.recode.sample_coded`'s result. The

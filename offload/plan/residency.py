@@ -1,90 +1,59 @@
-"""``resident_layers="auto"``: plan the resident set from the first eager step of each input signature.
+"""The residency part of the auto mechanism (:mod:`.auto`): ``resident_layers="auto"``.
 
-Policy lives in :mod:`.planner` (pure); this is the mechanism. The source
-holds every block's image (all blocks stream at first). After the first eager
-step of a new input signature (tensor shapes and dtypes of the DiT's
-arguments) the executor's event log gives per-block compute and the link
-rate; :func:`planner.plan_from_events` picks the resident blocks (any subset,
-by saved transfer per byte of budget) and the slot count; the placement is
+Policy lives in :mod:`.placement` (pure); this plans from a measured step and
+applies. The source holds every block's image (all blocks stream at first);
+:func:`.placement.plan_from_events` picks the resident blocks (any subset, by
+saved transfer per byte of budget) and the slot count; the placement is
 applied between steps:
 
 - a block that becomes resident gets a device copy of its image (its tensors
   are views of it); the host image stays its master: ``state_dict()`` keeps
-  returning host views, and at every forward start (:meth:`AutoPlacement.sync`)
+  returning host views, and at every forward start (:meth:`Residency.sync`)
   an edit of a resident tensor on the device is written to the host image and an
   edit of the host views (a ``state_dict()`` taken before the plan, say) is
   copied to the device copies, so neither is ever ignored;
 - a block that streams again first syncs, then streams as before;
 - the executor is rebuilt over the same source with the new schedule.
 
-Outputs are bit-exact under every placement (the bytes are the same); only
-where they sit changes. The plan and its predicted step time are printed once
-per planning and kept in ``stats()["placement"]``. Eager only: CUDA graphs
-with "auto" are refused by the config.
+The plan and its predicted step time are printed once per planning and kept in
+``stats()["placement"]``. Eager only: CUDA graphs with "auto" are refused by the config.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from weightstream.offload.plan import placement as planner
-from weightstream.offload.hooks import RemovableHooks
-from weightstream.offload.progress import announce
 from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB
+from weightstream.offload.plan import placement as planner
+from weightstream.offload.plan.measure import auto_budget_bytes
+from weightstream.offload.progress import announce
+
+__all__ = ["Residency"]
 
 
+class Residency:
+    """The resident set of the auto mechanism ``auto`` (:class:`.auto.AutoStep`): its plans
+    per input signature, the current one, and the device copies of the resident blocks."""
 
-def signature(args, kwargs) -> tuple:
-    """Shapes and dtypes of the tensors among a call's arguments (one level deep)."""
-    def sig(v):
-        if isinstance(v, torch.Tensor):
-            return (tuple(v.shape), str(v.dtype))
-        if isinstance(v, (list, tuple)):
-            return tuple(sig(x) for x in v if isinstance(x, torch.Tensor))
-        return None
-    return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
-
-
-class AutoPlacement(RemovableHooks):
-    """Named, removable hooks on the DiT that re-plan the resident set per input signature."""
-
-    def __init__(self, streamed):
-        self.streamed = streamed
-        self.name = f"weightstream.auto_placement[{type(streamed.module).__name__}]"
+    def __init__(self, auto):
+        self.auto = auto
+        self.streamed = auto.streamed
+        self.name = f"weightstream.auto_placement[{type(self.streamed.module).__name__}]"
+        self.active = True
         self.plans: dict[tuple, planner.AutoPlan] = {}
         self.current: planner.AutoPlan | None = None
-        self._pending: tuple | None = None  # signature whose first step is measuring now
         self.h2d_gbps: float | None = None  # the link rate to plan with (None: measured from the event log)
         self._device_images: dict[int, torch.Tensor] = {}  # source k -> device image of a resident block
         self._dev_versions: dict[int, list[int]] = {}  # source k -> its device tensors' versions when synced
         self._host_version: int | None = None  # the source's host_version() when last synced
-        m = streamed.module
-        self._handles = [m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-                         m.register_forward_hook(self.post_forward, always_call=True)]
 
-    # -- hooks ---------------------------------------------------------------------------
-    def pre_forward(self, module, args, kwargs):
-        self.sync()
-        sig = signature(args, kwargs)
-        plan = self.plans.get(sig)
-        if plan is None:
-            self._pending = sig  # measured by this step; planned after it
-            self.streamed.executor.log_next_step()
-        elif plan is not self.current:
-            self.apply(plan)  # a signature planned before: its placement again
-        return None
+    def remove(self) -> None:
+        """No further planning (the current placement stays)."""
+        self.active = False
+        self.auto.part_removed()
 
-    def post_forward(self, module, args, output):
-        sig, self._pending = self._pending, None
-        ex = self.streamed.executor
-        if sig is None or sys.exc_info()[1] is not None or ex.mid_step:
-            return  # a failed or cut-short step measures nothing; the next call of the signature does
-        events = ex.take_events()
-        plan = self._plan(events)
-        self.plans[sig] = plan
-        announce("auto placement", plan.describe(), self.streamed.config.progress)
-        self.apply(plan)
+    @property
+    def state(self) -> str:
+        return "active" if self.active else "removed"
 
     # -- planning ----------------------------------------------------------------------
     def budget_bytes(self) -> int:
@@ -94,12 +63,14 @@ class AutoPlacement(RemovableHooks):
         dev = sb.device
         free, _ = torch.cuda.mem_get_info(dev)
         weights = sum(lay.nbytes for lay in sb.source.layouts) + sb.resident_bytes
-        return planner.auto_budget_bytes(
+        return auto_budget_bytes(
             free_bytes=free, reserved_bytes=torch.cuda.memory_reserved(dev),
             peak_allocated_bytes=torch.cuda.max_memory_allocated(dev), weight_bytes=weights,
             margin_bytes=int(AUTO_DEVICE_MARGIN_GB * 1e9))
 
-    def _plan(self, events) -> planner.AutoPlan:
+    def make_plan(self, events, *, reserve_bytes: int = 0) -> planner.AutoPlan:
+        """The placement from a measured step's ``events``; ``reserve_bytes``: device bytes held
+        for others within the budget (the codec's staging buffers)."""
         sb = self.streamed
         src = sb.source
         device = [0] * len(sb.blocks)
@@ -110,8 +81,14 @@ class AutoPlacement(RemovableHooks):
         prior = self.current.inputs.compute_ms if self.current is not None else None
         return planner.plan_from_events(
             events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
-            fixed_device_bytes=sb.resident_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps,
+            fixed_device_bytes=sb.resident_bytes + reserve_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps,
             cold_outliers=True)  # a signature's first step runs its first blocks cold
+
+    def adopt(self, sig, plan: planner.AutoPlan) -> None:
+        """``plan`` is signature ``sig``'s: printed once, applied."""
+        self.plans[sig] = plan
+        announce("auto placement", plan.describe(), self.streamed.config.progress)
+        self.apply(plan)
 
     # -- applying ------------------------------------------------------------------------
     def apply(self, plan: planner.AutoPlan) -> None:
@@ -159,7 +136,7 @@ class AutoPlacement(RemovableHooks):
         sb = self.streamed
         src = sb.source
         sb.executor.check_usable("auto placement's sync")  # a coded source re-encodes edited host copies here
-        host_edited = self._host_version_now() != self._host_version
+        host_edited = src.host_version() != self._host_version
         for k in self._device_images:
             ts = [t for _, _, t in sb.tensors[k]]
             seen = [t._version for t in ts]
@@ -175,13 +152,10 @@ class AutoPlacement(RemovableHooks):
                 self._bind_image(k, src.image(k))
         self.snapshot()
 
-    def _host_version_now(self) -> int:
-        return self.streamed.source.host_version()
-
     def snapshot(self) -> None:
         """The current state is in sync (after an update wrote host and device alike)."""
         sb = self.streamed
-        self._host_version = self._host_version_now()
+        self._host_version = sb.source.host_version()
         for k in self._device_images:
             self._dev_versions[k] = [t._version for _, _, t in sb.tensors[k]]
 
@@ -195,4 +169,4 @@ class AutoPlacement(RemovableHooks):
 
     def __repr__(self) -> str:
         res = sorted(self.current.placement.resident) if self.current is not None else "not planned yet"
-        return f"AutoPlacement({self.name}, resident {res}, {len(self.plans)} signature(s), {self.state})"
+        return f"Residency({self.name}, resident {res}, {len(self.plans)} signature(s), {self.state})"
