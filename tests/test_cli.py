@@ -142,6 +142,7 @@ def user_models(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_models", raising=False)  # each test imports its own my_models.py
 
 
 def test_plan_takes_the_users_own_model(user_models, capsys):
@@ -200,6 +201,7 @@ def test_plan_takes_a_factory_on_meta(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_models.py").write_text(META_FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_models", raising=False)
     assert main(["plan", "--model", "my_models:make_dit", "--budget-gb", "16", "--compute-ms", "4"]) == 0
     out = capsys.readouterr().out
     assert "FluxTransformer2DModel, 57 blocks" in out and "budget 16 GB" in out and "plan:" in out
