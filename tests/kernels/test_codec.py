@@ -402,7 +402,7 @@ def test_v2_every_k1_k2_in_one_launch():
     blobs, segs, src_at, dst_at = [], [], 0, 0
     cases = [(k1, k2) for k1 in range(1, 8) for k2 in range(1, 8)] + [(k, 0) for k in range(9)]
     for i, (k1, k2) in enumerate(cases):
-        numel = 2 * SMALL_TILE + 19 * i % SMALL_TILE + 1
+        numel = SMALL_TILE + 19 * i % SMALL_TILE + 1  # two tiles, the second partial
         x = fill(FILLS[i % 3], (numel,), generator=gen)
         if k1 == 0:
             x = torch.full((numel,), -3.0, dtype=torch.bfloat16)
