@@ -132,6 +132,11 @@ class WeightSource(Protocol):
     def image(self, k: int) -> torch.Tensor:
         """Block ``k``'s runtime image in a fresh device tensor (restore, state_dict of coded sources)."""
 
+    def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
+        """Code raw blocks ``ks`` with ``codec`` in place, on a thread with ``background``
+        (sources with ``caps.codes_blocks``; the auto mechanism, plan/auto.py, calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot code its blocks (caps.codes_blocks is False)")
+
     def stats(self) -> dict:
         """At least :data:`STATS_KEYS`; source-specific keys beside them."""
 
