@@ -129,6 +129,31 @@ def test_a_new_signature_replans_the_placement_and_adds_coded_blocks_only():
     wrapped.disable()
 
 
+def test_a_placement_planned_alone_reserves_the_staging_of_blocks_coded_already():
+    """Once blocks are coded, a later placement (here the codec part removed, a new signature and a
+    smaller budget) keeps the coded staging buffers within the budget."""
+    model, ref, x = _toy()
+    sizes, fixed = _sizes(model)
+    wrapped = _joint(model, fixed + 2 * max(sizes) + sum(sizes) // 2)
+    sb = wrapped._streamed
+    two = {k: torch.cat([v, v]) for k, v in x.items()}
+    with torch.no_grad():
+        wrapped(**x)
+        _until_coded(wrapped, x, first(ref(**x)))
+        wrapped(**x)
+        sb.codec_planner.remove()
+        staging = wrapped.stats()["coded_buffer_bytes"]
+        assert staging > 0
+        budget = fixed + 2 * max(sizes) + staging + sizes[0]
+        sb.placement.budget_bytes = lambda: budget
+        assert torch.equal(first(wrapped(**two)), first(ref(**two)))
+    placed = wrapped.stats()["placement"]
+    reserve = sb.placement.current.inputs.fixed_device_bytes - sb.resident_bytes
+    assert reserve >= staging and placed["budget_bytes"] == budget
+    assert placed["device_bytes"] - reserve + wrapped.stats()["coded_buffer_bytes"] <= budget
+    wrapped.disable()
+
+
 def test_update_weights_under_both_autos():
     model, ref, x = _toy()
     sizes, fixed = _sizes(model)

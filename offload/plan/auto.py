@@ -154,7 +154,7 @@ class AutoStep(RemovableHooks):
         events = list(events)  # read by each planner
         if cod is None:
             if res is not None:
-                res.adopt(sig, res.make_plan(events))
+                res.adopt(sig, self._plan_residency(res, events))
             return
         t0 = time.perf_counter()
         cod.plan_parts = {"sample_s": 0.0, "decode_s": 0.0}
@@ -190,6 +190,25 @@ class AutoStep(RemovableHooks):
             cplan = cod.make_plan(events, cod.ring_of(rplan.placement))
         rplan = first[0]  # stream raw what the first placement streams
         return rplan, cod.make_plan(events, cod.ring_of(rplan.placement), codecs=())
+
+    def _plan_residency(self, res: Residency, events):
+        """The placement alone (the codec plans nothing now), with the staging buffers of the
+        blocks coded already reserved in the budget (where there are any)."""
+        rplan = res.make_plan(events)
+        if self.codec is None:
+            return rplan
+        reserve = 0
+        for _ in range(_ROUNDS):
+            p = rplan.placement  # its device bytes hold ``reserve`` already
+            need = self.codec.staging_bytes(None, p.slots_used)
+            if p.device_bytes - reserve + need <= p.budget_bytes:
+                break
+            reserve = max(reserve, need)
+            try:
+                rplan = res.make_plan(events, reserve_bytes=reserve)
+            except ValueError:  # no placement leaves room for them: the smallest one, as planned
+                break
+        return rplan
 
     # -- reading ---------------------------------------------------------------------------
     def stats(self) -> dict:

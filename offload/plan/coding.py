@@ -242,13 +242,16 @@ class Coding:
                  decoded_bytes[c] / (max(decode_ms[c], 1e-6) * 1e6) for c in codecs}
         return {"coded": coded, "decode": rates}
 
-    def staging_bytes(self, plan: CodecPlan, slots: int) -> int:
-        """Device bytes the decode stage's coded buffers take under ``plan``: one per slot, sized
-        to the largest coded block (0 with nothing coded)."""
-        opt = self._options.get(plan.codec) if plan.codec else None
-        if opt is None or not plan.coded:
-            return 0
-        return slots * max(opt.coded_bytes[i] for i in plan.coded if opt.coded_bytes[i] is not None)
+    def staging_bytes(self, plan: CodecPlan | None, slots: int) -> int:
+        """Device bytes the decode stage's coded buffers take under ``plan`` (None: as coded now):
+        one per slot, sized to the largest coded copy, those coded already included (0 with
+        nothing coded)."""
+        src = self.streamed.source
+        now = max((src.link_bytes(k) for k, raw in enumerate(src.raw) if not raw), default=0)
+        opt = self._options.get(plan.codec) if plan is not None and plan.codec else None
+        planned = max((opt.coded_bytes[i] for i in plan.coded if opt.coded_bytes[i] is not None),
+                      default=0) if opt is not None else 0
+        return slots * max(now, planned)
 
     # -- applying ------------------------------------------------------------------------
     def announce(self, sig, plan: CodecPlan) -> None:
