@@ -142,10 +142,10 @@ def test_mmap_direct_copies_refuse_cuda_graphs_up_front(tmp_path):
     inside a capture: a named error at construction, never a silent eager fallback."""
     from test_trust_mmap import _pair, _wrap
 
-    from weightstream.graphs.runner import CapturePreconditionError
+    from weightstream import UnsupportedCombinationError
 
     path, _, _, _ = _pair(tmp_path)
-    with pytest.raises(CapturePreconditionError, match="direct copies"):
+    with pytest.raises(UnsupportedCombinationError, match="direct copies"):
         _wrap(path, "direct", DEV, cuda_graphs="on")
 
 @pytest.mark.parametrize("graphs", ["off"])  # "on": direct copies cannot be captured (test above)

@@ -134,8 +134,12 @@ class ShardSource(WeightSource):
         self._ids = {id(t): (k, i) for k in range(len(self.layouts)) for i, t in enumerate(req.objects(k))}
         self._host_views = ShardedHostViews(self._ids, world)
         self.slots, self.shard_slots, self.streams = [], [], None
-        # gathered coded bytes end in one decode stage (at load, on its decode stream)
-        self.stage = DecodeStage(self.layouts, decode_at="load", decode_stream=True) if self.codes else None
+        # gathered coded bytes end in one decode stage at load: eager on its decode stream (the gather
+        # of block p + 2 overlaps block p's compute); under CUDA graphs on the communication stream
+        # after the gather, as captured before the decode stage existed (a capture holding the
+        # decode stream failed: cudaErrorStreamCaptureIsolation, tests/test_dlo_auto_codec_gpu.py)
+        graphs = req.config.cuda_graphs == "on"
+        self.stage = DecodeStage(self.layouts, decode_at="load", decode_stream=not graphs) if self.codes else None
         self._patches: dict[int, dict[int, torch.Tensor]] = {}
 
     raw = property(lambda self: self.store.raw)  # block k's share is of its raw image (no decode)

@@ -72,6 +72,11 @@ _RULES = (
      "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes a "
      "demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int >= 0, "
      "or a list of block indices"),
+    (lambda t, c, r, g: t == "mmap" and c == NONE and g == "on", "cuda_graphs", "on",
+     "cuda_graphs='on' cannot capture the mmap source's direct copies: torch refuses copies from the registered "
+     "checkpoint pages inside a CUDA graph (they do not count as pinned), and staged copies are a host thread's; "
+     "use cuda_graphs='off' with this source, weight_codec='exp-k' (coded images in pinned memory), or load the "
+     "weights into memory and use OffloadedTransformer (pinned host store) for CUDA graphs"),
     (lambda t, c, r, g: r == "auto" and g == "on", "layer_options.dit.resident_layers", "auto",
      "the automatic placement re-plans between eager steps and does not run under CUDA graphs yet; with "
      "cuda_graphs='on' give an int or a list of block indices (`python -m weightstream plan` prints one)"),
