@@ -90,6 +90,12 @@ def _refusal(cell) -> tuple[str, object, str] | None:
     return None
 
 
+def refusals(cell) -> list[tuple[str, object, str]]:
+    """Every rule that refuses ``cell`` (SUPPORT names the first; a front end that checks before it
+    knows the transport, the config's validation, may raise another of them)."""
+    return [(key, value, why) for rule, key, value, why in _RULES if rule(*cell)]
+
+
 # the matrix: (transport, codec, residency, graphs) -> None (supported) or (key, value, why)
 SUPPORT = types.MappingProxyType({
     cell: _refusal(cell) for cell in itertools.product(TRANSPORTS, WEIGHT_CODECS, RESIDENCIES, GRAPHS)})
