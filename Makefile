@@ -26,9 +26,10 @@ test: $(STAMP)
 # triton and safetensors; diffusers and pytest-xdist travel as wheels, installed
 # with --no-index (docs/performance.md, "Running the benchmarks on the device").
 # These tests fail (never skip) where the GPUs they need are missing. Eight
-# workers share the GPU(s), one test file each at a time.
+# workers share the GPU(s); --dist load spreads a file's tests over them (the
+# support-matrix file alone holds 45 CUDA-graph cells).
 test-gpu:
-	python3 -m pytest -q -n 8 --dist loadfile -m gpu
+	python3 -m pytest -q -n 8 --dist load -m gpu
 
 test-multigpu:
 	python3 -m pytest -q -m multigpu
