@@ -10,7 +10,8 @@ resident blocks, every boundary load does (``Schedule.step_local``). Loads a
 previous graph or an eager step issued for this step's first positions are
 waited for by the launching stream, because a capture may not wait on events
 recorded outside it. Host weights are read at replay time, so
-``update_weights`` needs no recapture.
+``update_weights`` needs no recapture; a change of a peft adapter's state
+(``adapters``: merged, active, enabled, scaling) drops every graph.
 
 A capture that did not run exactly one step's streamed blocks (an early exit
 in the model's forward), or whose output hides tensors in a container torch's
@@ -72,9 +73,13 @@ class _Graph:
 class GraphRunner:
     """Runs a module's steps through captured CUDA graphs, eager where it must."""
 
-    def __init__(self, module, executor, config, *, max_graphs: int = 8):
+    def __init__(self, module, executor, config, *, max_graphs: int = 8, adapters=None):
         check_preconditions(executor, config)
         self.module, self.executor, self.config = module, executor, config
+        # () -> the peft adapter state a capture bakes in (offload/adapters.py AdapterWatch.key):
+        # when it changes (set_adapters, disable_lora, fuse_lora, a load) every graph is dropped
+        self.adapters, self._adapter_state = adapters, None
+        self.adapter_drops = 0  # times the graphs were dropped for a changed adapter state
         self.policy = GraphPolicy(max_graphs=max_graphs)
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -97,6 +102,12 @@ class GraphRunner:
                 ex.reset()
             else:
                 ex.finish_step()
+        if self.adapters is not None:
+            state = self.adapters()
+            if state != self._adapter_state:
+                if self.graphs:
+                    self._drop_graphs()
+                self._adapter_state = state
         try:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:
@@ -203,6 +214,13 @@ class GraphRunner:
         ex.replayed_step()
         self.counts[Action.REPLAY.value] += 1
         return _fresh(g.static_out)
+
+    def _drop_graphs(self) -> None:
+        """Every graph out (their replays finished first); the next steps warm up and capture again."""
+        torch.cuda.current_stream(self.executor.device).synchronize()
+        self.graphs.clear()
+        self.policy.clear()
+        self.adapter_drops += 1
 
     def release(self) -> None:
         """Drop every graph and static buffer (their pool memory returns to the allocator)."""

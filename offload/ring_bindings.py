@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import block_tensors
+from .adapters import streamable_tensors
 from .misuse import StreamedWriteError
 from .placeholders import Placeholders, empty_like_dtype
 
@@ -37,7 +37,7 @@ class BlockBindings:
         self.placeholders: list[list[torch.Tensor]] = []
         empties: dict[torch.dtype, torch.Tensor] = {}
         for k, lay in enumerate(layouts):
-            objs = [t for _, _, t in block_tensors(modules[k])]
+            objs = [t for _, _, t in streamable_tensors(modules[k])]
             self.targets.append(objs)
             specs = lay.tensors
             self.views.append([[spec.view_of(slot) for spec in specs] for slot in slots] if streamed(k) else None)

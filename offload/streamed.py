@@ -22,7 +22,8 @@ from .executor import LayerwiseExecutor
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest, coded_source, pinned_source
 from .sources.select import Selection, Topology, select
-from .layout import all_tensors, block_tensors, build_layout, check_not_shared, tensor_bytes
+from .adapters import AdapterWatch, streamable_tensors
+from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
 )
@@ -92,7 +93,7 @@ class StreamedBlocks:
         self.schedule = self._schedule(n, resident)
         check_not_shared(self.blocks, module)
         streamed = [self.blocks[i] for i in self.schedule.streamed]
-        tensors = [block_tensors(b.module) for b in streamed]
+        tensors = [streamable_tensors(b.module) for b in streamed]  # adapters (peft) stay resident
         layouts = [build_layout(b.index, b.name, ts) for b, ts in zip(streamed, tensors)]
         streamed_ids = {id(t) for ts in tensors for _, _, t in ts}
         rest = [t for t in all_tensors(module) if id(t) not in streamed_ids]
@@ -128,9 +129,10 @@ class StreamedBlocks:
                 self.placeholders.register(t, self.layouts[k].name, spec.name, spec.shape, spec.stride, spec.dtype)
         self.executor = self._new_executor(self.schedule, prime)
         self.executor.attach_root(module)
-        self._root_hooks: list = []
+        self.adapters = AdapterWatch(module, device)  # peft adapters: on the device; graphs key (adapters.py)
+        self._root_hooks: list = [self.adapters]
         self._forward_end: list[ForwardEndHook] = []
-        self._stats_extra: list = []
+        self._stats_extra: list = [self.adapters.stats]
         self.auto_step = self.placement = self.codec_planner = None
         if self.auto or codec == "auto":  # measure a step, plan, apply (plan/auto.py)
             from weightstream.offload.plan.auto import AutoStep
@@ -224,14 +226,9 @@ class StreamedBlocks:
     def stats(self) -> dict:
         s = self.schedule
         out = {
-            "blocks_streamed": s.n,
-            "blocks_resident": s.num_resident,
-            "resident_blocks": list(s.resident_blocks),
-            "num_slots": s.ring_slots,
-            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
-            "resident_bytes": self.resident_bytes,
-            "setup_s": self.setup_s,
-            "device": str(self.device),
+            "blocks_streamed": s.n, "blocks_resident": s.num_resident, "resident_blocks": list(s.resident_blocks),
+            "num_slots": s.ring_slots, "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
+            "resident_bytes": self.resident_bytes, "setup_s": self.setup_s, "device": str(self.device),
         }
         out.update(check_stats(self.source.stats()))
         out["slot_bytes"] = s.ring_slots * self.executor.slot_bytes  # all slots together (as before)
@@ -558,9 +555,14 @@ class HostStateDictHook:
         self.name = name
         self._lookup = lookup
         self._before = before  # called once per state_dict() before any lookup (pending edits written)
-        # key relative to the module -> tensor object, for every offloaded tensor (tied ones under each key)
-        self._keys = {k: t for k, t in module.state_dict(keep_vars=True).items() if offloaded(t)}
+        self._offloaded, self._module = offloaded, module
         self._handle = module.register_state_dict_post_hook(self)
+
+    @property
+    def _keys(self) -> dict:  # key -> offloaded tensor (tied ones under each key); per call: peft renames keys
+        m = self._module
+        named = list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False))
+        return {k: t for k, t in named if t is not None and self._offloaded(t)}
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
         if self._before is not None:

@@ -69,7 +69,7 @@ class GraphForward:
         self.module, self.streamed = module, streamed
         self.name = f"weightstream.graph_forward[{type(module).__name__}]"
         self.inner = False
-        self.runner = GraphRunner(self.call_module, streamed.executor, config)
+        self.runner = GraphRunner(self.call_module, streamed.executor, config, adapters=streamed.adapters.key)
         # diffusers pipelines read inspect.signature(transformer.forward).parameters
         self.__signature__ = inspect.signature(type(module).forward.__get__(module))
 
@@ -138,7 +138,8 @@ class LayerwiseOffloadHandle:
         if not intercept:
             from weightstream.graphs.runner import GraphRunner
 
-            self.graphs = GraphRunner(self.module, self.streamed.executor, self.config)
+            self.graphs = GraphRunner(self.module, self.streamed.executor, self.config,
+                                      adapters=self.streamed.adapters.key)
             return
         override = GraphForward(self.module, self.streamed, self.config)
         self.graphs, self.forward_override = override.runner, override

@@ -71,6 +71,7 @@ from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
 from ..sources.select import Topology, select
+from ..adapters import UnitEdits
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
 from .hooks import ModuleHook, forward_running, unit_hooks
@@ -124,6 +125,7 @@ class ModuleOffload:
         self.host_views: Mapping[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
         self.images: UnitImages | None = None
+        self.edits: UnitEdits | None = None  # device edits written back (peft merge / fuse_lora)
         try:
             self.units, self._resident_only, self._marked = select_units(
                 self, components, set(config.components), self._split)
@@ -156,6 +158,7 @@ class ModuleOffload:
             pin=self.config.pin_memory and self.cuda, budget=None if gb is None else int(gb * 1e9),
             progress=self.config.progress,
         )
+        self.edits = UnitEdits(self.images)
         # an arrival also holds the unit's coded bytes on the device until its decode ran
         self.peak_device_bytes += self.images.staging_bytes()
         with torch.no_grad():  # everything else we know about goes to the device and stays
@@ -169,7 +172,7 @@ class ModuleOffload:
             # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
             self.state_dict_hooks.append(HostStateDictHook(
                 f"weightstream.state_dict[{u.name}]", u.module,
-                lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views,
+                lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views, before=self._write_back,
             ))
         for u in self.units.values():
             if u.swapped:
@@ -189,6 +192,7 @@ class ModuleOffload:
     def _arrive(self, u: Unit, cause: str) -> None:
         t0 = time.perf_counter()
         u.bind(self.images.load(u, self.coded_run_bytes))
+        self.edits.arrived(u)
         u.arrivals += 1
         self._transitions += 1
         moved = self.images.moved_bytes(u)
@@ -197,6 +201,7 @@ class ModuleOffload:
 
     def _depart(self, u: Unit, cause: str) -> None:
         t0 = time.perf_counter()
+        self.edits.write_back(u)  # a fused LoRA: the host master gets the device's weights
         u.unbind(self.device)  # no copy: the host master is unchanged
         u.departures += 1
         self._transitions += 1
@@ -218,8 +223,16 @@ class ModuleOffload:
             for v in leaving:
                 self._depart(v, cause=cause)
             self._arrive(u, cause=cause)
+        else:
+            self.edits.write_back(u)  # fused / unfused since the last forward: into the host master
         if log:
             self._log.enter(u.name, cause, self.on_device())
+
+    def _write_back(self) -> None:
+        """Before state_dict() reads the host masters: the device edits of the units on the device."""
+        if not self._disabled:
+            for u in self.units.values():
+                self.edits.write_back(u)
 
     @staticmethod
     def _still_busy(u: Unit) -> bool:

@@ -201,6 +201,14 @@ class UnitImages:
         return {id(t): spec.view_of(self.store.image(u.index))
                 for u in self.units for t, spec in zip(u.tensors, u.layout.tensors)}
 
+    def write(self, u: Unit, index: int, value: torch.Tensor) -> None:
+        """Tensor ``index`` of ``u``'s host master = ``value`` (coded: re-encoded before the next
+        arrival); an edit made on the device (offload/adapters.py UnitEdits)."""
+        if self.coded is not None:
+            self.coded.write(u.index, index, value)
+        else:
+            u.layout.tensors[index].view_of(self.store.image(u.index)).copy_(value)
+
     # ---------------------------------------------------------------- arrivals
     def load(self, u: Unit, run_bytes: int) -> torch.Tensor:
         """A fresh buffer with ``u``'s image; on CUDA filled on the side streams (one H2D copy
