@@ -92,7 +92,7 @@ class Twins:
         quiet()
         model, self.inputs = model_and_inputs(kind, device, dtype)
         self.files = [write_lora(kind, folder / f"lora{i}", model, rank=4 + 4 * i, seed=i + 1, dtype=dtype)
-                      for i in range(3)]
+                      for i in range(2)]
         self.ref = pipeline(kind, copy.deepcopy(model).to(device))
         self.pipe = pipeline(kind, model)
         self.entry, self.before = entry, before
