@@ -60,24 +60,15 @@ def _histogram_kernel(src_ptr, rec_ptr, tile_job_ptr, hist_ptr, TILE: tl.constex
 
 
 @triton.jit
-def _codes(src_ptr, rec, lut, idx, level_off):
-    """Codes (int32) of elements `idx` at one level (`level_off`: 0 level 1, 256 level 2); padding 0."""
-    sym, _, m = _symbols(src_ptr, rec, idx)
-    code = tl.load(lut + level_off + sym, mask=m, other=0).to(tl.int32)
-    return sym, code, m
-
-
-@triton.jit
-def _plane(src_ptr, out_ptr, rec, lut, local, code_at, k, W: tl.constexpr, TILE: tl.constexpr):
-    """Bit plane W of a tile: byte j packs elements j + s * SPAN (s < 8 / W) at bit W * s."""
-    s = tl.arange(0, 8 // W)
-    jj = tl.arange(0, TILE * W // 8)
-    _, code, _ = _codes(src_ptr, rec, lut, local * TILE + s[:, None] * (TILE * W // 8) + jj[None, :], 0)
-    bits = (code >> (k & (W - 1)).to(tl.int32)) & ((1 << W) - 1)
-    byte = tl.sum(bits << (W * s[:, None]), axis=0)
-    start = code_at + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
-    present = (jj * 0 + (k & W)) != 0
-    tl.store(out_ptr + start + jj, byte.to(tl.uint8), mask=present)
+def _plane(code, out_ptr, code_at, k, W: tl.constexpr, TILE: tl.constexpr):
+    """Bit plane W of a tile from its codes ([8, TILE / 8], element order), if k has it: byte j
+    packs elements j + s * SPAN (s < 8 / W, SPAN = TILE * W / 8) at bit W * s; rows r = s * W + j // (TILE / 8)."""
+    if (k & W) != 0:
+        bits = (code >> (k & (W - 1)).to(tl.int32)) & ((1 << W) - 1)
+        s = tl.arange(0, 8 // W)[:, None, None]
+        byte = tl.sum(tl.reshape(bits, [8 // W, W, TILE // 8]) << (W * s), axis=0)
+        start = code_at + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
+        tl.store(out_ptr + start + tl.arange(0, TILE * W // 8), tl.reshape(byte, [TILE * W // 8]).to(tl.uint8))
 
 
 @triton.jit
@@ -90,22 +81,25 @@ def _code_kernel(src_ptr, out_ptr, rec_ptr, tile_job_ptr, lut_ptr, count_ptr, co
     out = tl.load(rec + 5)
     k = tl.load(rec + 10)
     k2 = tl.load(rec + 11)
-    idx = local * TILE + tl.arange(0, TILE)
-    sym, code, m = _codes(src_ptr, rec, lut, idx, 0)
-    _, raw, _ = _symbols(src_ptr, rec, idx)
+    # the tile as [8, TILE / 8] (element order): every plane is a reshape of it, no reload
+    idx = local * TILE + tl.arange(0, 8)[:, None] * (TILE // 8) + tl.arange(0, TILE // 8)[None, :]
+    sym, raw, m = _symbols(src_ptr, rec, idx)
+    code = tl.load(lut + sym, mask=m, other=0).to(tl.int32)  # padding: code 0
     tl.store(out_ptr + out + tl.load(rec + 6) + idx, raw.to(tl.uint8), mask=m)
     code_at = out + tl.load(rec + 7) + local * (TILE * k // 8)
-    _plane(src_ptr, out_ptr, rec, lut, local, code_at, k, 8, TILE)
-    _plane(src_ptr, out_ptr, rec, lut, local, code_at, k, 4, TILE)
-    _plane(src_ptr, out_ptr, rec, lut, local, code_at, k, 2, TILE)
-    _plane(src_ptr, out_ptr, rec, lut, local, code_at, k, 1, TILE)
-    kv = idx * 0 + k
-    esc = m & (kv >= 1) & (kv <= 7) & (code == (1 << kv) - 1)
-    tl.store(count_ptr + t, tl.sum(esc.to(tl.int32), axis=0))
-    code2 = tl.load(lut + 256 + sym, mask=m, other=0).to(tl.int32)
-    k2v = idx * 0 + k2
-    esc2 = esc & (k2v >= 1) & (code2 == (1 << k2v) - 1)
-    tl.store(count2_ptr + t, tl.sum(esc2.to(tl.int32), axis=0))
+    _plane(code, out_ptr, code_at, k, 8, TILE)
+    _plane(code, out_ptr, code_at, k, 4, TILE)
+    _plane(code, out_ptr, code_at, k, 2, TILE)
+    _plane(code, out_ptr, code_at, k, 1, TILE)
+    tl.store(count_ptr + t, 0)
+    tl.store(count2_ptr + t, 0)
+    if (k >= 1) & (k <= 7):
+        esc = m & (code == (1 << (idx * 0 + k)) - 1)
+        tl.store(count_ptr + t, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0))
+        if k2 >= 1:
+            code2 = tl.load(lut + 256 + sym, mask=esc, other=0).to(tl.int32)
+            esc2 = esc & (code2 == (1 << (idx * 0 + k2)) - 1)
+            tl.store(count2_ptr + t, tl.sum(tl.sum(esc2.to(tl.int32), axis=1), axis=0))
 
 
 @triton.jit
@@ -123,7 +117,8 @@ def _escape_kernel(src_ptr, out_ptr, rec_ptr, tile_job_ptr, lut_ptr, excl_ptr, e
         k2 = tl.load(rec + 11)
         psym = tl.load(rec + 14)
         idx = local * TILE + tl.arange(0, TILE)
-        sym, code, m = _codes(src_ptr, rec, lut, idx, 0)
+        sym, _, m = _symbols(src_ptr, rec, idx)
+        code = tl.load(lut + sym, mask=m, other=0).to(tl.int32)
         esc = m & (code == (1 << (idx * 0 + k)) - 1)
         e = esc.to(tl.int32)
         base = tl.load(excl_ptr + t) - tl.load(excl_ptr + start)

@@ -51,6 +51,7 @@ from weightstream.offload.codecs import AUTO, CodedCaptureStaleError, codec_leve
 from weightstream.offload.host.arena import PAGE, copy_from_image
 from weightstream.offload.host.encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into,
                                               encode_workers, encoded_in_order, in_order)
+from weightstream.offload.host.encode_device import by_offset, code_on_device, fill_from_tensors, pieces
 from weightstream.offload.host.packing import malloc_trim
 from weightstream.offload.host.recode import AutoCoding
 from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, BlockRegistration, release_all
@@ -148,14 +149,17 @@ class BlockImages(AutoCoding):
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, encoded=None,
-                 encode_on: str = "cpu", codec: str = "exp-k", trust=None):
-        """``encode_on``: "cpu" (worker threads) or "device" (a CUDA ``device``: each block is
-        copied there and coded with the same integer ops, the coded bytes copied back: the
-        same bytes). ``codec``: one of :data:`~weightstream.offload.codecs.CODECS` or "auto".
+                 encode_on: str | None = None, codec: str = "exp-k", trust=None):
+        """``encode_on``: "cpu" (worker threads) or "device" (a CUDA ``device``: blocks go up
+        through a staging pair and are coded by the Triton encoder, the coded bytes copied back
+        into their regions: the same bytes, :mod:`.encode_device`); None: "device" on a CUDA
+        device, else "cpu". ``codec``: one of :data:`~weightstream.offload.codecs.CODECS` or "auto".
         ``encoded``: per block ``(blobs, table)`` or a :class:`CodedRegion`, instead of encoding
         ``objs``. ``trust(images, k)``: called before a borrowed region's bytes are decoded here."""
         self.levels = None if codec == AUTO else codec_levels(codec)
         self.codec, self.auto = codec, codec == AUTO
+        if encode_on is None:
+            encode_on = "device" if canonical_device(device).type == "cuda" else "cpu"
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
         if encode_on == "device" and canonical_device(device).type != "cuda":
@@ -259,12 +263,14 @@ class BlockImages(AutoCoding):
                 for k in range(n):  # codec="auto": plain images first (code_blocks codes some later)
                     self._store_raw(k, objs[k])
                     stored(k)
-            elif encoded is None and self.encode_on == "device":
-                for k in range(n):  # one block at a time on the GPU (H2D, code, D2H into the region)
-                    dev = [t.detach().to(self.device) for t in objs[k]]
-                    self._commit(k, *encode_into(self.region(k), self.layouts[k], dev, levels=self.levels), grow=True)
-                    del dev
+            elif encoded is None and self.encode_on == "device":  # up, coded on the GPU, down into the regions
+                def done(k: int, at: int, table) -> None:
+                    self._commit(k, at, table, grow=True)
                     stored(k)
+
+                code_on_device(self.device, [pieces(k, lay) for k, lay in enumerate(self.layouts)], self.levels,
+                               fill_from_tensors(lambda k, specs: by_offset(self.layouts[k], objs[k], specs)),
+                               lambda k, at, nbytes: (self.region(k)[at : at + nbytes], "pageable"), done)
             elif encoded is None and n < encode_workers():
                 for k in range(n):  # few large blocks (module offload's components): tensors in parallel
                     self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k], levels=self.levels),

@@ -307,7 +307,7 @@ class CodedSource(WeightSource, DeviceSide):
 
     def __init__(self, layouts: list[BlockLayout], objs: list[list[torch.Tensor]], *, device, pin: bool = True,
                  budget_bytes: int | None = None, progress: bool = False, drop=None, decode_stream: bool = True,
-                 encoded=None, encode_on: str = "cpu", codec: str = "exp-k", decode_at: str = "load", trust=None):
+                 encoded=None, encode_on: str | None = None, codec: str = "exp-k", decode_at: str = "load", trust=None):
         """The store's arguments (``encode_on``, ``codec``, ``encoded``, ...: :class:`BlockImages`),
         the stage's (``decode_at``, ``decode_stream``: :class:`DecodeStage`)."""
         self.stage = DecodeStage(list(layouts), decode_at=decode_at, decode_stream=decode_stream)
@@ -514,7 +514,7 @@ class CodedSource(WeightSource, DeviceSide):
                 f"{s['raw_bytes'] / 1e9:.3f} GB, pinned {s['pinned_bytes'] / 1e9:.3f} GB)")
 
 
-def coded_source(req: SourceRequest, *, encode_on: str = "cpu") -> CodedSource:
+def coded_source(req: SourceRequest, *, encode_on: str | None = None) -> CodedSource:
     """The factory :class:`~weightstream.offload.streamed.StreamedBlocks` calls for ``req.codec != 'none'``
     (``encode_on``: see :class:`BlockImages`)."""
     cfg = req.config

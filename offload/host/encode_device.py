@@ -1,0 +1,189 @@
+"""Coding block images on the GPU: the Triton encoder behind a staging pair (weight_codec on CUDA).
+
+:class:`DeviceEncoder` codes blocks with :func:`weightstream.kernels.codec_encode_gpu.encode_jobs`:
+each block is cut into pieces of whole tensors (at most :data:`PIECE_BYTES` of image bytes, or one
+larger tensor); a piece's raw image bytes go up into one of two device staging buffers on a copy
+stream, are coded there on a stream of their own into one of two coded staging buffers, and its
+coded bytes come back on a third stream into the block's host region, so that the upload of piece
+i + 1, the encode of piece i and the download of piece i - 1 overlap. The coded bytes are the CPU
+encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
+rule per tensor (:func:`tensor_jobs`), the same table (:func:`.encode.decode_paths`). Host memory:
+nothing beyond the regions the coded bytes go to (no second host copy of a block); device memory:
+the four staging buffers, allocated per :class:`DeviceEncoder` and freed with it.
+
+Pieces of one block are coded back to back in its region; when the region is also the raw source
+(weight_codec="auto" codes raw blocks where they lie), a block is one piece (:func:`pieces`
+``whole``), so that its coded bytes are written only after all of its raw bytes went up.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from weightstream.kernels.codec_encode_gpu import EncodeJob, encode_jobs
+from weightstream.kernels.codec_format import CodecSegment, DecodeTable
+from weightstream.offload.host.encode import CODED_DTYPES, _raw_bound, decode_paths
+from weightstream.offload.layout import BlockLayout, TensorSpec
+from weightstream.offload.streams import CudaStreams, RecordingStreams
+
+__all__ = ["DeviceEncoder", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
+
+PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
+
+
+def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
+    """The encode jobs of ``specs`` (non-empty tensors of one block) in an image that starts at
+    byte ``base`` of the block's: :func:`.encode._encode_tensor`'s rule (16-bit floats coded,
+    raw at k = 8 past their raw bound; every other dtype raw at k = 8, its bytes as int16)."""
+    jobs = []
+    for s in specs:
+        if s.dtype in CODED_DTYPES:
+            jobs.append(EncodeJob(s.offset - base, s.nbytes, s.dtype, None, _raw_bound(s)))
+        else:
+            jobs.append(EncodeJob(s.offset - base, s.nbytes, torch.int16, 8))
+    return jobs
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tensors ``specs`` of block ``k``: image bytes [base, base + span); ``last`` of the block."""
+
+    k: int
+    base: int
+    span: int
+    specs: tuple[TensorSpec, ...]
+    last: bool
+
+    @property
+    def coded_bound(self) -> int:
+        return sum(_raw_bound(s) for s in self.specs)
+
+
+def pieces(k: int, layout: BlockLayout, piece_bytes: int = PIECE_BYTES, *, whole: bool = False) -> list[Piece]:
+    """Block ``k``'s non-empty tensors in pieces of whole tensors, in image order (``whole``: one)."""
+    specs = sorted((s for s in layout.tensors if s.nbytes), key=lambda s: s.offset)
+    runs: list[list[TensorSpec]] = []
+    for s in specs:
+        if runs and (whole or s.offset + s.nbytes - runs[-1][0].offset <= piece_bytes):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    out = []
+    for i, run in enumerate(runs):
+        base = run[0].offset
+        out.append(Piece(k, base, max(s.offset + s.nbytes for s in run) - base, tuple(run), i == len(runs) - 1))
+    if not out:  # a block with no bytes: one empty piece, so that it is done like the others
+        out.append(Piece(k, 0, 0, (), True))
+    return out
+
+
+class DeviceEncoder:
+    """Blocks coded on ``device`` (see the module docstring); ``streams``: a backend of
+    :mod:`weightstream.offload.streams` (CUDA streams on CUDA; RecordingStreams on the CPU, where
+    the encoder runs under TRITON_INTERPRET=1 and nothing is asynchronous)."""
+
+    def __init__(self, device, streams, items: list[Piece], levels: int):
+        self.device, self.streams, self.levels, self.items = torch.device(device), streams, levels, list(items)
+        raw = max((p.span for p in self.items), default=0)
+        coded = max((p.coded_bound for p in self.items), default=0)
+        self.raw = [torch.empty(max(raw, 16), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.coded = [torch.empty(max(coded, 16), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.up, self.enc, self.down = (streams.new_stream(self.device) for _ in range(3))
+        self.up_done = [streams.new_event() for _ in range(2)]
+        self.enc_done = [streams.new_event() for _ in range(2)]
+        self.down_done = [streams.new_event() for _ in range(2)]
+        self.staging_bytes = 2 * (self.raw[0].numel() + self.coded[0].numel())
+
+    def run(self, fill, dest, done) -> None:
+        """Code every piece. ``fill(piece, staging)``: issue the copy of the piece's image bytes
+        into ``staging[:piece.span]`` on the current stream (tensor i at ``spec.offset -
+        piece.base``). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
+        n), its memory: "pinned" (copied into without blocking), "pageable" (a blocking copy) or
+        "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes,
+        table)``: once block ``k``'s coded bytes are all on the host, in block order."""
+        s_ = self.streams
+        pending: list = []  # (k, event after its last download, nbytes, table)
+        segs: list = []
+        at = 0
+        if self.items:
+            self._upload(0, fill)
+        for i, piece in enumerate(self.items):
+            s = i % 2
+            if i + 1 < len(self.items):
+                self._upload(i + 1, fill)  # overlaps this piece's encode
+            self.enc.wait_event(self.up_done[s])
+            self.enc.wait_event(self.down_done[s])  # the coded buffer's last download is done
+            jobs = tensor_jobs(piece.specs, piece.base)
+            with s_.stream(self.enc):
+                coded, heads, offs = encode_jobs(self.raw[s], jobs, self.coded[s], levels=self.levels)
+                self.enc_done[s].record(self.enc)
+            view, memory = dest(piece.k, at, coded.numel())
+            self.down.wait_event(self.enc_done[s])
+            with s_.stream(self.down):
+                if memory == "pinned":
+                    view.copy_(coded, non_blocking=True)
+                elif memory == "pageable":
+                    view.copy_(coded)
+                else:  # "mixed": partly registered host memory, through a fresh host tensor
+                    view.copy_(coded.cpu())
+                self.down_done[s].record(self.down)
+            segs += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
+            at += coded.numel()
+            self._finish(pending, done)  # the blocks before this piece's: their downloads ran meanwhile
+            if piece.last:
+                ev = s_.new_event()
+                ev.record(self.down)
+                pending.append((piece.k, ev, at, DecodeTable(segs, **decode_paths(self.levels))))
+                segs, at = [], 0
+        self._finish(pending, done)
+        self.down.synchronize()
+
+    def _upload(self, i: int, fill) -> None:
+        s = i % 2
+        self.up.wait_event(self.enc_done[s])  # the staging buffer's last encode is done
+        with self.streams.stream(self.up):
+            fill(self.items[i], self.raw[s])
+            self.up_done[s].record(self.up)
+
+    @staticmethod
+    def _finish(pending: list, done) -> None:
+        while pending:
+            k, ev, n, table = pending.pop(0)
+            ev.synchronize()
+            done(k, n, table)
+
+
+def fill_from_tensors(tensors_of):
+    """A ``fill`` copying block tensors (``tensors_of(k)``: block ``k``'s tensors in layout order,
+    any device) into the staging buffer, the gaps between and inside strided tensors zeroed (the
+    CPU encoder reads a strided tensor's span with zeros between its elements)."""
+
+    def fill(piece: Piece, staging: torch.Tensor) -> None:
+        ts = tensors_of(piece.k, piece.specs)
+        staging[: piece.span].zero_()
+        with torch.no_grad():
+            for spec, t in zip(piece.specs, ts):
+                dataclasses.replace(spec, offset=spec.offset - piece.base).view_of(staging).copy_(t.detach(),
+                                                                                                 non_blocking=True)
+
+    return fill
+
+
+def by_offset(layout: BlockLayout, tensors, specs) -> list[torch.Tensor]:
+    """The tensors of ``specs`` (non-empty tensors of ``layout``) from ``tensors`` (in layout order)."""
+    at = {spec.offset: t for spec, t in zip(layout.tensors, tensors) if spec.nbytes}
+    return [at[spec.offset] for spec in specs]
+
+
+def code_on_device(device, block_pieces, levels: int, fill, dest, done, streams=None) -> int:
+    """Code the blocks of ``block_pieces`` (per block, :func:`pieces`) on ``device`` (see
+    :meth:`DeviceEncoder.run` for ``fill``, ``dest``, ``done``); ``streams``: CUDA streams on CUDA,
+    RecordingStreams on the CPU by default. Returns the device bytes the staging buffers took."""
+    device = torch.device(device)
+    if streams is None:
+        streams = CudaStreams() if device.type == "cuda" else RecordingStreams()
+    encoder = DeviceEncoder(device, streams, [p for ps in block_pieces for p in ps], levels)
+    encoder.run(fill, dest, done)
+    return encoder.staging_bytes
