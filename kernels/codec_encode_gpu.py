@@ -136,6 +136,13 @@ def _record(job: EncodeJob, head: CodedHeader | None, tile_start: int, out_off: 
                   head.base2_off, head.patch_sym_off if patched else -1, sample]
 
 
+def _up(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on ``dev`` without a stream sync (staged in pinned memory on CUDA)."""
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _check_src(src: torch.Tensor, jobs) -> None:
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
@@ -176,11 +183,11 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
     for n in tiles:
         starts.append(starts[-1] + n)
     total_tiles = starts[-1]
-    tile_job = torch.repeat_interleave(torch.arange(len(jobs), dtype=torch.int32),
-                                       torch.tensor(tiles, dtype=torch.int64)).to(dev)
+    tile_job = _up(torch.repeat_interleave(torch.arange(len(jobs), dtype=torch.int32),
+                                           torch.tensor(tiles, dtype=torch.int64)), dev)
     hist = torch.zeros(len(jobs), 512, dtype=torch.int32, device=dev)
     if total_tiles:
-        recs = torch.tensor([_record(j, None, s, 0, 0) for j, s in zip(jobs, starts)], dtype=torch.int64).to(dev)
+        recs = _up(torch.tensor([_record(j, None, s, 0, 0) for j, s in zip(jobs, starts)], dtype=torch.int64), dev)
         _histogram_kernel[(total_tiles,)](src, recs, tile_job, hist, TILE=tile, STEP=_round_up(_CHUNK, tile))
     hist = hist.to(torch.int64).cpu()  # the one host sync
     heads = [_choose_head(j, hist[i], levels, tile) for i, j in enumerate(jobs)]
@@ -207,12 +214,12 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
             prefix.append(torch.frombuffer(bytearray(b), dtype=torch.uint8))
             where.append(torch.arange(at_, at_ + len(b), dtype=torch.int64))
     if heads:
-        coded[torch.cat(where).to(dev)] = torch.cat(prefix).to(dev)
+        coded[_up(torch.cat(where), dev)] = _up(torch.cat(prefix), dev)
     if not total_tiles:
         return coded, heads, offsets
-    recs = torch.tensor([_record(j, h, s, o, t2) for j, h, s, o, t2 in zip(jobs, heads, starts, offsets, tmp2)],
-                        dtype=torch.int64).to(dev)
-    lut = torch.tensor([_lut(h) for h in heads], dtype=torch.uint8).to(dev)
+    recs = _up(torch.tensor([_record(j, h, s, o, t2) for j, h, s, o, t2 in zip(jobs, heads, starts, offsets, tmp2)],
+                            dtype=torch.int64), dev)
+    lut = _up(torch.tensor([_lut(h) for h in heads], dtype=torch.uint8), dev)
     counts = torch.empty(total_tiles, dtype=torch.int32, device=dev)
     counts2 = torch.empty(total_tiles, dtype=torch.int32, device=dev)
     _code_kernel[(total_tiles,)](src, coded, recs, tile_job, lut, counts, counts2, TILE=tile)
@@ -227,7 +234,7 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
         nb = max((n * heads[i].k2 + 7) // 8 for n, i in zip(esc, v2))
         if nb:
             code2 = [offsets[i] + heads[i].code2_off for i in v2]
-            small = torch.tensor([v2, esc, code2], dtype=torch.int64).to(dev)
+            small = _up(torch.tensor([v2, esc, code2], dtype=torch.int64), dev)
             _pack2_kernel[(-(-nb // _PACK2_BLOCK), len(v2))](coded, recs, small[0], scratch, small[1], small[2],
                                                              BLOCK=_PACK2_BLOCK)
     return coded, heads, offsets

@@ -1,5 +1,8 @@
 """Encoding blocks on a background thread while the model keeps stepping (weight_codec="auto").
 
+Used where the blocks are coded on the CPU (a store with ``encode_on="cpu"``); a store that codes
+on the GPU codes the planned blocks at once instead (:meth:`.recode.AutoCoding.code_blocks`).
+
 :class:`BackgroundCoding` encodes raw block images (views of the coded source's
 regions) on worker threads (:func:`coded_encode.encoded_in_order`), fed by one
 daemon thread, which also prepares each finished block where the source will

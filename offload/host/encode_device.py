@@ -107,6 +107,7 @@ class DeviceEncoder:
         pending: list = []  # (k, event after its last download, nbytes, table)
         segs: list = []
         at = 0
+        self.up.wait_stream(s_.current_stream(self.device))  # tensors on the device may still be written there
         if self.items:
             self._upload(0, fill)
         for i, piece in enumerate(self.items):

@@ -2,7 +2,11 @@
 
 :class:`AutoCoding` is a mixin of :class:`~.images.BlockImages` (the planner's side of it: sample a
 block, code a set of raw blocks, swap in a background job's blocks at a step start, give the raw
-pages back). At once (CUDA graphs come next), each block is coded in its region. In the
+pages back). On a store that codes on the GPU (``encode_on="device"``, a CUDA device's default),
+the blocks are coded at once, background or not: each goes up from its pinned region, is coded by
+the Triton encoder and comes back into its region (:meth:`AutoCoding._code_on_device`,
+:mod:`.encode_device`), at about the link's speed, so the step after the plan already streams
+them coded. Else, at once (CUDA graphs come next), each block is coded in its region; in the
 background, the job's thread writes each coded block into a buffer of its own and pins it
 (:meth:`AutoCoding._prepare_coded`); a step start then only points the block at that buffer
 (:meth:`AutoCoding._swap_in`), and a thread of its own unpins the raw region and gives its pages
@@ -30,11 +34,13 @@ from weightstream.offload.progress import Progress
 from weightstream.offload.codecs import CodedCaptureStaleError, codec_levels
 from weightstream.offload.host.background import MAX_WAITING, BackgroundCoding
 from weightstream.offload.host.encode import _ALIGN, _capacity, _slack, _write, encode_tensors_into, encoded_in_order
+from weightstream.offload.host.encode_device import code_on_device, fill_from_tensors, pieces
 
 __all__ = ["AutoCoding", "SAMPLE_BYTES", "checked_blocks", "sample_coded"]
 
 SAMPLE_BYTES = 64 << 20  # a sampled block (the codec planner's) is about this large at most
 SAMPLE_RUN = 1 << 16  # elements per sampled run (a whole number of codec tiles)
+WHOLE_ON_DEVICE = 2 << 30  # a raw block coded on the GPU goes up whole (four staging buffers of about its size)
 
 
 def _sampled(lay: BlockLayout, region: torch.Tensor, every: int):
@@ -157,6 +163,12 @@ class AutoCoding:
         if self._dirty:
             self._fold()
         self.levels, self.codec = levels, codec
+        if self.encode_on == "device":  # on the GPU: at once, as fast as the blocks go up and down
+            on_gpu = [k for k in ks if self.layouts[k].nbytes <= WHOLE_ON_DEVICE]
+            self._code_on_device(on_gpu, progress)
+            ks = [k for k in ks if k not in set(on_gpu)]  # too large for the staging pair: on the CPU, below
+            if not ks:
+                return
         images = [[s.view_of(self.region(k)) for s in self.layouts[k].tensors] for k in ks]
         if background:
             self._coding_progress = progress
@@ -171,6 +183,34 @@ class AutoCoding:
                 for k, (blobs, table) in zip(ks, coded):
                     self._apply_coded(k, blobs, table)
                     bar.update(self.layouts[k].nbytes)
+        finally:
+            bar.close()
+            self._coded_since()
+
+    def _code_on_device(self, ks: list[int], progress: bool) -> None:
+        """Raw blocks ``ks`` coded on the GPU where they lie (:mod:`.encode_device`, a block one
+        piece: its coded bytes land in its region after all its raw bytes went up), each then
+        stored as :meth:`_apply_coded` stores a block coded apart."""
+        if not ks:
+            return
+        bar = Progress(f"coding {len(ks)} blocks on the GPU", sum(self.layouts[k].nbytes for k in ks), progress)
+
+        def dest(k: int, at: int, n: int):
+            pinned = self._regs[k].bytes  # registered from the region's start
+            memory = "pinned" if at + n <= pinned else ("mixed" if pinned else "pageable")
+            return self.region(k)[at : at + n], memory
+
+        def done(k: int, at: int, table: DecodeTable) -> None:
+            self._commit(k, at, table, grow=True)
+            self.raw[k] = False
+            self._pin(k)
+            self._release_tail(k)
+            self.side.recoded(k)
+            bar.update(self.layouts[k].nbytes)
+
+        try:
+            code_on_device(self.device, [pieces(k, self.layouts[k], whole=True) for k in ks], self.levels,
+                           fill_from_tensors(lambda k, specs: [s.view_of(self.region(k)) for s in specs]), dest, done)
         finally:
             bar.close()
             self._coded_since()
