@@ -173,7 +173,7 @@ def case_encode_on_device_same_bytes(codec="exp-k"):
     model = _student_t(tiny_flux(dtype=torch.bfloat16), torch)
     tensors, layouts = _blocks(model)
     objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
-    cpu = CodedSource(layouts, objs(), device="cuda", pin=False, codec=codec)
+    cpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="cpu", codec=codec)
     gpu = CodedSource(layouts, objs(), device="cuda", pin=False, encode_on="device", codec=codec)
     assert (codec == "exp-k2") == any(seg.header.version == 2 for t in gpu.tables for seg in t.segments)
     assert (codec == "exp-kp") == any(seg.header.version == 3 for t in gpu.tables for seg in t.segments)

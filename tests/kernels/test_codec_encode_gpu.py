@@ -196,3 +196,64 @@ def test_gpu_blocks_through_the_staging_pair():
             want = torch.cat(blobs)
             assert got[k][0] == want.numel() and torch.equal(regions[k][: want.numel()], want)
             assert got[k][1].segments == table.segments
+
+
+def _tiny_flux_blocks(codec_seed: int = 0):
+    from weightstream.fills import fill
+    from weightstream.models import tiny_flux
+    from weightstream.offload.discovery import discover_blocks
+    from weightstream.offload.layout import block_tensors
+
+    model = tiny_flux(dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(codec_seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(fill("student-t", tuple(p.shape), generator=gen).to(p.dtype))
+    blocks = discover_blocks(model, None)
+    tensors = [block_tensors(b.module) for b in blocks]
+    return model, [build_layout(b.index, b.name, ts) for b, ts in zip(blocks, tensors)], tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["exp-k", "exp-k2", "exp-kp"])
+def test_gpu_coded_source_codes_on_the_device_by_default(codec):
+    """On CUDA a CodedSource codes its blocks on the GPU unless told encode_on='cpu': the CPU
+    encoder's bytes and tables, pinned."""
+    from weightstream.offload.sources.pinned import CodedSource
+
+    _, layouts, tensors = _tiny_flux_blocks()
+    objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
+    cpu = CodedSource(layouts, objs(), device="cuda", pin=True, encode_on="cpu", codec=codec)
+    gpu = CodedSource(layouts, objs(), device="cuda", pin=True, codec=codec)
+    assert gpu.images.encode_on == "device" and cpu.images.encode_on == "cpu"
+    for k in range(len(layouts)):
+        n = cpu.images.coded[k]
+        assert n == gpu.images.coded[k] and torch.equal(cpu.images.region(k)[:n], gpu.images.region(k)[:n])
+        assert cpu.images.tables[k].segments == gpu.images.tables[k].segments
+    assert gpu.images.all_pinned
+    cpu.close()
+    gpu.close()  # the streamed model on these bytes: tests/test_coded_source_gpu.py (CUDA codes on the GPU)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_codes_the_planned_blocks_at_once():
+    """weight_codec='auto' on CUDA: code_blocks (background asked or not) codes the blocks on the GPU
+    where they lie before it returns: no background job, the CPU encoder's bytes, raw pages given
+    back, pinned at their coded size."""
+    from weightstream.offload.sources.pinned import CodedSource
+
+    _, layouts, tensors = _tiny_flux_blocks(1)
+    objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
+    src = CodedSource(layouts, objs(), device="cuda", pin=True, codec="auto")
+    images = src.images
+    raw = [images.region(k)[: layouts[k].nbytes].clone() for k in range(len(layouts))]
+    ks = [0, 2, len(layouts) - 1]
+    images.code_blocks(ks, "exp-k2", background=True)
+    assert not images.coding_active and images.raw == [k not in ks for k in range(len(layouts))]
+    for k in ks:
+        blobs, table = encode_image(layouts[k], [s.view_of(raw[k]) for s in layouts[k].tensors], levels=2)
+        want = torch.cat(blobs)
+        assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
+        assert images.tables[k].segments == table.segments
+        assert images._regs[k].bytes >= images.copy_bytes[k]
+    src.close()
