@@ -17,6 +17,13 @@ single-stream block of ~283 MB, a double-stream block of ~680 MB):
   DRAM traffic rate (coded bytes read + decoded bytes written) / time.
   Each decode is checked byte for byte against the original tensors first.
 
+- GPU encode (``--no-gpu-encode`` skips it): the Triton encoder (`kernels/codec_encode_gpu.py`)
+  on each mode's tensors as one device buffer, raw GB/s (``gpu_encode_gbps``) beside the CPU
+  encoder's one-core rate; its bytes are checked equal to the CPU encoder's first. And an identity
+  check on a realistic tensor (``--no-identity`` skips it; modes ``encode-identity-64mb[-k2|-kp]``):
+  64 MB of bf16 random-normal * 0.02, coded on the GPU and on one CPU core with every codec,
+  byte-identical, both encode rates and the decode rate.
+
 - build path (``--build``, on by default): the coded source's encode as setup runs it
   (`offload.sources.coded_encode.encoded_in_order`: one block per worker thread, torch's
   intra-op threads at 1) over ``--build-blocks`` blocks of the first size, at
@@ -33,6 +40,8 @@ with the metadata keys of perf/results.py.
     python perf/bench_codec.py                      # on the H200: tensor + single block, all fills
     python perf/bench_codec.py --sizes tensor single double --tiles 2048 4096 8192 --num-warps 4 8 16
     python perf/bench_codec.py --cpu --sizes tensor # coding figures only
+    python perf/bench_codec.py --sizes tensor single --fills student-t --no-build
+                                                    # GPU encode GB/s next to CPU encode and decode, identity check
     python perf/bench_codec.py --sizes tensor single --fills student-t --codec exp-k exp-k2 --no-build
                                                     # one level vs two: bits/weight and decode GB/s
     python perf/bench_codec.py --cpu --sizes single --fills gaussian --no-threaded-encode --build-blocks 32
@@ -224,6 +233,70 @@ def gpu_figures(tensors, buf, table, options: dict, graph: bool) -> dict:
     return figs
 
 
+def gpu_encode_figures(tensors, buf, codec: str, tile: int) -> dict:
+    """The Triton encoder (kernels/codec_encode_gpu.py) on ``tensors`` as one device buffer (a
+    block image: each 512-byte aligned), raw GB/s = raw bytes / median time (one host sync per
+    encode: the histograms); its bytes must be ``buf`` (the CPU encoder's, encode_block)."""
+    from weightstream.kernels.codec_encode_gpu import EncodeJob, encode_jobs
+    from weightstream.offload.codecs import codec_levels
+
+    levels, jobs, at = codec_levels(codec), [], 0
+    for t in tensors:
+        jobs.append(EncodeJob(at, 2 * t.numel(), t.dtype))
+        at = -(-(at + 2 * t.numel()) // 512) * 512
+    src = torch.zeros(at, dtype=torch.uint8, device="cuda")
+    for j, t in zip(jobs, tensors):
+        src[j.src_offset : j.src_offset + j.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    out = torch.empty(buf.numel() + 4096, dtype=torch.uint8, device="cuda")
+    coded, _, _ = encode_jobs(src, jobs, out, levels=levels, tile=tile)
+    if not torch.equal(coded.cpu(), buf):
+        raise SystemExit(f"the GPU encoder's bytes differ from the CPU encoder's ({codec}, tile {tile})")
+    raw = sum(j.nbytes for j in jobs)
+    ms = _median_ms(lambda: encode_jobs(src, jobs, out, levels=levels, tile=tile))
+    del src, out
+    return {"gpu_encode_ms": ms, "gpu_encode_gbps": raw / ms / 1e6, "gpu_encode_identical": True}
+
+
+def identity_figures(codecs, mb: int = 64) -> dict:
+    """A realistic tensor (``mb`` MB of bf16 random-normal * 0.02) coded on the GPU and on the CPU
+    (one core) with every codec: byte-identical, raw GB/s of both; then decoded (GB/s decoded)."""
+    from weightstream.kernels.codec import decode
+    from weightstream.kernels.codec_encode import encode
+    from weightstream.kernels.codec_encode_gpu import encode_gpu
+    from weightstream.kernels.codec_format import CodecSegment, DecodeTable, read_header
+    from weightstream.offload.codecs import codec_levels
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(mb << 19, generator=gen) * 0.02).to(torch.bfloat16)
+    xd, modes = x.cuda(), {}
+    for codec in codecs:
+        levels = codec_levels(codec)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            want = encode(x, levels=levels)
+            cpu_s = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+        got = encode_gpu(xd, levels=levels)
+        same = torch.equal(got.cpu(), want)
+        if not same:
+            raise SystemExit(f"identity check failed: the GPU encoder's {codec} bytes differ from the CPU encoder's")
+        ms = _median_ms(lambda: encode_gpu(xd, levels=levels))
+        table = DecodeTable([CodecSegment(0, 0, read_header(want))])
+        dst = torch.empty(2 * x.numel(), dtype=torch.uint8, device="cuda")
+        dms = _median_ms(lambda: decode(got, dst, table))
+        if not torch.equal(dst.view(torch.bfloat16).cpu(), x):
+            raise SystemExit(f"identity check failed: {codec} decode differs from the tensor")
+        raw = 2 * x.numel()
+        modes[f"encode-identity-{mb}mb{CODEC_SUFFIX[codec]}"] = {
+            "step_ms": ms, "gpu_encode_ms": ms, "gpu_encode_gbps": raw / ms / 1e6,
+            "cpu_encode_gbps_one_core": raw / cpu_s / 1e9, "decode_gbps": raw / dms / 1e6, "identical": same,
+            "raw_bytes": raw, "coded_bytes": want.numel(), "codec": codec}
+    return modes
+
+
 def _variants(name: str, args):
     """(mode name, DecodeTable launch options) for every combination of the swept options; a
     mode name carries a suffix for each option that is not its list's first choice."""
@@ -269,9 +342,13 @@ def run(args) -> dict:
                     copy = copy_ms(figs["raw_bytes"])
                     modes[f"copy-{size}"] = {"step_ms": copy, "ms": copy, "gbps": figs["raw_bytes"] / copy / 1e6,
                                              "bytes": figs["raw_bytes"]}
+                enc = gpu_encode_figures(tensors, buf, codec, tile) if args.gpu_encode else {}
+                if enc:
+                    print(f"  [{name}] GPU encode {enc['gpu_encode_ms']:.3f} ms = {enc['gpu_encode_gbps']:.1f} GB/s "
+                          f"raw (CPU one core {figs['encode_gbps_one_core']:.2f}); bytes identical", flush=True)
                 for vi, (mode, options) in enumerate(_variants(name, args)):
                     g = gpu_figures(tensors, buf, table, options, graph=args.graph and vi == 0)
-                    modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs}
+                    modes[mode] = {**g, "ratio_to_copy": copy / g["ms"], **figs, **enc}
                     gr = f", graph {g['graph_gbps']:.1f} GB/s" if "graph_gbps" in g else ""
                     print(f"  [{mode}] decode {g['ms']:.3f} ms = {g['gbps']:.1f} GB/s decoded "
                           f"({g['dram_gbps']:.1f} GB/s DRAM){gr}; copy {copy:.3f} ms, "
@@ -280,6 +357,12 @@ def run(args) -> dict:
             del tensors
         if gpu:
             torch.cuda.empty_cache()
+    if gpu and args.identity:
+        for mode, f in identity_figures(args.codec).items():
+            print(f"[{mode}] {f['raw_bytes'] / 1e6:.0f} MB bf16 randn * 0.02: GPU encode {f['gpu_encode_gbps']:.1f} GB/s, "
+                  f"CPU encode {f['cpu_encode_gbps_one_core']:.2f} GB/s on one core, decode {f['decode_gbps']:.1f} "
+                  f"GB/s; bytes identical: {f['identical']}", flush=True)
+            modes[mode] = f
     if args.build:
         modes.update(run_build(args))
     return modes
@@ -319,6 +402,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-threaded-encode", dest="threaded_encode", action="store_false",
                    help="skip the encode rate with torch's default threads (slow on a shared machine)")
     p.add_argument("--no-build", dest="build", action="store_false", help="skip the build-path encode rates")
+    p.add_argument("--no-gpu-encode", dest="gpu_encode", action="store_false",
+                   help="skip the GPU encoder's rate (and its byte-identity check) per mode")
+    p.add_argument("--no-identity", dest="identity", action="store_false",
+                   help="skip the 64 MB bf16 identity check (GPU vs CPU encoder bytes, encode and decode GB/s)")
     p.add_argument("--build-workers", type=int, nargs="+", default=None,
                    help="worker counts of the build path (default: 1, 2, 4, ... and the usable cores)")
     p.add_argument("--build-blocks", type=int, default=None,
