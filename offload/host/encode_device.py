@@ -5,7 +5,7 @@ each block is cut into pieces of whole tensors (at most :data:`PIECE_BYTES` of i
 larger tensor); a piece's raw image bytes go up into one of two device staging buffers on a copy
 stream, are coded there on a stream of their own into one of two coded staging buffers, and its
 coded bytes come back on a third stream into the block's host region, so that the upload of piece
-i + 1, the encode of piece i and the download of piece i - 1 overlap. The coded bytes are the CPU
+i + 1, the encode of piece i and the download of piece i - 1 (on a thread of its own) overlap. The coded bytes are the CPU
 encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
 rule per tensor (:func:`tensor_jobs`), the same table (:func:`.encode.decode_paths`). Host memory:
 nothing beyond the regions the coded bytes go to (no second host copy of a block); device memory:
@@ -18,6 +18,8 @@ Pieces of one block are coded back to back in its region; when the region is als
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -101,45 +103,69 @@ class DeviceEncoder:
         into ``staging[:piece.span]`` on the current stream (tensor i at ``spec.offset -
         piece.base``). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
         n), its memory: "pinned" (copied into without blocking), "pageable" (a blocking copy) or
-        "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes,
-        table)``: once block ``k``'s coded bytes are all on the host, in block order."""
+        "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes, table)``:
+        once block ``k``'s coded bytes are all on the host, in block order, on the thread that
+        downloads them (:meth:`_downloads`: the downloads and ``done``'s work, such as pinning,
+        overlap the next uploads, which hold the calling thread when they read pageable memory)."""
         s_ = self.streams
-        pending: list = []  # (k, event after its last download, nbytes, table)
-        segs: list = []
-        at = 0
         self.up.wait_stream(s_.current_stream(self.device))  # tensors on the device may still be written there
-        if self.items:
-            self._upload(0, fill)
-        for i, piece in enumerate(self.items):
-            s = i % 2
-            if i + 1 < len(self.items):
-                self._upload(i + 1, fill)  # overlaps this piece's encode
-            self.enc.wait_event(self.up_done[s])
-            self.enc.wait_event(self.down_done[s])  # the coded buffer's last download is done
-            jobs = tensor_jobs(piece.specs, piece.base)
-            with s_.stream(self.enc):
-                coded, heads, offs = encode_jobs(self.raw[s], jobs, self.coded[s], levels=self.levels)
-                self.enc_done[s].record(self.enc)
-            view, memory = dest(piece.k, at, coded.numel())
-            self.down.wait_event(self.enc_done[s])
-            with s_.stream(self.down):
-                if memory == "pinned":
-                    view.copy_(coded, non_blocking=True)
-                elif memory == "pageable":
-                    view.copy_(coded)
-                else:  # "mixed": partly registered host memory, through a fresh host tensor
-                    view.copy_(coded.cpu())
-                self.down_done[s].record(self.down)
-            segs += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
-            at += coded.numel()
-            self._finish(pending, done)  # the blocks before this piece's: their downloads ran meanwhile
-            if piece.last:
-                ev = s_.new_event()
-                ev.record(self.down)
-                pending.append((piece.k, ev, at, DecodeTable(segs, **decode_paths(self.levels))))
-                segs, at = [], 0
-        self._finish(pending, done)
-        self.down.synchronize()
+        free = threading.Semaphore(2)  # coded buffers whose last download was issued
+        work: queue.Queue = queue.Queue()
+        failed: list[BaseException] = []
+        thread = threading.Thread(target=self._downloads, args=(work, free, dest, done, failed), daemon=True,
+                                  name="weightstream-encode-down")
+        thread.start()
+        try:
+            if self.items:
+                self._upload(0, fill)
+            for i, piece in enumerate(self.items):
+                s = i % 2
+                if i + 1 < len(self.items):
+                    self._upload(i + 1, fill)  # overlaps this piece's encode
+                while not free.acquire(timeout=0.05):  # the download of piece i - 2 was issued
+                    if failed or not thread.is_alive():
+                        raise RuntimeError("weightstream: the GPU encoder's download thread stopped") from (
+                            failed[0] if failed else None)
+                self.enc.wait_event(self.up_done[s])
+                self.enc.wait_event(self.down_done[s])  # ... before this encode overwrites its buffer
+                with s_.stream(self.enc):
+                    coded, heads, offs = encode_jobs(self.raw[s], tensor_jobs(piece.specs, piece.base),
+                                                     self.coded[s], levels=self.levels)
+                    self.enc_done[s].record(self.enc)
+                work.put((i, piece, coded, heads, offs))
+        finally:
+            work.put(None)
+            thread.join()
+        if failed:
+            raise failed[0]
+
+    def _downloads(self, work: queue.Queue, free: threading.Semaphore, dest, done, failed: list) -> None:
+        """The download thread: each coded piece back to its block's host bytes, in order; ``done``
+        per block once its bytes arrived."""
+        s_, segs, at = self.streams, [], 0
+        try:
+            while (item := work.get()) is not None:
+                i, piece, coded, heads, offs = item
+                s = i % 2
+                view, memory = dest(piece.k, at, coded.numel())
+                self.down.wait_event(self.enc_done[s])
+                with s_.stream(self.down):
+                    if memory == "pinned":
+                        view.copy_(coded, non_blocking=True)
+                    elif memory == "pageable":
+                        view.copy_(coded)
+                    else:  # "mixed": partly registered host memory, through a fresh host tensor
+                        view.copy_(coded.cpu())
+                    self.down_done[s].record(self.down)
+                free.release()
+                segs += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
+                at += coded.numel()
+                if piece.last:
+                    self.down_done[s].synchronize()
+                    done(piece.k, at, DecodeTable(segs, **decode_paths(self.levels)))
+                    segs, at = [], 0
+        except BaseException as e:  # handed to the calling thread
+            failed.append(e)
 
     def _upload(self, i: int, fill) -> None:
         s = i % 2
@@ -147,13 +173,6 @@ class DeviceEncoder:
         with self.streams.stream(self.up):
             fill(self.items[i], self.raw[s])
             self.up_done[s].record(self.up)
-
-    @staticmethod
-    def _finish(pending: list, done) -> None:
-        while pending:
-            k, ev, n, table = pending.pop(0)
-            ev.synchronize()
-            done(k, n, table)
 
 
 def fill_from_tensors(tensors_of):
