@@ -64,11 +64,14 @@ def _plane(code, out_ptr, code_at, k, W: tl.constexpr, TILE: tl.constexpr):
     """Bit plane W of a tile from its codes ([8, TILE / 8], element order), if k has it: byte j
     packs elements j + s * SPAN (s < 8 / W, SPAN = TILE * W / 8) at bit W * s; rows r = s * W + j // (TILE / 8)."""
     if (k & W) != 0:
-        bits = (code >> (k & (W - 1)).to(tl.int32)) & ((1 << W) - 1)
-        s = tl.arange(0, 8 // W)[:, None, None]
-        byte = tl.sum(tl.reshape(bits, [8 // W, W, TILE // 8]) << (W * s), axis=0)
         start = code_at + (TILE // 8) * (k & ~(2 * W - 1))  # wider planes come first
-        tl.store(out_ptr + start + tl.arange(0, TILE * W // 8), tl.reshape(byte, [TILE * W // 8]).to(tl.uint8))
+        if W == 8:  # one element per byte: the codes as they are
+            tl.store(out_ptr + start + tl.arange(0, TILE), tl.reshape(code, [TILE]).to(tl.uint8))
+        else:
+            bits = (code >> (k & (W - 1)).to(tl.int32)) & ((1 << W) - 1)
+            s = tl.arange(0, 8 // W)[:, None, None]
+            byte = tl.sum(tl.reshape(bits, [8 // W, W, TILE // 8]) << (W * s), axis=0)
+            tl.store(out_ptr + start + tl.arange(0, TILE * W // 8), tl.reshape(byte, [TILE * W // 8]).to(tl.uint8))
 
 
 @triton.jit

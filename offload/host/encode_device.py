@@ -197,13 +197,22 @@ def by_offset(layout: BlockLayout, tensors, specs) -> list[torch.Tensor]:
     return [at[spec.offset] for spec in specs]
 
 
-def code_on_device(device, block_pieces, levels: int, fill, dest, done, streams=None) -> int:
+def code_on_device(device, block_pieces, levels: int, fill, dest, done, streams=None, *,
+                   release: bool = False) -> int:
     """Code the blocks of ``block_pieces`` (per block, :func:`pieces`) on ``device`` (see
     :meth:`DeviceEncoder.run` for ``fill``, ``dest``, ``done``); ``streams``: CUDA streams on CUDA,
-    RecordingStreams on the CPU by default. Returns the device bytes the staging buffers took."""
+    RecordingStreams on the CPU by default. ``release``: give the staging buffers' memory back to
+    the driver afterwards (``torch.cuda.empty_cache``: at setup, so that the device's used memory
+    does not keep them). Returns the device bytes the staging buffers took."""
     device = torch.device(device)
     if streams is None:
         streams = CudaStreams() if device.type == "cuda" else RecordingStreams()
     encoder = DeviceEncoder(device, streams, [p for ps in block_pieces for p in ps], levels)
-    encoder.run(fill, dest, done)
-    return encoder.staging_bytes
+    try:
+        encoder.run(fill, dest, done)
+    finally:
+        staging = encoder.staging_bytes
+        del encoder
+        if release and device.type == "cuda":
+            torch.cuda.empty_cache()
+    return staging

@@ -270,7 +270,8 @@ class BlockImages(AutoCoding):
 
                 code_on_device(self.device, [pieces(k, lay) for k, lay in enumerate(self.layouts)], self.levels,
                                fill_from_tensors(lambda k, specs: by_offset(self.layouts[k], objs[k], specs)),
-                               lambda k, at, nbytes: (self.region(k)[at : at + nbytes], "pageable"), done)
+                               lambda k, at, nbytes: (self.region(k)[at : at + nbytes], "pageable"), done,
+                               release=True)
             elif encoded is None and n < encode_workers():
                 for k in range(n):  # few large blocks (module offload's components): tensors in parallel
                     self._commit(k, *encode_tensors_into(self.region(k), self.layouts[k], objs[k], levels=self.levels),

@@ -154,7 +154,7 @@ def test_blocks_through_the_staging_pair_give_the_host_bytes(levels):
 def test_gpu_large_tensors_and_the_golden_digests():
     """The compiled kernels on CUDA: a 64 MB bf16 random-normal * 0.02 tensor, a Student-t one
     and the golden inputs of tests/kernels/test_codec_encode.py, every level: the CPU bytes."""
-    from test_codec_encode import _V2_INPUTS, GOLDEN_SHA256, GOLDEN_V2_SHA256, _golden_blob  # noqa: F401
+    from test_codec_encode import _V2_INPUTS, GOLDEN_SHA256, GOLDEN_V2_SHA256
 
     from weightstream.fills import fill
 
