@@ -64,17 +64,20 @@ class Piece:
 
 
 def pieces(k: int, layout: BlockLayout, piece_bytes: int = PIECE_BYTES, *, whole: bool = False) -> list[Piece]:
-    """Block ``k``'s non-empty tensors in pieces of whole tensors, in image order (``whole``: one)."""
-    specs = sorted((s for s in layout.tensors if s.nbytes), key=lambda s: s.offset)
+    """Block ``k``'s non-empty tensors in pieces of whole tensors, in layout order (the order the
+    CPU encoder lays their coded bytes out in; ``whole``: one piece)."""
     runs: list[list[TensorSpec]] = []
-    for s in specs:
-        if runs and (whole or s.offset + s.nbytes - runs[-1][0].offset <= piece_bytes):
+    lo = hi = 0  # the image bytes the last run spans
+    for s in (s for s in layout.tensors if s.nbytes):
+        if runs and (whole or max(hi, s.offset + s.nbytes) - min(lo, s.offset) <= piece_bytes):
             runs[-1].append(s)
+            lo, hi = min(lo, s.offset), max(hi, s.offset + s.nbytes)
         else:
             runs.append([s])
+            lo, hi = s.offset, s.offset + s.nbytes
     out = []
     for i, run in enumerate(runs):
-        base = run[0].offset
+        base = min(s.offset for s in run)
         out.append(Piece(k, base, max(s.offset + s.nbytes for s in run) - base, tuple(run), i == len(runs) - 1))
     if not out:  # a block with no bytes: one empty piece, so that it is done like the others
         out.append(Piece(k, 0, 0, (), True))
