@@ -45,7 +45,7 @@ _MAX_NUMEL = (1 << 31) - 1  # int32 histograms and counts
 class EncodeJob:
     """One tensor to code: `nbytes` bytes at byte `src_offset` (even) of the source, read as
     16-bit elements of `dtype` (bfloat16, float16 or int16; an odd byte count reads a zero high
-    byte last). `k`: None chooses it (as `encode`), or the bits per code. `max_coded`: a coded
+    byte last: the source must hold that byte, its value is not used). `k`: None chooses it (as `encode`), or the bits per code. `max_coded`: a coded
     tensor of more bytes is coded as its raw int16 bits at k = 8 instead (the host store's bound)."""
 
     src_offset: int
@@ -155,9 +155,9 @@ def _check_src(src: torch.Tensor, jobs) -> None:
     for i, job in enumerate(jobs):
         if not isinstance(job, EncodeJob):
             raise TypeError(f"jobs[{i}] must be an EncodeJob, got {type(job).__name__}")
-        if job.src_offset + 2 * job.numel > src.numel() + (job.nbytes % 2):
-            raise ValueError(f"jobs[{i}] reads bytes [{job.src_offset}, {job.src_offset + job.nbytes}) but src has "
-                             f"{src.numel()}")
+        if job.src_offset + 2 * job.numel > src.numel():  # an odd byte count loads the next byte too
+            raise ValueError(f"jobs[{i}] reads bytes [{job.src_offset}, {job.src_offset + 2 * job.numel}) but src "
+                             f"has {src.numel()}")
 
 
 def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor | None = None, *,

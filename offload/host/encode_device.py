@@ -93,7 +93,8 @@ class DeviceEncoder:
         self.device, self.streams, self.levels, self.items = torch.device(device), streams, levels, list(items)
         raw = max((p.span for p in self.items), default=0)
         coded = max((p.coded_bound for p in self.items), default=0)
-        self.raw = [torch.empty(max(raw, 16), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        # 16 bytes more: a tensor of an odd byte count loads one byte past its span (its value unused)
+        self.raw = [torch.empty(raw + 16, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.coded = [torch.empty(max(coded, 16), dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.up, self.enc, self.down = (streams.new_stream(self.device) for _ in range(3))
         self.up_done = [streams.new_event() for _ in range(2)]
