@@ -150,6 +150,31 @@ def test_blocks_through_the_staging_pair_give_the_host_bytes(levels):
             assert (gtable.two_level, gtable.patched, gtable.ranked) == (table.two_level, table.patched, table.ranked)
 
 
+def test_auto_codes_raw_blocks_where_they_lie_through_the_pipeline():
+    """weight_codec='auto''s at-once path of a store that codes on the device
+    (AutoCoding._code_on_device; here a CPU store told to take it: the interpreter and
+    RecordingStreams): the blocks asked for hold encode_image's bytes and table, the others stay raw,
+    no background job is left even when one was asked for."""
+    from weightstream.offload.host.images import BlockImages
+
+    gen = torch.Generator().manual_seed(7)
+    blocks = [_block(gen, 1) for _ in range(3)]
+    layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
+    images = BlockImages(layouts, [[t.clone() for _, _, t in ts] for ts in blocks], device="cpu", pin=False,
+                         codec="auto")
+    raw = [images.region(k)[: lay.nbytes].clone() for k, lay in enumerate(layouts)]
+    images.encode_on = "device"
+    images.code_blocks([0, 2], "exp-kp", background=True)
+    assert not images.coding_active and images.raw == [False, True, False]
+    for k in (0, 2):
+        blobs, table = encode_image(layouts[k], [s.view_of(raw[k]) for s in layouts[k].tensors], levels=PATCHED)
+        want = torch.cat(blobs)
+        assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
+        assert images.tables[k].segments == table.segments
+    assert torch.equal(images.region(1)[: layouts[1].nbytes], raw[1])
+    images.close()
+
+
 @pytest.mark.gpu
 def test_gpu_large_tensors_and_the_golden_digests():
     """The compiled kernels on CUDA: a 64 MB bf16 random-normal * 0.02 tensor, a Student-t one
