@@ -25,17 +25,17 @@ from typing import Any
 from .codecs import WEIGHT_CODECS  # every weight_codec value, from the codec registry
 from .sources.select import check_config_cells, refusal_error
 from .config_schema import (CODEC_MODES, COMPAT_COMPONENTS, COMPONENTS, CUDA_GRAPHS, GB, GRAPH_BOUNDARY_LOADS,
-                            LAYER_COMPONENTS, LEGACY_MAPPED, LEGACY_REJECTED, MODES, RESIDENT_AUTO,
+                            LAYER_COMPONENTS, LEGACY_MAPPED, LEGACY_REJECTED, MODES, RESIDENT_AUTO, UNSET,
                             WEIGHT_TRANSFERS, ConfigTypeError, _check_bool, _check_budget, _check_choice,
                             _check_int, _check_resident, _check_timeout, _choices, _keeps_resident, _map_legacy,
                             _reject, _short_repr, _unknown_key, _wrong_type)
 
 __all__ = ["OffloadConfig", "LayerOptions", "ConfigTypeError"]
 
-# resident_layers="auto" without device_memory_budget_gb: the weight budget is the
-# device memory free after the first eager step (plus what weightstream already
-# holds there), less this margin in GB (1e9 bytes) for the allocator's fragmentation,
-# other processes and larger later inputs (planner.auto_budget_bytes).
+# resident_layers="auto" without device_memory_budget_gb, and the planned default (resident_layers
+# and weight_codec not given): the weight budget is the device memory free after the first eager
+# step (plus what weightstream already holds there), less this headroom in GB (1e9 bytes) for the
+# allocator's fragmentation, other processes and larger later inputs (plan/measure.py auto_budget_bytes).
 AUTO_DEVICE_MARGIN_GB = 2.0
 
 
@@ -48,19 +48,23 @@ class LayerOptions:
         collective); None lets the executor choose.
     resident_layers: dit blocks kept on the device instead of streamed (dit
         only; needs weight_transfer "rank-local" or None): an int N (the first N
-        blocks), a list of block indices in discovery order (any subset; stored
-        as a sorted tuple, ``[0, .., N-1]`` as the int N), or "auto": after the
-        first eager step of an input signature the planner picks the resident
-        set and slot count under ``device_memory_budget_gb`` (or the free device
-        memory less ``AUTO_DEVICE_MARGIN_GB``). Indices beyond the model's
-        blocks, or a set keeping every block, are rejected at setup.
+        blocks; an explicit 0 streams every block), a list of block indices in
+        discovery order (any subset; stored as a sorted tuple, ``[0, .., N-1]`` as
+        the int N), "auto": after the first eager step of an input signature the
+        planner picks the resident set and slot count under
+        ``device_memory_budget_gb`` (or the free device memory less
+        ``AUTO_DEVICE_MARGIN_GB``), or None (default, JSON null: not given): the
+        planned default, "auto" where the support matrix and the device allow
+        it, else 0 (``sources/select.py`` ``resolve_default``; docs/configuration.md).
+        Indices beyond the model's blocks, or a set keeping every block, are
+        rejected at setup.
 
     Checked when placed in an `OffloadConfig`, where errors can name the
     component (``layer_options.dit.resident_layers``).
     """
 
     weight_transfer: str | None = None
-    resident_layers: int | str | tuple[int, ...] = 0
+    resident_layers: int | str | tuple[int, ...] | None = UNSET
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON dict of the options that differ from their defaults."""
@@ -132,7 +136,12 @@ class OffloadConfig:
     dlo_verify_weights: bool, default true. DLO: at setup compare an exact
         digest (every byte) of every streamed block and resident tensor across
         the ranks; a mismatch names the first differing tensor and the ranks.
-    weight_codec: "none" (default) | "exp-k" | "exp-k2" | "exp-kp" | "auto". "exp-k" stores streamed
+    weight_codec: None (default: not given) | "none" | "exp-k" | "exp-k2" | "exp-kp" | "auto". None is
+        the planned default: "auto" where the support matrix and the device allow it, else "none"
+        (``sources/select.py`` ``resolve_default``; with resident_layers not given either, the
+        residency and the coding are planned from the first step within the free device memory
+        less ``AUTO_DEVICE_MARGIN_GB``, capped by ``device_memory_budget_gb``; on the CPU without
+        a budget, and in mode='module', it is "none"). "none": raw images. "exp-k" stores streamed
         block images losslessly coded in host memory (16-bit weights: the exponent
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
@@ -189,7 +198,7 @@ class OffloadConfig:
     debug_graph_addresses: bool = False
     dlo_timeout_s: float = 60.0
     dlo_verify_weights: bool = True
-    weight_codec: str = "none"
+    weight_codec: str | None = UNSET
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
@@ -204,7 +213,7 @@ class OffloadConfig:
             object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         _check_choice("graph_boundary_loads", self.graph_boundary_loads, GRAPH_BOUNDARY_LOADS)
-        _check_choice("weight_codec", self.weight_codec, WEIGHT_CODECS)
+        _check_choice("weight_codec", self.weight_codec, WEIGHT_CODECS, nullable=True)
         _check_int("num_slots", self.num_slots, 2)
         for name in ("pinned_memory_budget_gb", "device_memory_budget_gb"):
             object.__setattr__(self, name, _check_budget(name, getattr(self, name)))
@@ -223,7 +232,7 @@ class OffloadConfig:
                 raise _reject("graph_boundary_loads", "next-step",
                               f"with resident_layers={self.resident_layers!r} every boundary load already "
                               "starts with its step (behind the resident blocks); choose: in-graph")
-        if self.weight_codec != "none":
+        if self.weight_codec not in (UNSET, "none"):
             self._check_codec()
         for comp, opts in self.layer_options.items():
             path = f"layer_options.{comp}"
@@ -318,18 +327,19 @@ class OffloadConfig:
                   weight_transfer: str | None = None, **kw: Any) -> "OffloadConfig":
         """Layer mode over ("dit",) (override with ``components=``).
 
-        ``resident_layers`` (an int, a list of block indices or "auto") /
-        ``weight_transfer`` build ``layer_options["dit"]``;
-        other keyword arguments are config fields (``num_slots=3``, ...).
+        ``resident_layers`` (an int, a list of block indices or "auto"; None: not given, the
+        planned default) / ``weight_transfer`` build ``layer_options["dit"]``;
+        other keyword arguments are config fields (``num_slots=3``, ...). With no arguments the
+        residency and the coding are planned from the first step (docs/configuration.md, "The
+        default").
         """
         if resident_layers is not None or weight_transfer is not None:
             if "layer_options" in kw:
                 raise ValueError(
                     "layerwise(): give either layer_options or resident_layers/weight_transfer, "
                     f"not both (layer_options={kw['layer_options']!r})")
-            kw["layer_options"] = {"dit": LayerOptions(
-                weight_transfer=weight_transfer,
-                resident_layers=0 if resident_layers is None else resident_layers)}
+            kw["layer_options"] = {"dit": LayerOptions(weight_transfer=weight_transfer,
+                                                       resident_layers=resident_layers)}
         _check_keywords("OffloadConfig.layerwise()", kw, fixed=("mode",))
         kw.setdefault("components", ("dit",))
         return cls(mode="layer", **kw)
@@ -449,9 +459,19 @@ class OffloadConfig:
 
     @property
     def resident_layers(self) -> int | str | tuple[int, ...]:
-        """dit's resident layers: an int N (the first N; 0 by default), a sorted
-        tuple of block indices, or "auto" (see `LayerOptions`)."""
-        return self.layer_option("dit").resident_layers
+        """dit's resident layers as given: an int N (the first N), a sorted tuple of block
+        indices, or "auto" (see `LayerOptions`); 0 where not given (what the planned default
+        starts from and falls back to: ``unset_keys`` says whether it was given)."""
+        value = self.layer_option("dit").resident_layers
+        return 0 if value is UNSET else value
+
+    @property
+    def unset_keys(self) -> tuple[str, ...]:
+        """The planned keys left to the default: "resident_layers" (dit's not given) and
+        "weight_codec" (not given), in that order. ``sources/select.py`` ``resolve_default``
+        turns them into a cell of the support matrix."""
+        out = ("resident_layers",) if self.layer_option("dit").resident_layers is UNSET else ()
+        return out + (("weight_codec",) if self.weight_codec is UNSET else ())
 
     @property
     def resident_auto(self) -> bool:

@@ -24,6 +24,9 @@ GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
 RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
+# resident_layers / weight_codec not given (None, JSON null): the planned default (sources/select.py
+# resolve_default), distinguishable from an explicit 0 / "none", which keep their meaning
+UNSET = None
 
 # numeric keys: what the code computes from them must stay representable
 GB = 10**9  # the size keys are in GB (1e9 bytes), never GiB; messages say GB too
@@ -109,12 +112,15 @@ def _check_budget(path: str, value: Any) -> float | None:
                        f"{MAX_BUDGET_GB} (an int64 of bytes), or null")
 
 
-_RESIDENT_ALLOWED = "an int >= 0, 'auto', or a list of block indices (ints >= 0)"
+_RESIDENT_ALLOWED = "an int >= 0, 'auto', a list of block indices (ints >= 0), or null (the planned default)"
 
 
 def _check_resident(path: str, value: Any) -> int | str | tuple[int, ...]:
     """``resident_layers``: an int N (the first N blocks), "auto", or block indices
-    (returned as a sorted tuple; ``[0, .., N-1]`` as the int N, the same set)."""
+    (returned as a sorted tuple; ``[0, .., N-1]`` as the int N, the same set); None (``UNSET``):
+    not given, the planned default."""
+    if value is UNSET:
+        return value
     if isinstance(value, str):
         if value != RESIDENT_AUTO:
             raise _wrong_type(path, value, _RESIDENT_ALLOWED)
@@ -138,7 +144,8 @@ def _check_resident(path: str, value: Any) -> int | str | tuple[int, ...]:
 
 
 def _keeps_resident(value: int | str | tuple[int, ...]) -> bool:
-    """Whether a checked resident_layers value may keep blocks resident."""
+    """Whether a checked resident_layers value, given explicitly, may keep blocks resident
+    (``UNSET``: no; the planned default keeps blocks resident only where the matrix allows it)."""
     return value == RESIDENT_AUTO or bool(value)
 
 

@@ -74,7 +74,8 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
-        self.auto = resident == "auto"  # the planner picks the resident set after a first step (plan/auto.py)
+        # the planner picks the resident set after a first step (plan/auto.py): "auto" given, or the planned default
+        self.auto = self.selection.residency == "auto"
         if self.auto:
             resident = 0
             if device.type != "cuda" and config.device_memory_budget_gb is None:
@@ -138,7 +139,8 @@ class StreamedBlocks:
             from weightstream.offload.plan.auto import AutoStep
 
             self.auto_step = AutoStep(self, residency=self.auto, codec=codec == "auto",
-                                      gather=self.source.caps.collective)  # DLO AllGather: the ranks plan together
+                                      gather=self.source.caps.collective,  # DLO AllGather: the ranks plan together
+                                      default=self.selection.planned)  # the planned default: one plan line
             self.placement, self.codec_planner = self.auto_step.residency, self.auto_step.codec
             self._root_hooks.append(self.auto_step)
             self._stats_extra.append(self.auto_step.stats)

@@ -26,7 +26,18 @@ same three steps, run by one named step hook on the DiT, :class:`AutoStep`:
    the steps stream them raw, or at once under DLO or before CUDA graphs capture.
 
 Each plan is printed once (``progress``) and kept in ``stats()`` (``"placement"``,
-``"codec_plan"``). The placement is planned per input signature and applied
+``"codec_plan"``, and ``"plan"``: what was measured and what was chosen, one line).
+
+The planned default (``default``: the keys ``resident_layers`` / ``weight_codec`` left unset,
+resolved to "auto" by ``sources/select.py`` ``resolve_default``) is the same mechanism with
+three differences: the budget is the free device memory less the headroom, capped by
+``device_memory_budget_gb`` (:meth:`.residency.Residency.budget_bytes`); among placements
+predicted equally fast the one keeping more blocks resident wins (streaming costs what the
+model leaves out: hooks, copy-engine traffic); a step whose compute covers the raw stream of
+the planned residency codes nothing without sampling a codec (no encode, no decode timing, no
+background work: compute-bound models pay nothing; not under DLO AllGather, where the ranks
+sample together and plan from the joined figures); and the plan is printed as one line
+(``weightstream plan: ...``) instead of one per part. The placement is planned per input signature and applied
 again when a signature comes back; a later codec plan (eager only, raw blocks
 left, no coding running; never under DLO AllGather) only adds coded blocks with
 the codec already chosen. Outputs are the same bytes whatever is resident or
@@ -67,9 +78,11 @@ class AutoStep(RemovableHooks):
     The parts are ``self.residency`` / ``self.codec`` (None when not asked for); each can be
     removed on its own (``part.remove()``), the hooks go with the last one."""
 
-    def __init__(self, streamed, *, residency: bool, codec: bool, gather: bool = False):
+    def __init__(self, streamed, *, residency: bool, codec: bool, gather: bool = False, default: tuple = ()):
         self.streamed = streamed
         self.gather = gather
+        self.default = tuple(default)  # the keys the planned default set to "auto" (module doc)
+        self.summary: dict | None = None  # stats()["plan"] of the latest planning
         self.name = f"weightstream.auto[{type(streamed.module).__name__}]"
         self.residency = Residency(self) if residency else None
         self.codec = Coding(self, gather=gather) if codec else None
@@ -152,30 +165,54 @@ class AutoStep(RemovableHooks):
         res = self.residency if self.residency in parts and self.residency.active else None
         cod = self.codec if self.codec in parts and self.codec.active else None
         events = list(events)  # read by each planner
+        show = not self.default  # the planned default prints one line (summary) instead of one per part
         if cod is None:
             if res is not None:
-                res.adopt(sig, self._plan_residency(res, events))
+                rplan = self._plan_residency(res, events)
+                res.adopt(sig, rplan, show=show)
+                self._summarise(rplan, None, events)
             return
         t0 = time.perf_counter()
         cod.plan_parts = {"sample_s": 0.0, "decode_s": 0.0}
+        rplan = None
         if res is None:
-            cplan = cod.make_plan(events, cod.ring_now())
+            ring = cod.ring_now()
+            cplan = cod.make_plan(events, ring, codecs=() if self._hidden(cod, events, ring) else None)
         else:
             rplan, cplan = self._plan_both(res, cod, events)
-            res.adopt(sig, rplan)
-        cod.announce(sig, cplan)
+            res.adopt(sig, rplan, show=show)
+        cod.announce(sig, cplan, show=show)
         t1 = time.perf_counter()
-        cod.apply(cplan)
+        cod.apply(cplan, show=show)
         cod.plan_parts["apply_s"] = time.perf_counter() - t1
         cod.plan_s = time.perf_counter() - t0
+        self._summarise(rplan, cplan, events)
 
+    def _hidden(self, cod: Coding, events, ring) -> bool:
+        """The planned default: whether the step's compute covers the raw stream of ``ring`` (then
+        no codec is sampled: coding cannot make the step faster, and nothing is encoded)."""
+        # not gathered: the ranks sample together (a collective), so none may skip it on its own figures
+        return bool(self.default) and not self.gather and cod.raw_stream_hidden(events, ring)
+
+    def _summarise(self, rplan, cplan, events) -> None:
+        """stats()["plan"]: what the step measured and what was chosen; printed as one line by the
+        planned default (``progress``)."""
+        from weightstream.offload.plan.summary import plan_summary
+        from weightstream.offload.progress import announce
+
+        self.summary = plan_summary(self, rplan, cplan, events)
+        if self.default:
+            announce("plan", self.summary["describe"], self.streamed.config.progress)
     def _plan_both(self, res: Residency, cod: Coding, events):
         """The placement within the budget, then the codec for the blocks it streams; where the
         codec's staging buffers would push the placement past the budget, the placement again
         with them reserved (and the codec for that one; a placement that streams more may code
         larger blocks: the reserve grows to the largest seen, a few rounds), else no block coded."""
         rplan = res.make_plan(events)
-        cplan = cod.make_plan(events, cod.ring_of(rplan.placement))
+        ring = cod.ring_of(rplan.placement)
+        if self._hidden(cod, events, ring):
+            return rplan, cod.make_plan(events, ring, codecs=())
+        cplan = cod.make_plan(events, ring)
         first, reserve = (rplan, cplan), 0
         for _ in range(_ROUNDS):
             p = rplan.placement  # its device bytes hold ``reserve`` already
@@ -216,6 +253,8 @@ class AutoStep(RemovableHooks):
         for p in (self.residency, self.codec):
             if p is not None:
                 out.update(p.stats())
+        if self.summary is not None:
+            out["plan"] = dict(self.summary)
         return out
 
     def __repr__(self) -> str:

@@ -254,24 +254,42 @@ class Coding:
         return slots * max(now, planned)
 
     # -- applying ------------------------------------------------------------------------
-    def announce(self, sig, plan: CodecPlan) -> None:
+    def announce(self, sig, plan: CodecPlan, *, show: bool = True) -> None:
         self.plans[sig] = plan
-        announce("auto codec", plan.describe(), self.streamed.config.progress)
+        announce("auto codec", plan.describe(), self.streamed.config.progress and show)
 
-    def apply(self, plan: CodecPlan) -> None:
+    def apply(self, plan: CodecPlan, *, show: bool = True) -> None:
+        """Code the blocks ``plan`` adds; ``show``: print that (and the coding's progress)."""
         self._latest = plan
         if not plan.added:
             return
         sb = self.streamed
         sb.executor.synchronize()
-        background = self._background()
-        if background and sb.config.progress:
+        background = self.background()
+        show = show and sb.config.progress
+        if background and show:
             print(f"weightstream auto codec: coding {len(plan.added)} blocks with {plan.codec} in the background; "
                   "the steps stream them raw until each is coded", file=sys.stderr)
         sb.source.code_blocks([sb.executor.k_of[i] for i in plan.added], plan.codec,
-                              progress=sb.config.progress, background=background)
+                              progress=show, background=background)
 
-    def _background(self) -> bool:
+    def raw_stream_hidden(self, events, ring: tuple) -> bool:
+        """Whether the measured step's compute covers the raw link time of the blocks ``ring``
+        streams (``ring_now`` / ``ring_of``): coding them cannot make the step faster."""
+        sb = self.streamed
+        src = sb.source
+        n = len(sb.blocks)
+        link = [1] * n
+        sizes = [max(1, sum(tensor_bytes(t) for t in all_tensors(sb.blocks[i].module))) for i in range(n)]
+        for k, lay in enumerate(src.layouts):
+            link[lay.index] = src.link_bytes(k)
+            sizes[lay.index] = lay.nbytes
+        events = [ev for ev in events if ev["lane"] in ("copy", "compute")]  # not the gathers' lane
+        compute, _ = compute_from_events(events, sizes, cold_outliers=True)
+        h2d = self.h2d_gbps or h2d_from_events(events, link)
+        return sum(compute) >= sum(link[i] for i in set(ring[0])) / (h2d * 1e6)
+
+    def background(self) -> bool:
         """Code in the background; CUDA graphs capture once it is done (graphs.runner: eager-settling
         steps meanwhile), except where ranks must agree on each capture (DLO): coded at once."""
         sb = self.streamed

@@ -147,10 +147,12 @@ class _Search:
         return _simulate(self.inputs, set(res), slots)
 
     def cost(self, res: frozenset, slots: int) -> tuple[int, int]:
-        """(predicted ms in units of 1e-6 ms, device bytes): what the search minimises."""
+        """(predicted ms in units of 1e-6 ms, device bytes; negated with ``prefer_resident``):
+        what the search minimises."""
         key = (res, slots)
         if key not in self.cache:
-            self.cache[key] = (_quantise(self.ms(res, slots)), _device_bytes(self.inputs, res, slots))
+            nbytes = _device_bytes(self.inputs, res, slots)
+            self.cache[key] = (_quantise(self.ms(res, slots)), -nbytes if self.inputs.prefer_resident else nbytes)
         return self.cache[key]
 
     def bound(self, res: frozenset) -> int:
@@ -161,7 +163,8 @@ class _Search:
         return _quantise(max(self.compute, side) * (1 - _EPS))
 
     def key(self, res: frozenset, slots: int):
-        """Order of preference: faster, then fewer device bytes, fewer slots, lower indices."""
+        """Order of preference: faster, then fewer device bytes (more with prefer_resident), fewer slots,
+        lower indices."""
         return (*self.cost(res, slots), slots, sorted(res))
 
 
@@ -330,7 +333,8 @@ class AutoPlan:
 def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d_gbps: float | None = None,
                      fixed_device_bytes: int = 0, decode_gbps: float | None = None,
                      slot_counts=(2, 3, 4), decode_on_copy_stream: bool = True,
-                     prior_compute_ms=None, step_local: bool = False, cold_outliers: bool = False) -> AutoPlan:
+                     prior_compute_ms=None, step_local: bool = False, cold_outliers: bool = False,
+                     prefer_resident: bool = False) -> AutoPlan:
     """Plan from an executor's event log (``EventLog.resolve()``: dicts with
     step, block, lane, start_ms, end_ms; block = index in execution order):
     per-block compute from its compute records (:func:`compute_from_events`),
@@ -347,7 +351,7 @@ def plan_from_events(events, *, link_bytes, device_bytes, budget_bytes: int, h2d
     inputs = PlanInputs(link_bytes=link_bytes, device_bytes=device_bytes, compute_ms=compute, h2d_gbps=h2d_gbps,
                         budget_bytes=budget_bytes, fixed_device_bytes=fixed_device_bytes, decode_gbps=decode_gbps,
                         slot_counts=slot_counts, decode_on_copy_stream=decode_on_copy_stream,
-                        step_local=step_local)
+                        step_local=step_local, prefer_resident=prefer_resident)
     source = "the earlier plan" if prior_compute_ms is not None else "same-size blocks"
     return AutoPlan(inputs, plan(inputs), estimated, measured, estimate_source=source)
 

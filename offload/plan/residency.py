@@ -42,6 +42,7 @@ class Residency:
         self.plans: dict[tuple, planner.AutoPlan] = {}
         self.current: planner.AutoPlan | None = None
         self.h2d_gbps: float | None = None  # the link rate to plan with (None: measured from the event log)
+        self.budget_from: str | None = None  # where the latest budget came from (budget_bytes)
         self._device_images: dict[int, torch.Tensor] = {}  # source k -> device image of a resident block
         self._dev_versions: dict[int, list[int]] = {}  # source k -> its device tensors' versions when synced
         self._host_version: int | None = None  # the source's host_version() when last synced
@@ -57,16 +58,24 @@ class Residency:
 
     # -- planning ----------------------------------------------------------------------
     def budget_bytes(self) -> int:
+        """``device_memory_budget_gb`` where given, else the free device memory less the headroom
+        (``AUTO_DEVICE_MARGIN_GB``); the planned default takes the smaller of both on CUDA (the
+        given budget caps it, the free memory bounds it)."""
         sb = self.streamed
-        if sb.config.device_memory_budget_bytes is not None:
-            return sb.config.device_memory_budget_bytes
+        given = sb.config.device_memory_budget_bytes
+        if given is not None and (not self.auto.default or sb.device.type != "cuda"):
+            self.budget_from = "device_memory_budget_gb"
+            return given
         dev = sb.device
         free, _ = torch.cuda.mem_get_info(dev)
         weights = sum(lay.nbytes for lay in sb.source.layouts) + sb.resident_bytes
-        return auto_budget_bytes(
+        budget = auto_budget_bytes(
             free_bytes=free, reserved_bytes=torch.cuda.memory_reserved(dev),
             peak_allocated_bytes=torch.cuda.max_memory_allocated(dev), weight_bytes=weights,
             margin_bytes=int(AUTO_DEVICE_MARGIN_GB * 1e9))
+        headroom = f"the free device memory less the {AUTO_DEVICE_MARGIN_GB:g} GB headroom"
+        self.budget_from = headroom if given is None or budget < given else "device_memory_budget_gb"
+        return budget if given is None else min(given, budget)
 
     def make_plan(self, events, *, reserve_bytes: int = 0) -> planner.AutoPlan:
         """The placement from a measured step's ``events``; ``reserve_bytes``: device bytes held
@@ -82,12 +91,14 @@ class Residency:
         return planner.plan_from_events(
             events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
             fixed_device_bytes=sb.resident_bytes + reserve_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps,
-            cold_outliers=True)  # a signature's first step runs its first blocks cold
+            cold_outliers=True,  # a signature's first step runs its first blocks cold
+            prefer_resident=bool(self.auto.default))  # the default: ties keep more blocks resident
 
-    def adopt(self, sig, plan: planner.AutoPlan) -> None:
-        """``plan`` is signature ``sig``'s: printed once, applied."""
+    def adopt(self, sig, plan: planner.AutoPlan, *, show: bool = True) -> None:
+        """``plan`` is signature ``sig``'s: printed once (``show``; the planned default prints one
+        line for both parts), applied."""
         self.plans[sig] = plan
-        announce("auto placement", plan.describe(), self.streamed.config.progress)
+        announce("auto placement", plan.describe(), self.streamed.config.progress and show)
         self.apply(plan)
 
     # -- applying ------------------------------------------------------------------------

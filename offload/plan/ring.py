@@ -90,6 +90,9 @@ class PlanInputs:
     slot_counts: slot counts the planner may choose from (>= 2, as ``num_slots``).
     decode_on_copy_stream: whether a decode delays the next copy (see module doc).
     step_local: the CUDA-graph schedule with resident blocks (see module doc).
+    prefer_resident: among placements predicted equally fast, prefer more device bytes (resident
+    blocks) instead of fewer (the planned default: what the model leaves out of a streamed
+    block, its hooks and copy-engine traffic, is not free).
     """
 
     link_bytes: tuple[int, ...]
@@ -102,6 +105,7 @@ class PlanInputs:
     slot_counts: tuple[int, ...] = (2, 3, 4)
     decode_on_copy_stream: bool = True
     step_local: bool = False
+    prefer_resident: bool = False
 
     def __post_init__(self):
         link = _int_seq("link_bytes", self.link_bytes, 1)
@@ -131,7 +135,7 @@ class PlanInputs:
                 raise ConfigTypeError(f"PlanInputs.{name}={v!r} must be an int >= {minimum}")
             if v < minimum:
                 raise ValueError(f"PlanInputs.{name}={v} is not allowed; allowed: ints >= {minimum}")
-        for name in ("decode_on_copy_stream", "step_local"):
+        for name in ("decode_on_copy_stream", "step_local", "prefer_resident"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"PlanInputs.{name}={getattr(self, name)!r} must be a bool")
 

@@ -8,6 +8,12 @@ the key, the value, the cell, why, and what to use instead. The config's own
 validation asks the same table (:func:`check_config_cells`) for the cells it can
 decide alone, so a refused cell fails when the config is built.
 
+The planned default (``resident_layers`` / ``weight_codec`` not given, ``OffloadConfig.unset_keys``)
+is resolved here, per transport and device (:func:`resolve_default`): each key not given
+becomes "auto" where its cell is supported and the device has memory to plan in, else today's
+value (0 / "none"). An explicit value keeps its meaning; the default never refuses a config that
+today's values would run.
+
 Torch-free: reads the config's attributes only. docs/architecture.md prints the
 matrix from :func:`support_table_markdown` (tests/test_matrix.py keeps them equal).
 """
@@ -44,6 +50,7 @@ class Selection:
     residency: str  # one of RESIDENCIES
     graphs: bool
     topology: Topology = Topology()
+    planned: tuple[str, ...] = ()  # the keys the planned default set to "auto" (resolve_default)
 
     @property
     def cell(self) -> tuple[str, str, str, str]:
@@ -134,17 +141,60 @@ def transport_of(config, topology: Topology, checkpoint) -> str:
     return "mmap" if checkpoint is not None else "pinned"
 
 
+def plans_in(config, transport: str, device_type: str) -> bool:
+    """Whether the planned default plans on ``device_type`` for ``transport``: on CUDA (the free
+    device memory is the budget), and on the CPU for the pinned transport when
+    ``device_memory_budget_gb`` is given (the budget to plan in; without one the CPU has no device
+    memory to plan in). Never in mode='module' (its "auto" codec is exp-k2, encoded at setup: a
+    cost the default must not add), nor under DLO on the CPU (every rank must resolve alike)."""
+    if transport == "module":
+        return False
+    if device_type == "cuda":
+        return True
+    return device_type == "cpu" and transport == "pinned" and config.device_memory_budget_gb is not None
+
+
+def resolve_default(config, transport: str, device_type: str) -> tuple[tuple[str, str], tuple[str, ...]]:
+    """((codec, residency), planned keys) of ``config``'s cell on ``transport`` and ``device_type``.
+
+    A key given keeps its value. Each key not given (``config.unset_keys``) is "auto" where the
+    default plans (:func:`plans_in`) and the cell with it is supported, else its value before the
+    default (weight_codec "none", resident_layers 0): candidates in order both planned, the
+    residency alone, the codec alone, neither. The codec stays "none" with a pinned-memory cap or
+    pin_memory=False (the coded images keep no bounce buffers for the blocks left pageable). With
+    no candidate supported, today's cell (its refusal is the error, as before the default)."""
+    unset = config.unset_keys
+    codec = NONE if "weight_codec" in unset else config.weight_codec
+    residency = _residency(config.resident_layers)
+    graphs = "on" if config.cuda_graphs == "on" else "off"
+    if not unset or not plans_in(config, transport, device_type):
+        return (codec, residency), ()
+    plan_codec = "weight_codec" in unset and config.pinned_memory_budget_gb is None and config.pin_memory
+    plan_res = "resident_layers" in unset
+    options = [(plan_res, plan_codec), (plan_res, False), (False, plan_codec)]
+    for res_on, codec_on in options:
+        if not (res_on or codec_on):
+            continue
+        cell = (AUTO if codec_on else codec, "auto" if res_on else residency)
+        if SUPPORT[(transport, *cell, graphs)] is None:
+            planned = (("resident_layers",) if res_on else ()) + (("weight_codec",) if codec_on else ())
+            return cell, planned
+    return (codec, residency), ()
+
+
 def select(config, topology: Topology = Topology(), checkpoint=None) -> Selection:
     """The :class:`Selection` for ``config`` (an OffloadConfig) over ``topology``, streaming
     from ``checkpoint`` (a mapped checkpoint; None: the weights in the module), or the
-    refusal of its cell from :data:`SUPPORT`. Pure: reads attributes, touches no tensor."""
+    refusal of its cell from :data:`SUPPORT`. Keys not given take the planned default
+    (:func:`resolve_default`). Pure: reads attributes, touches no tensor."""
     resident = config.resident_layers
-    cell = (transport_of(config, topology, checkpoint), config.weight_codec, _residency(resident),
-            "on" if config.cuda_graphs == "on" else "off")
+    transport = transport_of(config, topology, checkpoint)
+    (codec, residency), planned = resolve_default(config, transport, topology.device_type)
+    cell = (transport, codec, residency, "on" if config.cuda_graphs == "on" else "off")
     refusal = SUPPORT[cell]
     if refusal is not None:
         _raise(cell, refusal, resident)
-    return Selection(cell[0], cell[1], cell[2], cell[3] == "on", topology)
+    return Selection(cell[0], cell[1], cell[2], cell[3] == "on", topology, planned)
 
 
 def check_config_cells(config) -> None:
@@ -157,7 +207,8 @@ def check_config_cells(config) -> None:
     else:
         transports = LAYER_TRANSPORTS
     resident = config.resident_layers
-    rest = (config.weight_codec, _residency(resident), "on" if config.cuda_graphs == "on" else "off")
+    codec = NONE if config.weight_codec is None else config.weight_codec  # not given: today's cell (the default
+    rest = (codec, _residency(resident), "on" if config.cuda_graphs == "on" else "off")  # never refuses more)
     refused = [(t, *rest) for t in transports if SUPPORT[(t, *rest)] is not None]
     if len(refused) == len(transports):
         _raise(refused[0], SUPPORT[refused[0]], resident)
