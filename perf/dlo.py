@@ -230,6 +230,7 @@ def run_mode(mode, model, inputs, ref, args, ctx):
                 **{m: "allgather" for m in CODED_MODES}}.get(mode)
     codec = CODED_MODES.get(mode, "none")
     cfg = OffloadConfig.layerwise(weight_transfer=transfer, weight_codec=codec, num_slots=args.num_slots,
+                                  resident_layers=0,  # every block streamed, as named (not the planned default)
                                   progress=ctx["rank"] == 0)
     dist.barrier()
     t0 = time.perf_counter()

@@ -470,6 +470,7 @@ def list_text() -> str:
               "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, mmap, staging, t<N>,",
               "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu",
               "  layerwise-pinned-half, layerwise-pageable-half",
+              "  default, default-<N>gb (OffloadConfig.layerwise() with no arguments: the planned default)",
               "  peers: " + ", ".join(PEER_MODES) + " (accelerate-cpu: flux-12b-512 only)",
               "dlo-* modes (flux-12b-1024, --nproc N[,N...] ranks, one per GPU; --tiny: CPU ranks over gloo):",
               "  " + ", ".join(DLO_MODES),

@@ -27,6 +27,15 @@
   (escapes patched after the tile: the fastest decode). `-codedauto`: `weight_codec="auto"`
   (raw first; after the first step the planner codes the blocks it predicts
   faster coded: `coded_blocks` and `codec_plan` in the figures).
+- the planned default (issue 38): `default` is `OffloadConfig.layerwise()` with no arguments (the
+  residency and the coding planned from the first step within the free device memory less the
+  headroom), `default-<N>gb` the same capped by `device_memory_budget_gb=N`. Student-t weights as
+  the coded modes (compare with `resident-tfill`); the plan and its background coding settle in
+  untimed steps first (`coding_step_ms_all`), the figures carry `plan` (stats()["plan"]),
+  `ratio_to_uncoded_floor` (the step over every block's raw bytes at the run's H2D rate: the
+  `layerwise` floor) and, with `layerwise` in the run, `setup_ratio_to_uncoded`. Every other
+  weightstream mode passes `resident_layers=0` and `weight_codec="none"` unless it names them,
+  so its meaning stays what it was before the default planned.
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -64,6 +73,7 @@ _LAYERWISE_VARIANT = re.compile(
     r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
+_DEFAULT_MODE = re.compile(r"^default(?:-(\d+)gb)?$")  # the planned default, optionally capped
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class ModeSpec:
     encode_on: str = "cpu"                          # CodedSource(encode_on=...) of -coded modes (-encgpu: "device")
     copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
+    default: bool = False                           # the planned default: no resident_layers / weight_codec given
 
     @property
     def builds_on_device(self) -> bool:
@@ -98,6 +109,10 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         return ModeSpec(name, "resident-graph")
     if name == "resident-tfill":  # the coded modes' weights (Student-t): their bit-exact yardstick
         return ModeSpec(name, "resident", weight_fill=CODED_FILL)
+    m = _DEFAULT_MODE.match(name)
+    if m:  # the planned default: OffloadConfig.layerwise() (with a device budget cap: default-<N>gb)
+        kw = {} if m.group(1) is None else {"device_memory_budget_gb": float(m.group(1))}
+        return ModeSpec(name, "weightstream", config_kw=kw, weight_fill=CODED_FILL, default=True)
     if name in HALF_PINNED_MODES:
         return ModeSpec(name, "weightstream", half_pinned=True, stage=HALF_PINNED_MODES[name])
     if name.startswith(("layerwise", "graphs")):
@@ -280,6 +295,9 @@ def weightstream_config(spec: ModeSpec, record_events: bool = False):
     from weightstream import OffloadConfig
 
     kw = dict(spec.config_kw)
+    if not spec.default:  # what each mode names, not the planned default (OffloadConfig.unset_keys)
+        kw.setdefault("resident_layers", 0)
+        kw.setdefault("weight_codec", "none")
     if record_events:
         kw["record_events"] = True
     try:
@@ -382,6 +400,8 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
     prepared = Prepared(m, streamed_bytes=_streamed_bytes(spec, stats), stats=stats,
                         events=m.events if record_events else None, pinned_bytes=pinned,
                         notes=_notes(spec, cfg))
+    if spec.default:
+        prepared.notes["planned_keys"] = planned_keys(cfg, device)
 
     def refresh() -> None:  # the placement (and so the streamed bytes) is known after the first step
         prepared.stats = m.stats()
@@ -395,12 +415,23 @@ def _streamed_bytes(spec: ModeSpec, stats: dict) -> int:
     """Bytes the floor counts: the raw (uncoded) streamed bytes for coded modes (every
     streamed block's raw image; under resident_layers='auto' also the promoted ones'),
     else what the placement streams."""
+    if spec.default:  # the raw bytes of the blocks the placement streams, coded or not
+        if "placement" in stats:
+            return placed_streamed_bytes(stats)
+        return int(stats.get("raw_bytes", stats["streamed_bytes_per_step"]))
     if spec.config_kw.get("weight_codec", "none") != "none":
         if "coded_bytes" not in stats or "raw_bytes" not in stats:
             raise RuntimeError(f"mode {spec.name!r}: the model's stats() carry no coded_bytes/raw_bytes; "
                                "weight_codec did not reach a coded source")
         return int(stats["raw_bytes"])
     return placed_streamed_bytes(stats)
+
+
+def planned_keys(cfg, device: torch.device) -> list[str]:
+    """The keys the planned default sets to "auto" for ``cfg`` on ``device`` (pinned transport)."""
+    from weightstream.offload.sources.select import Topology, select
+
+    return list(select(cfg, Topology(device_type=device.type)).planned)
 
 
 def _notes(spec: ModeSpec, cfg) -> dict:
@@ -412,7 +443,7 @@ def _notes(spec: ModeSpec, cfg) -> dict:
 
 def coded_figures(stats: dict) -> dict:
     """The per-mode figures a coded mode adds beside step_ms (empty for other modes)."""
-    keys = ("coded_bytes", "coded_blocks", "codec_plan", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
+    keys = ("coded_bytes", "coded_blocks", "codec_plan", "plan", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
             "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb")
     return {k: stats[k] for k in keys if stats.get(k) is not None}
 

@@ -30,12 +30,13 @@ PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
     r"^(resident|resident-graph|resident-compile|resident-tfill|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
-    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
+    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
 _MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
-               "layerwise[-variant...], graphs[-variant...], copy[-variant...], triton[-variant...] (kernel benchmarks), "
+               "layerwise[-variant...], graphs[-variant...], default[-<N>gb] (the planned default), "
+               "copy[-variant...], triton[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")
 
 _REQUIRED_TOP = {
@@ -49,6 +50,7 @@ _MODE_NUMBERS = (
     "ratio_to_resident_tfill", "ratio_to_resident_compile", "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
     "predicted_ms", "ratio_to_predicted", "ratio_to_best_fixed", "budget_gb", "device_weight_gb",
+    "uncoded_floor_ms", "ratio_to_uncoded_floor", "setup_ratio_to_uncoded",
 )
 _FIXED_COUNT = re.compile(r"^layerwise(-r\d+)?$")  # the fixed placements an auto mode is compared with
 
@@ -59,7 +61,7 @@ def is_peer(mode: str) -> bool:
 
 def is_weightstream(mode: str) -> bool:
     """Modes that run our own controller (compared against the best peer)."""
-    return mode in ("module", "module-coded") or mode.startswith(("layerwise", "graphs", "dlo-"))
+    return mode in ("module", "module-coded") or mode.startswith(("layerwise", "graphs", "dlo-", "default"))
 
 
 def is_offloaded(mode: str) -> bool:
@@ -179,7 +181,7 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_best_peer"] = _sig(f["step_ms"] / best_peer)
         if "resident-graph" in out and "graphs" in mode.split("-"):
             f["ratio_to_resident_graph"] = _sig(f["step_ms"] / out["resident-graph"]["step_ms"])
-        if "resident-tfill" in out and any(p.startswith("coded") for p in mode.split("-")):
+        if "resident-tfill" in out and (mode.startswith("default") or any(p.startswith("coded") for p in mode.split("-"))):
             # the coded modes' Student-t weights, resident: the same weights and output, so the
             # ratio isolates what coding costs (the weights alone moved wan's compute-bound
             # step by up to 0.7% on the H200)
@@ -191,7 +193,25 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
             f["ratio_to_pinned"] = _sig(f["step_ms"] / out["layerwise"]["step_ms"])
     compare_placements(out)
     compare_auto_codec(out)
+    compare_default(out, h2d_gbps, resident_ms)
     return out
+
+
+def compare_default(out: dict[str, dict], h2d_gbps: float | None, resident_ms: float | None) -> None:
+    """The planned default's modes (``default``, ``default-<N>gb``): ``ratio_to_uncoded_floor``, the
+    step over the floor of streaming every block raw (its ``block_gb`` at the run's H2D rate, not
+    below the resident step: the ``layerwise`` floor), and with ``layerwise`` in the run
+    ``setup_ratio_to_uncoded`` (its setup over the uncoded setup, ``uncoded_setup_s`` beside it)."""
+    for mode, f in out.items():
+        if not mode.startswith("default"):
+            continue
+        if f.get("block_gb") and h2d_gbps:
+            f["uncoded_floor_ms"] = round(floor_ms(resident_ms or 0.0, f["block_gb"] * GB, h2d_gbps), 3)
+            f["ratio_to_uncoded_floor"] = _sig(f["step_ms"] / f["uncoded_floor_ms"])
+        base = out.get("layerwise", {})
+        if f.get("setup_s") is not None and base.get("setup_s"):
+            f["uncoded_setup_s"] = base["setup_s"]
+            f["setup_ratio_to_uncoded"] = _sig(f["setup_s"] / base["setup_s"])
 
 
 def compare_auto_codec(out: dict[str, dict]) -> None:

@@ -80,8 +80,9 @@ def setup_rss_figures(peak_bytes: int, model_bytes: int) -> dict:
 
 
 def settle_codec(run, stats, cuda: bool, *, limit_s: float = 150.0) -> list[float]:
-    """weight_codec="auto": steps until its plan is made (after the first) and its background
-    coding finished, each timed (ms, host clock after a sync); RuntimeError past ``limit_s``."""
+    """weight_codec="auto" (given, or the planned default's): steps until its plan is made (after
+    the first) and its background coding finished, each timed (ms, host clock after a sync);
+    RuntimeError past ``limit_s``."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out, t0 = [], time.perf_counter()
     while True:
@@ -201,7 +202,8 @@ def run_mode(args, prefix: str) -> dict:
     coding_ms = None
     try:
         with torch.no_grad():
-            if spec.config_kw.get("weight_codec") == "auto":  # plan + background coding first (untimed steps)
+            planned = "weight_codec" in prepared.notes.get("planned_keys", ())  # the default plans the codec
+            if spec.config_kw.get("weight_codec") == "auto" or planned:  # plan + background coding first (untimed)
                 coding_ms = settle_codec(lambda: prepared.module(**inputs), prepared.module.stats,
                                          device.type == "cuda")
                 log(prefix, f"weight_codec='auto': planned and coded over {len(coding_ms)} steps "

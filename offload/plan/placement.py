@@ -146,13 +146,17 @@ class _Search:
     def ms(self, res: frozenset, slots: int) -> float:
         return _simulate(self.inputs, set(res), slots)
 
-    def cost(self, res: frozenset, slots: int) -> tuple[int, int]:
-        """(predicted ms in units of 1e-6 ms, device bytes; negated with ``prefer_resident``):
-        what the search minimises."""
+    def cost(self, res: frozenset, slots: int) -> tuple[int, ...]:
+        """(predicted ms in units of 1e-6 ms, device bytes): what the search minimises; with
+        ``prefer_resident`` (predicted ms, -resident block bytes, device bytes): among equally fast
+        placements the one keeping more block bytes resident, then the fewest device bytes."""
         key = (res, slots)
         if key not in self.cache:
-            nbytes = _device_bytes(self.inputs, res, slots)
-            self.cache[key] = (_quantise(self.ms(res, slots)), -nbytes if self.inputs.prefer_resident else nbytes)
+            ms, nbytes = _quantise(self.ms(res, slots)), _device_bytes(self.inputs, res, slots)
+            if self.inputs.prefer_resident:
+                self.cache[key] = (ms, -sum(self.inputs.device_bytes[i] for i in res), nbytes)
+            else:
+                self.cache[key] = (ms, nbytes)
         return self.cache[key]
 
     def bound(self, res: frozenset) -> int:
@@ -163,8 +167,8 @@ class _Search:
         return _quantise(max(self.compute, side) * (1 - _EPS))
 
     def key(self, res: frozenset, slots: int):
-        """Order of preference: faster, then fewer device bytes (more with prefer_resident), fewer slots,
-        lower indices."""
+        """Order of preference: faster, then fewer device bytes (with prefer_resident: more resident
+        block bytes first), fewer slots, lower indices."""
         return (*self.cost(res, slots), slots, sorted(res))
 
 
