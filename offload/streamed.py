@@ -74,8 +74,7 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
-        # the planner picks the resident set after a first step (plan/auto.py): "auto" given, or the planned default
-        self.auto = self.selection.residency == "auto"
+        self.auto = self.selection.residency == "auto"  # given or the planned default: plan/auto.py plans it
         if self.auto:
             resident = 0
             if device.type != "cuda" and config.device_memory_budget_gb is None:
@@ -113,6 +112,8 @@ class StreamedBlocks:
         if source is None:  # the default: pinned host images, coded ones with a codec
             source = pinned_source if codec == "none" else coded_source
         self.source = source(req)
+        self.selection = self.selection.for_source(self.source.caps)  # a given raw source stays raw by default
+        codec = self.selection.codec
         self.layouts = self.source.layouts
         with torch.no_grad():
             for t in rest:

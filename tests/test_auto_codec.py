@@ -56,6 +56,7 @@ def _until_coded(wrapped, x, want, *, timeout_s: float = 60.0) -> int:
 
 
 def _auto(model, *, h2d_gbps=None, device=DEV, **kw):
+    kw.setdefault("resident_layers", 0)  # the codec alone (not given, the residency is planned too on CUDA)
     cfg = OffloadConfig.layerwise(weight_codec="auto", progress=False, **kw)
     wrapped = OffloadedTransformer(model, cfg, device=device)
     planner = wrapped._streamed.codec_planner

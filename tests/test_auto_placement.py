@@ -18,6 +18,7 @@ def _image_bytes(wrapped) -> list[int]:
 def _auto(model, budget_gb: float, **kw):
     """Auto placement over a slow link (1 kB/s): on the CPU the measured copy rate is
     noise, and a transfer-bound step makes the planner keep blocks resident."""
+    kw.setdefault("weight_codec", "none")  # the placement alone (not given, the codec would be planned too)
     cfg = OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=budget_gb,
                                   progress=False, **kw)
     wrapped = OffloadedTransformer(model, cfg, device=DEV)
@@ -138,7 +139,8 @@ def test_auto_rules_are_named():
 @pytest.mark.gpu
 def test_auto_placement_on_cuda_equals_resident():
     model, ref, x = build("flux", "cuda", torch.bfloat16)
-    cfg = OffloadConfig.layerwise(resident_layers="auto", progress=False)  # budget: free memory less the margin
+    cfg = OffloadConfig.layerwise(resident_layers="auto", weight_codec="none",
+                                  progress=False)  # budget: free memory less the margin
     wrapped = OffloadedTransformer(model, cfg, device="cuda")
     with torch.no_grad():
         expected = first(ref(**x))

@@ -4,11 +4,11 @@ import warnings
 import pytest
 import torch
 
-from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream import OffloadedTransformer
 from weightstream.offload.sources.pinned import PinnedSource
 from weightstream.offload.streamed import StreamedBlocks
 
-from layerwise_cases import build, first
+from layerwise_cases import build, first, stream_config
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -17,7 +17,7 @@ DEV = torch.device("cuda")
 def half_budget_gb(name: str, dtype, **cfg) -> float:
     """Half the host bytes of the streamed block images (all pinned), in GB."""
     model, _, _ = build(name, DEV, dtype)
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, **cfg), device=DEV)
+    w = OffloadedTransformer(model, stream_config(progress=False, **cfg), device=DEV)
     host = w.stats()["host_bytes"]
     w.disable()
     return host / 2 / 1e9
@@ -26,7 +26,7 @@ def half_budget_gb(name: str, dtype, **cfg) -> float:
 def wrap_half(name, dtype, *, stage=None, **cfg):
     budget = half_budget_gb(name, dtype, **{k: v for k, v in cfg.items() if k == "resident_layers"})
     model, ref, x = build(name, DEV, dtype)
-    config = OffloadConfig.layerwise(progress=False, pinned_memory_budget_gb=budget, **cfg)
+    config = stream_config(progress=False, pinned_memory_budget_gb=budget, **cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the budget warning
         st = StreamedBlocks(model, config, DEV, None, source=lambda req: PinnedSource(req, stage=stage))
@@ -98,7 +98,7 @@ def test_default_wrapper_stages_under_a_half_budget():
     model, ref, x = build("flux", DEV, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(pinned_memory_budget_gb=budget), device=DEV)
+        wrapped = OffloadedTransformer(model, stream_config(pinned_memory_budget_gb=budget), device=DEV)
     _check(wrapped, ref, x)
     assert 0 < wrapped.stats()["staged_blocks"] < wrapped.stats()["blocks_streamed"]
 

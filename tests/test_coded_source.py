@@ -21,6 +21,7 @@ from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.sources.base import STATS_KEYS, check_stats
 from weightstream.offload.sources.decode import check_codec_supported
 from weightstream.offload.sources.pinned import CodedSource
+from weightstream.offload.sources.select import Topology, select
 from weightstream.offload.codecs import CodedCaptureStaleError
 from weightstream.offload.streams import RecordingStreams
 
@@ -262,7 +263,8 @@ def test_failed_build_gives_weights_back():
 
 
 def test_config_weight_codec():
-    assert OffloadConfig.layerwise().weight_codec == "none"
+    assert OffloadConfig.layerwise().weight_codec is None  # not given: the planned default (select.py)
+    assert OffloadConfig.layerwise(weight_codec="none").weight_codec == "none"
     cfg = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k")
     assert OffloadConfig.from_json(cfg.to_json()).weight_codec == "exp-k"
     cfg2 = OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k2")
@@ -279,7 +281,7 @@ def test_config_weight_codec():
                          layer_options={"dit": {"weight_transfer": "allgather"}}).weight_codec == "exp-k"
     with pytest.raises(ValueError, match="weight_codec='exp-k' is not allowed with the mmap source"):
         check_codec_supported(cfg.weight_codec, "the mmap source")
-    check_codec_supported(OffloadConfig.layerwise().weight_codec, "the mmap source")
+    check_codec_supported(select(OffloadConfig.layerwise(), Topology()).codec, "the mmap source")  # the default: raw
 
 
 # -- the whole model through the wrapper (StreamedBlocks picks the coded source) -------------------

@@ -37,8 +37,8 @@ def _setup(name="flux", graphs="off", big=False, codec="exp-k", **cfg):
 
     import torch
 
-    from layerwise_cases import MODELS, first
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from layerwise_cases import MODELS, first, stream_config
+    from weightstream import OffloadedTransformer
 
     make, inputs = MODELS[name]
     over = {}
@@ -47,7 +47,7 @@ def _setup(name="flux", graphs="off", big=False, codec="exp-k", **cfg):
     model = _student_t(make(dtype=torch.bfloat16, **over), torch)
     ref = copy.deepcopy(model).to("cuda")
     x = inputs(model, device="cuda")
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs=graphs, weight_codec=codec, **cfg),
+    w = OffloadedTransformer(model, stream_config(cuda_graphs=graphs, weight_codec=codec, **cfg),
                              device="cuda")
     if codec in ("exp-k2", "exp-kp"):  # version-2 / -3 tensors really stream (tiny ones may stay version 1)
         want = 2 if codec == "exp-k2" else 3

@@ -22,7 +22,8 @@ def compiled_pair(name, device, backend, **cfg):
     ref = copy.deepcopy(model).to(device)
     x = inputs(model, device=device)
     ref.compile_repeated_blocks(backend=backend)
-    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**cfg), device=device)
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(**{"resident_layers": 0, "weight_codec": "none", **cfg}),
+                                   device=device)
     model.compile_repeated_blocks(backend=backend)
     return ref, wrapped, x
 

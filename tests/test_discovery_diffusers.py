@@ -289,7 +289,8 @@ def check_streams(name: str, device: str, codec: str = "none", dtype=None) -> No
     with warns, torch.no_grad():
         assert [b.name for b in discover_blocks(model, plan)] == expected
         want = _tensors(ref(**x))
-        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, weight_codec=codec), device=device,
+        wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, weight_codec=codec, resident_layers=0),
+                                       device=device,
                                        plan=plan)
         outs = [_tensors(wrapped(**x)) for _ in range(2)]
     assert wrapped._streamed.executor.position == 2 * len(expected)  # every block ran, twice

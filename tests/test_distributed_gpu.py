@@ -87,7 +87,8 @@ def _capture_fails_on_one_rank(parallel, rank, device, bad):
     ref_model = copy.deepcopy(model).to(device)
     with torch.no_grad():
         ref = ref_model(**inputs)[0]
-    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", progress=False, dlo_timeout_s=30.0)
+    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", weight_codec="none", progress=False,
+                                  dlo_timeout_s=30.0)
     om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
 
     def fail_in_capture(module, args):
@@ -118,7 +119,7 @@ def _peer_stays_alive(rank, world, device):
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=120))
     parallel = ParallelConfig(dp=world, dp_group=group)
     model, inputs = ToyDiT(), toy_inputs(seed=1 + rank, device=device)
-    cfg = OffloadConfig.layerwise(progress=False, dlo_timeout_s=TIMEOUT_S)
+    cfg = OffloadConfig.layerwise(weight_codec="none", progress=False, dlo_timeout_s=TIMEOUT_S)
     om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
     with torch.no_grad():
         om(**inputs)
@@ -151,7 +152,7 @@ def _graphs_gpu(parallel, rank, device):
     ref_model = copy.deepcopy(model).to(device)
     with torch.no_grad():
         ref = ref_model(**inputs)[0]
-    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", progress=False)
+    cfg = OffloadConfig.layerwise(weight_transfer="allgather", cuda_graphs="on", weight_codec="none", progress=False)
     om = OffloadedTransformer(model, cfg, device=device, parallel=parallel)
     with torch.no_grad():
         equal = [torch.equal(om(**inputs)[0], ref) for _ in range(6)]
@@ -167,7 +168,7 @@ def _events(parallel, rank, device):
 
     model = tiny_flux(dtype=torch.bfloat16)
     inputs = flux_inputs(model, device=device, seed=1 + rank)
-    om = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True, progress=False), device=device,
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True, weight_codec="none", progress=False), device=device,
                               parallel=parallel)
     with torch.no_grad():
         for _ in range(2):
@@ -190,7 +191,8 @@ def _weights_gpu(parallel, rank, device):
 
     model, inputs = ToyDiT(), toy_inputs(seed=1 + rank, device=device)
     ref_model = copy.deepcopy(model).to(device)
-    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=device, parallel=parallel)
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(weight_codec="none", progress=False), device=device,
+                              parallel=parallel)
     with torch.no_grad():
         om(**inputs)
     g = torch.Generator().manual_seed(7)

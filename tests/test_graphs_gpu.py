@@ -21,11 +21,11 @@ def run_isolated(name: str):
 def _setup(name="flux", dtype="bfloat16", **cfg):
     import torch
 
-    from layerwise_cases import build, first
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from layerwise_cases import build, first, stream_config
+    from weightstream import OffloadedTransformer
 
     model, ref, x = build(name, "cuda", getattr(torch, dtype))
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), device="cuda")
+    w = OffloadedTransformer(model, stream_config(cuda_graphs="on", **cfg), device="cuda")
     return torch, first, w, ref, x
 
 
@@ -103,7 +103,8 @@ def case_fallback_on_host_sync():
 
     import torch
 
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream import OffloadedTransformer
+    from layerwise_cases import stream_config
     from weightstream.models import ToyDiT, toy_inputs
 
     class Syncing(ToyDiT):
@@ -116,7 +117,7 @@ def case_fallback_on_host_sync():
     model = Syncing().cuda()
     ref = Syncing().cuda()
     x = toy_inputs(device="cuda")
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cuda")
+    w = OffloadedTransformer(model, stream_config(cuda_graphs="on"), device="cuda")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outs = [w(**x) for _ in range(4)]
@@ -203,13 +204,14 @@ def _flagged_toy():
 def _capture_not_one_step(flag: str, value: int, **cfg):
     import warnings
 
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream import OffloadedTransformer
+    from layerwise_cases import stream_config
     from weightstream.models import toy_inputs
 
     torch, Flagged = _flagged_toy()
     model, ref = Flagged().cuda(), Flagged().cuda()
     x = toy_inputs(device="cuda")
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), device="cuda")
+    w = OffloadedTransformer(model, stream_config(cuda_graphs="on", **cfg), device="cuda")
     n = w.executor.schedule.n
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -251,7 +253,8 @@ def case_unregistered_output_container_runs_eager():
 
     import torch
 
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream import OffloadedTransformer
+    from layerwise_cases import stream_config
     from weightstream.models import ToyDiT, toy_inputs
 
     class Out:  # not registered with torch's pytree
@@ -264,7 +267,7 @@ def case_unregistered_output_container_runs_eager():
 
     model, ref = Wrapped().cuda(), Wrapped().cuda()
     x = toy_inputs(device="cuda")
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on"), device="cuda")
+    w = OffloadedTransformer(model, stream_config(cuda_graphs="on"), device="cuda")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outs = [w(**x).sample for _ in range(4)]

@@ -38,11 +38,12 @@ def _flux(resident=0):
 def case_inplace_graphs(resident=0):
     from diffusers import FluxTransformer2DModel
 
-    from weightstream import OffloadConfig, apply_layerwise_offload
+    from weightstream import apply_layerwise_offload
+    from layerwise_cases import stream_config
     from weightstream.offload.transformer import GraphForward
 
     torch, model, x, expected = _flux()
-    cfg = OffloadConfig.layerwise(cuda_graphs="on", resident_layers=resident, progress=False)
+    cfg = stream_config(cuda_graphs="on", resident_layers=resident, progress=False)
     handle = apply_layerwise_offload(model, cfg, device="cuda")
     assert type(model) is FluxTransformer2DModel
     assert isinstance(model.__dict__.get("forward"), GraphForward) and "GraphForward" in repr(handle)
@@ -67,7 +68,8 @@ def case_pipeline_graphs_keeps_module_and_saves():
 
     from diffusers import DiffusionPipeline, FluxTransformer2DModel
 
-    from weightstream import OffloadConfig, offload_pipeline
+    from weightstream import offload_pipeline
+    from layerwise_cases import stream_config
 
     class TinyPipe(DiffusionPipeline):
         def __init__(self, transformer):
@@ -76,7 +78,7 @@ def case_pipeline_graphs_keeps_module_and_saves():
 
     torch, model, x, expected = _flux()
     pipe = TinyPipe(model)
-    handle = offload_pipeline(pipe, OffloadConfig.layerwise(cuda_graphs="on", progress=False), device="cuda")
+    handle = offload_pipeline(pipe, stream_config(cuda_graphs="on", progress=False), device="cuda")
     assert pipe.transformer is model
     with torch.no_grad():
         outs = [pipe.transformer(**x)[0] for _ in range(5)]

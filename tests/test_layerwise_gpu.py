@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream import OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux
 
-from layerwise_cases import build, check_equal_outputs, first
+from layerwise_cases import build, check_equal_outputs, first, stream_config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -39,7 +39,7 @@ def test_peak_weight_memory_is_resident_plus_two_blocks():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    wrapped = OffloadedTransformer(model, None, device=DEV)
+    wrapped = OffloadedTransformer(model, stream_config(), device=DEV)
     s = wrapped.stats()
     largest = max(lay.nbytes for lay in wrapped.executor.source.store.layouts)
     with torch.no_grad():
@@ -53,7 +53,7 @@ def test_peak_weight_memory_is_resident_plus_two_blocks():
 
 def test_events_show_copies_beside_compute():
     model, _, x = build("flux", DEV, torch.bfloat16)
-    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(record_events=True), device=DEV)
+    wrapped = OffloadedTransformer(model, stream_config(record_events=True), device=DEV)
     with torch.no_grad():
         for _ in range(2):
             wrapped(**x)
@@ -77,7 +77,7 @@ def test_disable_and_state_dict_on_cuda():
 
 def test_update_weights_on_cuda():
     model, ref, x = build("toy", DEV)
-    wrapped = OffloadedTransformer(model, None, device=DEV)
+    wrapped = OffloadedTransformer(model, stream_config(), device=DEV)
     with torch.no_grad():
         wrapped(**x)
         new = {k: v * 0.25 for k, v in ref.state_dict().items()}

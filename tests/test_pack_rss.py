@@ -52,7 +52,8 @@ baseline = status("VmRSS")
 model = build_model(sc, tiny=True, device="cpu", gen_device="cpu")
 built = status("VmRSS")
 model_bytes = tensor_bytes(model)
-wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device=device)
+wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, resident_layers=0, weight_codec="none"),
+                               device=device)
 stats = wrapped.stats()
 print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"), "after": status("VmRSS"),
                   "model_bytes": model_bytes, "pinned_bytes": stats["pinned_bytes"],

@@ -30,11 +30,11 @@ def run_isolated(call: str):
 def _setup(cfg: dict, graphs: bool, name="flux"):
     import torch
 
-    from layerwise_cases import build
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from layerwise_cases import build, stream_config
+    from weightstream import OffloadedTransformer
 
     model, ref, x = build(name, "cuda", torch.bfloat16)
-    config = OffloadConfig.layerwise(cuda_graphs="on" if graphs else "off", **cfg)
+    config = stream_config(cuda_graphs="on" if graphs else "off", **cfg)
     return model, ref, x, OffloadedTransformer(model, config, device="cuda")
 
 
@@ -100,12 +100,11 @@ def case_direct_forward_step_schedules(cfg_name: str):
     through model.forward (no DiT hook) and __call__ alternately."""
     import torch
 
-    from layerwise_cases import build, first
-    from weightstream import OffloadConfig
+    from layerwise_cases import build, first, stream_config
     from weightstream.offload.streamed import StreamedBlocks
 
     model, ref, x = build("flux", "cuda", torch.bfloat16)
-    cfg = OffloadConfig.layerwise(cuda_graphs="on", **GRAPH_CFGS[cfg_name])
+    cfg = stream_config(cuda_graphs="on", **GRAPH_CFGS[cfg_name])
     sb = StreamedBlocks(model, cfg, torch.device("cuda"), None)
     assert sb.schedule.has_step_start
     with torch.no_grad():

@@ -115,12 +115,12 @@ def test_module_mode_interrupt_recovers_on_cuda():
 def case_graphs_wrapper_save(folder):
     import torch
 
-    from layerwise_cases import build, first
+    from layerwise_cases import build, first, stream_config
     from test_trust_save import _aligned, _loadable
-    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream import OffloadedTransformer
 
     model, ref, x = build("flux", "cuda", torch.bfloat16)
-    w = OffloadedTransformer(model, OffloadConfig.layerwise(cuda_graphs="on", progress=False), device="cuda")
+    w = OffloadedTransformer(model, stream_config(cuda_graphs="on", progress=False), device="cuda")
     with torch.no_grad():
         expected = first(ref(**x))
         outs = [first(w(**x)) for _ in range(4)]  # warm-up, capture, replays

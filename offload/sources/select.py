@@ -56,6 +56,15 @@ class Selection:
     def cell(self) -> tuple[str, str, str, str]:
         return (self.transport, self.codec, self.residency, "on" if self.graphs else "off")
 
+    def for_source(self, caps) -> "Selection":
+        """This selection over a source with ``caps`` (its ``SourceCaps``): a codec the planned
+        default chose that the source cannot apply (``codes_blocks`` False: a source factory the
+        caller gave) is dropped, as before the default; an explicit "auto" stays (and is refused)."""
+        if self.codec != AUTO or "weight_codec" not in self.planned or caps.codes_blocks:
+            return self
+        planned = tuple(k for k in self.planned if k != "weight_codec")
+        return dataclasses.replace(self, codec=NONE, planned=planned)
+
     @property
     def coded(self) -> bool:
         """Whether the source keeps coded images (a codec, or "auto": raw until planned)."""
