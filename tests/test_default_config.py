@@ -287,6 +287,22 @@ def test_compute_bound_codes_nothing_and_samples_nothing(sizes):
     assert explicit.stats()["plan"]["default"] is False
 
 
+def test_an_explicit_auto_placement_keeps_its_rule_and_the_codec_is_the_defaults(sizes):
+    blocks, fixed = sizes
+    budget = fixed + 2 * max(blocks) + sum(blocks)
+    model, ref, x = _toy()
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(
+        resident_layers="auto", device_memory_budget_gb=budget / 1e9, progress=False), device=DEV)
+    sb = wrapped._streamed
+    assert sb.selection.planned == ("weight_codec",)
+    sb.placement.h2d_gbps = sb.codec_planner.h2d_gbps = 1e6  # compute-bound
+    _steps(wrapped, ref, x, 2)
+    s = wrapped.stats()
+    assert s["placement"]["resident_blocks"] == []  # its own tie rule: the fewest device bytes
+    assert s["codec_plan"]["candidates"] == {} and s["plan"]["codec"] is None  # the default's: not sampled
+    assert s["plan"]["planned_keys"] == ["weight_codec"] and s["plan"]["budget_from"] == "device_memory_budget_gb"
+
+
 def test_the_plan_is_printed_once_over_steps_and_signatures(sizes, capsys):
     blocks, fixed = sizes
     wrapped, ref, x = _planned(fixed + 2 * max(blocks) + sum(blocks), slow=False, progress=True)

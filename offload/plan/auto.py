@@ -30,11 +30,11 @@ Each plan is printed once (``progress``) and kept in ``stats()`` (``"placement"`
 
 The planned default (``default``: the keys ``resident_layers`` / ``weight_codec`` left unset,
 resolved to "auto" by ``sources/select.py`` ``resolve_default``) is the same mechanism with
-three differences: the budget is the free device memory less the headroom, capped by
-``device_memory_budget_gb`` (:meth:`.residency.Residency.budget_bytes`); among placements
-predicted equally fast the one keeping more blocks resident wins (streaming costs what the
-model leaves out: hooks, copy-engine traffic); a step whose compute covers the raw stream of
-the planned residency codes nothing without sampling a codec (no encode, no decode timing, no
+these differences: a residency of the default's plans in the free device memory less the
+headroom, capped by ``device_memory_budget_gb`` (:meth:`.residency.Residency.budget_bytes`), and
+among placements predicted equally fast the one keeping more blocks resident wins (streaming
+costs what the model leaves out: hooks, copy-engine traffic); with a codec of the default's, a
+step whose compute covers the raw stream of the planned residency codes nothing without sampling a codec (no encode, no decode timing, no
 background work: compute-bound models pay nothing; not under DLO AllGather, where the ranks
 sample together and plan from the joined figures); and the plan is printed as one line
 (``weightstream plan: ...``) instead of one per part. The placement is planned per input signature and applied
@@ -192,7 +192,7 @@ class AutoStep(RemovableHooks):
         """The planned default: whether the step's compute covers the raw stream of ``ring`` (then
         no codec is sampled: coding cannot make the step faster, and nothing is encoded)."""
         # not gathered: the ranks sample together (a collective), so none may skip it on its own figures
-        return bool(self.default) and not self.gather and cod.raw_stream_hidden(events, ring)
+        return "weight_codec" in self.default and not self.gather and cod.raw_stream_hidden(events, ring)
 
     def _summarise(self, rplan, cplan, events) -> None:
         """stats()["plan"]: what the step measured and what was chosen; printed as one line by the

@@ -47,6 +47,11 @@ class Residency:
         self._dev_versions: dict[int, list[int]] = {}  # source k -> its device tensors' versions when synced
         self._host_version: int | None = None  # the source's host_version() when last synced
 
+    @property
+    def planned_by_default(self) -> bool:
+        """Whether the residency is the planned default's (resident_layers not given)."""
+        return "resident_layers" in self.auto.default
+
     def remove(self) -> None:
         """No further planning (the current placement stays)."""
         self.active = False
@@ -63,7 +68,7 @@ class Residency:
         given budget caps it, the free memory bounds it)."""
         sb = self.streamed
         given = sb.config.device_memory_budget_bytes
-        if given is not None and (not self.auto.default or sb.device.type != "cuda"):
+        if given is not None and (not self.planned_by_default or sb.device.type != "cuda"):
             self.budget_from = "device_memory_budget_gb"
             return given
         dev = sb.device
@@ -92,7 +97,7 @@ class Residency:
             events, link_bytes=link, device_bytes=device, budget_bytes=self.budget_bytes(),
             fixed_device_bytes=sb.resident_bytes + reserve_bytes, prior_compute_ms=prior, h2d_gbps=self.h2d_gbps,
             cold_outliers=True,  # a signature's first step runs its first blocks cold
-            prefer_resident=bool(self.auto.default))  # the default: ties keep more blocks resident
+            prefer_resident=self.planned_by_default)  # the default: ties keep more blocks resident
 
     def adopt(self, sig, plan: planner.AutoPlan, *, show: bool = True) -> None:
         """``plan`` is signature ``sig``'s: printed once (``show``; the planned default prints one
