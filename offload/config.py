@@ -406,6 +406,17 @@ class OffloadConfig:
             return cls.from_json(obj)
         raise _wrong_type("config", obj, "an OffloadConfig, a dict, a JSON string, or None")
 
+    def encoder_config(self) -> "OffloadConfig":
+        """The config a text encoder streams with in layer mode over a pipeline: its own layer
+        options as dit's, and where this config leaves a key to the planned default, today's value
+        instead (resident_layers 0, weight_codec "none"): an encoder runs once per prompt, and the
+        device memory is the DiT's to plan in."""
+        opts = self.layer_option("text_encoder")
+        if opts.resident_layers is UNSET:
+            opts = dataclasses.replace(opts, resident_layers=0)
+        codec = "none" if self.weight_codec is UNSET else self.weight_codec
+        return self.replace(components=("dit",), layer_options={"dit": opts}, weight_codec=codec)
+
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A new, validated config with ``changes`` applied."""
         _check_keywords("OffloadConfig.replace()", changes)

@@ -80,9 +80,8 @@ class LayerwisePipelineOffload:
             for c in selected:
                 if c.kind == "dit":
                     cfg, plan = config, None
-                else:  # an encoder streams with its own layer options
-                    opts = config.layer_option("text_encoder")
-                    cfg = config.replace(components=("dit",), layer_options={"dit": opts})
+                else:  # an encoder streams with its own layer options (not the planned default)
+                    cfg = config.encoder_config()
                     plan = _encoder_plan(c.module)
                 self.wrapped[c.name] = LayerwiseOffloadHandle(c.module, cfg, device=device, plan=plan)
             with torch.no_grad():

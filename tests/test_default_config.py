@@ -174,6 +174,16 @@ def test_one_key_given_the_other_planned():
     assert (s.codec, s.residency) == ("exp-k", "none")  # mmap refuses auto placement: today's 0
 
 
+def test_a_pipelines_text_encoder_streams_as_today_and_the_dit_plans():
+    cuda = Topology(device_type="cuda")
+    cfg = OffloadConfig.from_dict({"mode": "layer", "components": ["dit", "text_encoder"]})
+    enc = cfg.encoder_config()
+    assert enc.unset_keys == () and select(enc, cuda).cell == ("pinned", "none", "none", "off")
+    assert select(cfg, cuda).planned == ("resident_layers", "weight_codec")
+    coded = OffloadConfig.from_dict({"mode": "layer", "components": ["dit", "text_encoder"], "weight_codec": "exp-k"})
+    assert coded.encoder_config().weight_codec == "exp-k"  # a codec given applies to both
+
+
 def test_a_pinned_memory_cap_keeps_the_raw_images():
     """The coded images keep no bounce buffers for blocks left pageable: the default codes nothing there."""
     cuda = Topology(device_type="cuda")
