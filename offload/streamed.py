@@ -139,9 +139,8 @@ class StreamedBlocks:
         if self.auto or codec == "auto":  # measure a step, plan, apply (plan/auto.py)
             from weightstream.offload.plan.auto import AutoStep
 
-            self.auto_step = AutoStep(self, residency=self.auto, codec=codec == "auto",
-                                      gather=self.source.caps.collective,  # DLO AllGather: the ranks plan together
-                                      default=self.selection.planned)  # the planned default: one plan line
+            self.auto_step = AutoStep(self, residency=self.auto, codec=codec == "auto", default=self.selection.planned,
+                                      gather=self.source.caps.collective)  # DLO AllGather: the ranks plan together
             self.placement, self.codec_planner = self.auto_step.residency, self.auto_step.codec
             self._root_hooks.append(self.auto_step)
             self._stats_extra.append(self.auto_step.stats)

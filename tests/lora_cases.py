@@ -70,6 +70,10 @@ def offload(entry: str, pipe, codec: str = "none", device="cpu", graphs: str = "
     from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline
 
     keys = dict(progress=False, weight_codec=codec, cuda_graphs=graphs)
+    if entry in ("wrapper", "inplace"):  # every block streamed, as before the planned default
+        keys["resident_layers"] = 0
+    elif entry == "layer":
+        keys["layer_options"] = {"dit": {"resident_layers": 0}}
     if entry == "wrapper":
         pipe.transformer = OffloadedTransformer(pipe.transformer, OffloadConfig.layerwise(**keys), device=device)
         return pipe.transformer

@@ -26,7 +26,7 @@ def plan_summary(auto, rplan, cplan, events) -> dict:
     slots = rplan.placement.slots_used if rplan is not None else sched.ring_slots
     codec = cplan.codec if cplan is not None else None
     coded = list(cplan.coded) if cplan is not None else []
-    background = bool(cplan is not None and cplan.added and auto.codec.background())
+    background = bool(cplan is not None and cplan.added and sb.source.coding_active)  # a job still running
     predicted = cplan.predicted_ms if cplan is not None else rplan.placement.predicted_ms
     out = {
         "planned_keys": list(auto.default) or [k for k, p in (("resident_layers", auto.residency),
