@@ -39,6 +39,7 @@ MODE_KEYS = (
     "coded_bytes", "coded_blocks", "codec_plan", "coding_step_ms_all", "coding_s", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
     "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb",
     "setup_s_per_gb", "checkpoint_fs", "staging_after_steps", "staging_pack_gbps",
+    "plan", "block_gb",  # the planned default: its plan, and every block's raw bytes (the uncoded floor)
 )
 RATIOS_OF_THE_RUN = ("floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")
 

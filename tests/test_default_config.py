@@ -364,7 +364,10 @@ def test_perf_default_modes_and_the_other_modes_keep_their_meaning():
 
 
 def test_perf_default_figures_beside_the_uncoded_floor_and_setup():
+    from perf.harness import MODE_KEYS
     from perf.results import summarise
+
+    assert "plan" in MODE_KEYS and "block_gb" in MODE_KEYS  # copied into the result's entry
 
     modes = {"resident": {"step_ms": 172.0}, "layerwise": {"step_ms": 428.0, "streamed_gb": 23.8, "setup_s": 3.7},
              "default-8gb": {"step_ms": 215.0, "streamed_gb": 15.8, "block_gb": 23.8, "setup_s": 5.0}}
