@@ -378,3 +378,18 @@ def test_perf_default_figures_beside_the_uncoded_floor_and_setup():
     assert d["setup_ratio_to_uncoded"] == pytest.approx(5.0 / 3.7, rel=1e-4) and d["uncoded_setup_s"] == 3.7
     assert d["ratio_to_resident"] == pytest.approx(215.0 / 172.0, rel=1e-4)
     assert d["ratio_to_floor"] == pytest.approx(215.0 / d["floor_ms"], rel=1e-4)
+
+
+def test_the_placement_tie_rule_of_the_default_is_pure():
+    """prefer_resident: among placements predicted equally fast, the most resident block bytes
+    (then the fewest device bytes: one slot, not four); without it, the fewest device bytes."""
+    from weightstream.offload.plan.placement import PlanInputs, plan
+
+    kw = dict(link_bytes=(100, 200, 300, 400), device_bytes=(100, 200, 300, 400), compute_ms=(5.0, 5.0, 5.0, 5.0),
+              h2d_gbps=1e3, budget_bytes=10_000, fixed_device_bytes=50)
+    lean, full = plan(PlanInputs(**kw)), plan(PlanInputs(**kw, prefer_resident=True))
+    assert lean.predicted_ms == full.predicted_ms == 20.0
+    assert lean.resident == () and full.resident == (1, 2, 3) and full.slots_used == 1
+    assert full.device_bytes == 50 + 900 + 100
+    tight = plan(PlanInputs(**{**kw, "budget_bytes": 1000}, prefer_resident=True))
+    assert tight.resident == (0,) and tight.fits  # as much as fits: block 0 and two slots of 400 (950 bytes)

@@ -34,13 +34,15 @@ these differences: a residency of the default's plans in the free device memory 
 headroom, capped by ``device_memory_budget_gb`` (:meth:`.residency.Residency.budget_bytes`), and
 among placements predicted equally fast the one keeping more blocks resident wins (streaming
 costs what the model leaves out: hooks, copy-engine traffic); with a codec of the default's, a
-step whose compute covers the raw stream of the planned residency codes nothing without sampling a codec (no encode, no decode timing, no
-background work: compute-bound models pay nothing; not under DLO AllGather, where the ranks
-sample together and plan from the joined figures); and the plan is printed as one line
-(``weightstream plan: ...``) instead of one per part. The placement is planned per input signature and applied
-again when a signature comes back; a later codec plan (eager only, raw blocks
-left, no coding running; never under DLO AllGather) only adds coded blocks with
-the codec already chosen. Outputs are the same bytes whatever is resident or
+step whose compute covers the raw stream of the planned residency codes nothing without
+sampling a codec (no encode, no decode timing, no background work: compute-bound models pay
+nothing; not under DLO AllGather, where the ranks sample together and plan from the joined
+figures); and the plan is printed as one line (``weightstream plan: ...``) instead of one per
+part.
+
+The placement is planned per input signature and applied again when a signature comes back; a later
+codec plan (eager only, raw blocks left, no coding running; never under DLO AllGather) only adds
+coded blocks with the codec already chosen. Outputs are the same bytes whatever is resident or
 coded; only where they sit and how they travel changes.
 """
 from __future__ import annotations
@@ -203,6 +205,7 @@ class AutoStep(RemovableHooks):
         self.summary = plan_summary(self, rplan, cplan, events)
         if self.default:
             announce("plan", self.summary["describe"], self.streamed.config.progress)
+
     def _plan_both(self, res: Residency, cod: Coding, events):
         """The placement within the budget, then the codec for the blocks it streams; where the
         codec's staging buffers would push the placement past the budget, the placement again
