@@ -21,8 +21,9 @@ from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest, coded_source, pinned_source
-from .sources.select import Selection, Topology, select
+from .sources.select import Selection, Topology, check_quantized, select
 from .adapters import AdapterWatch, streamable_tensors
+from .host.quantized import foreign_hooks, quantized_format
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -72,6 +73,8 @@ class StreamedBlocks:
         self.module, self.config, self.device = module, config, device
         self.selection = selection or select(config, Topology(device_type=device.type))  # build.py passes it
         self.supports_next_step = self.supports_next_step and next_step
+        self.quantized = quantized_format(module)  # streamed as it is (host/quantized.py)
+        check_quantized(self.quantized, self.selection.transport)
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
         self.auto = self.selection.residency == "auto"  # given or the planned default: plan/auto.py plans it
@@ -231,6 +234,7 @@ class StreamedBlocks:
             "blocks_streamed": s.n, "blocks_resident": s.num_resident, "resident_blocks": list(s.resident_blocks),
             "num_slots": s.ring_slots, "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
             "resident_bytes": self.resident_bytes, "setup_s": self.setup_s, "device": str(self.device),
+            "quantized_format": self.quantized,
         }
         out.update(check_stats(self.source.stats()))
         out["slot_bytes"] = s.ring_slots * self.executor.slot_bytes  # all slots together (as before)
@@ -441,10 +445,10 @@ def check_wrappable(module: nn.Module, *, allow_meta: bool = False) -> None:
                 "remove them first (accelerate.hooks.remove_hook_from_module(model, recurse=True), or load "
                 "the model without device_map / enable_model_cpu_offload / cpu_offload)")
         registry = getattr(m, "_diffusers_hook", None)  # a diffusers HookRegistry (left empty by cache_context)
-        if registry is not None and getattr(registry, "hooks", True):
+        if registry is not None and foreign_hooks(registry):
             raise AlreadyOffloadedError(
-                f"{where} carries diffusers hooks ({', '.join(getattr(registry, 'hooks', {})) or '_diffusers_hook'}: "
-                "e.g. group offload or layerwise casting); "
+                f"{where} carries diffusers hooks ({', '.join(foreign_hooks(registry))}: e.g. group offload; "
+                "layerwise casting alone streams, docs/quantized.md); "
                 "remove them first (model.disable_group_offload() / building the model without "
                 "enable_group_offload), then wrap it")
     if not allow_meta:

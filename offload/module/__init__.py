@@ -70,7 +70,8 @@ from torch import nn
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
-from ..sources.select import Topology, select
+from ..host.quantized import quantized_format
+from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
@@ -111,6 +112,8 @@ class ModuleOffload:
         self.pipe, self.config, self.device = pipe, config, device
         self.selection = select(config, Topology(device_type=device.type))  # the support matrix's cell
         self.components = components
+        for c in components.items:  # quantized components: the quantized support matrix (sources/select.py)
+            check_quantized(quantized_format(c.module), "module")
         self.cuda = device.type == "cuda"
         self._log = TransitionLog(t0)
         self.events = self._log.events

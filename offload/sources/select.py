@@ -240,3 +240,40 @@ def support_table_markdown() -> str:
     lines += ["", "Refusals (the named error is `UnsupportedCombinationError`):", ""]
     lines += [f"- `{key}`: {why}" for key, why in reasons]
     return "\n".join(lines) + "\n"
+
+
+# -- quantized weights (docs/quantized.md): a second axis, the format of the model's tensors ------------
+# "none": plain tensors; the rest as offload/host/quantized.py detects them
+QUANTIZED_FORMATS = ("none", "layerwise-casting", "gguf", "torchao", "bitsandbytes")
+
+_MMAP_QUANTIZED = (
+    "the mmap source binds checkpoint tensors by their safetensors dtype and shape, and a quantized model's "
+    "tensors are not those; load the model (quantized) into memory and wrap it with OffloadedTransformer "
+    "(pinned host images of the quantized bytes)")
+# (rule, key, why) over (format, transport); the first rule that matches refuses the pair
+_QUANTIZED_RULES = (
+    (lambda f, t: f == "bitsandbytes", "quantization_config",
+     "bitsandbytes tensors (Params4bit / Int8Params) are not streamed: their quantization state lives outside "
+     "the tensor and moves with module.to(); use GGUF, torchao int8/float8 weight-only or layerwise casting, "
+     "or keep the bitsandbytes model resident"),
+    (lambda f, t: f != "none" and t == "mmap", "checkpoint", _MMAP_QUANTIZED),
+    (lambda f, t: f == "torchao" and t in ("dlo-allgather", "dlo-rank-local", "module"), "mode",
+     "torchao tensor subclasses stream through the layerwise ring of one process (the wrapper, in place, "
+     "layer-mode pipelines); DLO and module offload do not rebuild them yet: use mode='layer' without DLO, "
+     "or GGUF / layerwise casting (plain quantized storage) for those"),
+)
+
+QUANTIZED_SUPPORT = types.MappingProxyType({
+    (f, t): next(((key, why) for rule, key, why in _QUANTIZED_RULES if rule(f, t)), None)
+    for f in QUANTIZED_FORMATS for t in TRANSPORTS})
+
+
+def check_quantized(fmt: str, transport: str) -> None:
+    """Raise the named refusal of a quantized ``fmt`` (one of :data:`QUANTIZED_FORMATS`) over
+    ``transport`` from :data:`QUANTIZED_SUPPORT`; nothing for a supported pair."""
+    refusal = QUANTIZED_SUPPORT[(fmt, transport)]
+    if refusal is not None:
+        key, why = refusal
+        raise UnsupportedCombinationError(
+            f"{key}: a {fmt} quantized model is not allowed with transport={transport}; {why} (quantized "
+            f"support matrix cell: format={fmt}, transport={transport})")

@@ -1,0 +1,166 @@
+"""Quantized weights streamed as they are (docs/quantized.md): diffusers' layerwise casting
+(float8 storage, bf16 compute) on the CPU, every front end, bit-exact against the same casted
+model unwrapped. GGUF: tests/test_quantized_gguf.py; torchao: tests/test_quantized_torchao.py.
+
+The casting model is built twice from one seed (a deep copy of a casted model shares its
+diffusers hooks with the original, which then cast the wrong module)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightstream import (
+    OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline,
+)
+from weightstream.models import flux_inputs, tiny_flux
+from weightstream.offload.discovery import discover_blocks
+from weightstream.offload.host.quantized import quantized_format
+from weightstream.offload.layout import block_tensors, build_layout
+from weightstream.offload.misuse import AlreadyOffloadedError
+
+DEV = "cpu"
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def casted(storage=torch.float8_e4m3fn, **overrides):
+    model = tiny_flux(dtype=torch.bfloat16, **overrides)
+    model.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.bfloat16)
+    return model
+
+
+def _cfg(**kw):
+    return OffloadConfig.layerwise(progress=False, **kw)
+
+
+def _run(model, x, steps=1):
+    with torch.no_grad():
+        return [model(**x)[0] for _ in range(steps)]
+
+
+def image_bytes(model) -> int:
+    """The block images' bytes of ``model`` as it is (quantized tensors at their own size)."""
+    return sum(build_layout(b.index, b.name, block_tensors(b.module)).nbytes for b in discover_blocks(model, None))
+
+
+def _tensor_bytes(model) -> int:
+    return sum(t.nbytes for b in discover_blocks(model, None) for _, _, t in block_tensors(b.module))
+
+
+@pytest.fixture(scope="module")
+def case():
+    ref = casted()
+    x = flux_inputs(ref, dtype=torch.bfloat16)
+    return ref, x, _run(ref, x)[0]
+
+
+@pytest.mark.parametrize("storage", FP8)
+def test_wrapper_streams_the_fp8_bytes_bit_exact(storage):
+    model, ref = casted(storage), casted(storage)
+    x = flux_inputs(ref, dtype=torch.bfloat16)
+    want = _run(ref, x)[0]
+    fp8_bytes, bf16_bytes = image_bytes(ref), image_bytes(tiny_flux(dtype=torch.bfloat16))
+    assert quantized_format(model) == "layerwise-casting"
+    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    s = wrapped.stats()
+    assert s["streamed_bytes_per_step"] == fp8_bytes < bf16_bytes  # the fp8 bytes, no bf16 copy
+    # norm layers stay bf16 (diffusers skips "norm" modules by default); tiny tensors pad to 512 bytes
+    assert _tensor_bytes(ref) < 0.7 * _tensor_bytes(tiny_flux(dtype=torch.bfloat16))
+    assert s["quantized_format"] == "layerwise-casting"
+    assert s["host_bytes"] < fp8_bytes + 4096 * s["blocks_streamed"]  # each image page-aligned
+    sd, rsd = wrapped.state_dict(), ref.state_dict()
+    assert sd.keys() == rsd.keys()
+    assert all(sd[k].dtype == rsd[k].dtype and torch.equal(sd[k].view(torch.uint8), rsd[k].view(torch.uint8))
+               for k in rsd)
+    assert sd["transformer_blocks.0.attn.to_q.weight"].dtype == storage
+    plain = wrapped.disable()
+    assert plain.transformer_blocks[0].attn.to_q.weight.dtype == storage  # still casted, on its own
+    assert torch.equal(_run(plain, x)[0], want)
+
+
+def test_in_place_and_remove(case):
+    ref, x, want = case
+    model = casted()
+    handle = apply_layerwise_offload(model, _cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    assert handle.remove() is model
+    assert torch.equal(_run(model, x)[0], want)
+
+
+@pytest.mark.parametrize("resident", [2, [1, 3]])
+def test_resident_layers(case, resident):
+    ref, x, want = case
+    wrapped = OffloadedTransformer(casted(), _cfg(resident_layers=resident), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 2))
+
+
+def test_auto_placement_counts_the_fp8_bytes(case):
+    ref, x, want = case
+    probe = OffloadedTransformer(casted(), _cfg(), device=DEV)
+    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
+    probe.disable()
+    budget = fixed + 2 * max(sizes) + sum(sizes) // 2  # two slots and about half the fp8 blocks
+    wrapped = OffloadedTransformer(casted(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
+                                   device=DEV)
+    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound (the CPU's measured rate is noise)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
+    s = wrapped.stats()
+    assert 0 < s["blocks_resident"] < len(sizes), s  # the planner fit blocks by their fp8 bytes
+    assert s["placement"]["device_bytes"] <= budget
+    assert torch.equal(_run(wrapped.disable(), x)[0], want)
+
+
+@pytest.mark.parametrize("codec", ["exp-k", "auto"])
+def test_coded_images_keep_fp8_raw_and_exact(case, codec, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
+    ref, x, want = case
+    wrapped = OffloadedTransformer(casted(), _cfg(weight_codec=codec), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    sd = wrapped.state_dict()
+    assert sd["single_transformer_blocks.2.proj_mlp.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_update_weights_of_fp8_tensors(case):
+    ref, x, _ = case
+    model, other = casted(), casted()
+    key = "single_transformer_blocks.1.proj_out.weight"
+    new = (torch.randn(other.state_dict()[key].shape, generator=torch.Generator().manual_seed(3)) * 0.05
+           ).to(torch.float8_e4m3fn)
+    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
+    _run(wrapped, x)
+    assert wrapped.update_weights({key: new}) == [key]
+    other.load_state_dict({key: new}, strict=False)
+    assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+    assert torch.equal(wrapped.state_dict()[key].view(torch.uint8), new.view(torch.uint8))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        wrapped.update_weights({key: new.to(torch.bfloat16)})
+
+
+class _Pipe:
+    """A pipeline object holding a casted transformer (module offload discovers ``transformer``)."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+
+def test_pipeline_layer_and_module_mode(case):
+    ref, x, want = case
+    for cfg in ({"mode": "layer", "components": ["dit"], "progress": False},
+                {"mode": "module", "components": ["dit"], "progress": False}):
+        pipe = _Pipe(casted())
+        handle = offload_pipeline(pipe, cfg, device=DEV)
+        assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2)), cfg["mode"]
+        sd = pipe.transformer.state_dict()
+        assert sd["transformer_blocks.1.ff.net.2.weight"].dtype == torch.float8_e4m3fn
+        handle.disable()
+        assert torch.equal(_run(pipe.transformer, x)[0], want)
+
+
+def test_other_diffusers_hooks_are_still_refused():
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = casted()
+    HookRegistry.check_if_exists_or_initialize(model.transformer_blocks[1].attn.to_k).register_hook(
+        ModelHook(), "probe")
+    with pytest.raises(AlreadyOffloadedError, match=r"to_k carries diffusers hooks \(probe"):
+        OffloadedTransformer(model, _cfg(), device=DEV)
