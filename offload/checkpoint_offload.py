@@ -31,7 +31,8 @@ from .placeholders import drop_storage, give_data
 from .sources.decode import decode_placement
 from .sources.mmap import MmapCodedSource, MmapSource
 from .build import streamed_blocks
-from .sources.select import Topology, select
+from .host.quantized import quantized_format
+from .sources.select import Topology, check_quantized, select
 from .streamed import StreamedBlocks, resolve_device
 
 __all__ = ["offload_from_safetensors", "mmap_streamed_blocks", "mmap_coded_source", "IN_FLIGHT_BYTES"]
@@ -136,6 +137,7 @@ def offload_from_safetensors(
     if cfg.mode != "layer":
         raise ValueError(f"mode={cfg.mode!r} is not allowed for the mmap source; choose from: layer")
     codec = select(cfg, Topology(), checkpoint="safetensors").codec  # the support matrix's refusals
+    check_quantized(quantized_format(model_on_meta), "mmap")  # and the quantized one's, before any binding
     check_sidecar_mode(coded_sidecar, codec)
     if codec != "none" and (copy_path != "auto" or staging_threads is not None):
         key, val = ("copy_path", copy_path) if copy_path != "auto" else ("staging_threads", staging_threads)

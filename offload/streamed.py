@@ -23,7 +23,7 @@ from .sources.base import check_stats
 from .sources.pinned import SourceRequest, coded_source, pinned_source
 from .sources.select import Selection, Topology, check_quantized, select
 from .adapters import AdapterWatch, streamable_tensors
-from .host.quantized import foreign_hooks, quantized_format
+from .host.quantized import check_update, foreign_hooks, held_form, quantized_format
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -275,9 +275,11 @@ class StreamedBlocks:
         loc = self._where.get(id(obj))
         if loc is None:
             check_update_value(key, new, tuple(obj.shape), obj.dtype)
+            check_update(key, obj, new)
             return [(key, obj.data, new)]
         spec = self.layouts[loc[0]].tensors[loc[1]]
         check_update_value(key, new, spec.shape, spec.dtype)
+        check_update(key, obj, new)  # a quantized tensor's bytes mean the same in the new value
         self.source.check_write(*loc)  # a read-only source refuses here, before any write
         if self.placement is not None and id(obj) in self.placement.resident_tensors():
             return [(key, loc, new), (key, obj.data, new)]  # resident under auto placement: its device copy too
@@ -579,7 +581,7 @@ class HostStateDictHook:
                 continue  # not in this dict, or keep_vars=True: the live tensor object
             hv = self._lookup(t)
             if hv is not None:
-                state_dict[prefix + key] = hv
+                state_dict[prefix + key] = held_form(t, hv)  # a quantized tensor in its own form
 
     def remove(self) -> None:
         if self._handle is not None:

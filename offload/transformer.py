@@ -16,6 +16,7 @@ from weightstream.offload.hooks import StepHook
 from .misuse import UnsupportedOperationError
 from .tracing import not_traced
 from .build import streamed_blocks
+from .host.quantized import held_form
 from .streamed import (
     StreamedBlocks, check_wrappable, explain_failure, install_state_dict_hook, resolve_device,
 )
@@ -346,7 +347,7 @@ class OffloadedTransformer(nn.Module):
         for k, v in list(sd.items()):
             hv = host.get(id(v))
             if hv is not None:
-                sd[k] = hv
+                sd[k] = held_form(v, hv)  # a quantized tensor in its own form (host/quantized.py)
             elif not keep_vars:
                 sd[k] = v.detach()
         return sd

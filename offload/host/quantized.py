@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..misuse import WeightUpdateError
+
 # diffusers hooks that keep streaming exact (layerwise casting: fp8 storage, upcast per forward
 # on the device from the bound slot view; docs/quantized.md)
 STREAMABLE_DIFFUSERS_HOOKS = frozenset({"layerwise_casting", "peft_autocast_disable"})
@@ -58,3 +60,32 @@ def quantized_format(module: nn.Module) -> str:
         raise ValueError(f"{type(module).__name__} mixes quantized formats {sorted(found)}; one format per "
                          "model streams: quantize the model with one backend")
     return found.pop() if found else "none"
+
+
+def _gguf_class(t) -> type | None:
+    return next((c for c in type(t).__mro__ if c.__name__ == "GGUFParameter" and c.__module__.startswith("diffusers.")),
+                None)
+
+
+def held_form(t, host_view):
+    """What ``state_dict()`` gives for the streamed tensor ``t`` whose bytes are ``host_view``:
+    the model's own quantized form (a GGUF weight: a ``GGUFParameter`` with its ``quant_type``
+    over the host bytes, zero-copy), the view itself for plain and float8 tensors."""
+    cls = _gguf_class(t)
+    if cls is not None and host_view is not None:
+        return cls(host_view, quant_type=t.quant_type)
+    return host_view
+
+
+def check_update(key: str, obj, new) -> None:
+    """Refuse an update of a quantized tensor by one its bytes would not mean the same in:
+    a GGUF weight takes a ``GGUFParameter`` of its own ``quant_type`` (same byte shape)."""
+    if _gguf_class(obj) is None:
+        return
+    want = obj.quant_type
+    got = new.quant_type if _gguf_class(new) is not None else None
+    if got != want:
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is a GGUF weight of quant_type {want!r}; the new value is "
+            f"{'a ' + type(new).__name__ if got is None else f'of quant_type {got!r}'}; nothing was written. Pass a "
+            f"GGUFParameter of quant_type {want!r} (its bytes as the GGUF file holds them)")

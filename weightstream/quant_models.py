@@ -1,0 +1,133 @@
+"""Quantized versions of a model, the way each backend builds them (docs/quantized.md): GGUF
+linears as diffusers' GGUF loader makes them (from a GGUF file written with the ``gguf``
+package, or from random valid blocks for the benchmarks), torchao weight-only, layerwise casting.
+
+Used by the tests and the quantized benchmark modes (perf/quantized.py). No downloads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# bytes per GGUF block and the values it holds (gguf.GGML_QUANT_SIZES), for the types made here
+GGUF_BLOCKS = {"Q8_0": (34, 32), "Q4_K": (144, 256)}
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` inside the model's streamed block containers, by dotted name."""
+    from weightstream.offload.discovery import discover_blocks  # noqa: PLC0415
+
+    out = {}
+    for b in discover_blocks(model, None):
+        for name, m in b.module.named_modules():
+            if type(m) is nn.Linear:
+                out[f"{b.name}.{name}"] = m
+    return out
+
+
+def gguf_type(name: str):
+    import gguf  # noqa: PLC0415
+
+    return gguf.GGMLQuantizationType[name]
+
+
+def random_gguf_bytes(rows: int, cols: int, quant: str, generator: torch.Generator) -> torch.Tensor:
+    """uint8 ``(rows, cols / values per block * block bytes)``: valid GGUF blocks of ``quant``
+    (Q8_0: an f16 scale and 32 int8; Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins,
+    128 bytes of 4-bit values), scales small and finite, the rest random bits."""
+    nbytes, values = GGUF_BLOCKS[quant]
+    if cols % values:
+        raise ValueError(f"{quant} needs rows of a multiple of {values} values; got {cols}")
+    blocks = torch.randint(0, 256, (rows * cols // values, nbytes), dtype=torch.uint8, generator=generator)
+    heads = 1 if quant == "Q8_0" else 2  # f16 fields at the block start
+    scale = (torch.rand(blocks.shape[0], heads, generator=generator) * 0.02 + 1e-3).to(torch.float16)
+    blocks[:, : 2 * heads] = scale.view(torch.uint8).reshape(blocks.shape[0], 2 * heads)
+    return blocks.reshape(rows, cols // values * nbytes)
+
+
+def write_gguf(model: nn.Module, path, quant: str, *, seed: int = 0) -> list[str]:
+    """Write ``model``'s state dict to a GGUF file at ``path``: the block linears' weights
+    whose rows fit ``quant``'s block as ``quant`` (Q8_0 quantized from the weights with
+    ``gguf.quants``; Q4_K, which gguf-py cannot quantize, as random valid blocks), every other
+    tensor as F32. Returns the keys written quantized."""
+    import gguf  # noqa: PLC0415
+
+    qt = gguf_type(quant)
+    linears = {f"{n}.weight" for n, m in block_linears(model).items()}
+    g = torch.Generator().manual_seed(seed)
+    writer = gguf.GGUFWriter(str(path), "weightstream-test")
+    quantized = []
+    for key, t in model.state_dict().items():
+        a = t.detach().float().cpu()
+        if key in linears and a.shape[-1] % GGUF_BLOCKS[quant][1] == 0:
+            raw = (gguf.quants.quantize(a.numpy(), qt) if quant == "Q8_0"
+                   else random_gguf_bytes(a.shape[0], a.shape[1], quant, g).numpy())
+            writer.add_tensor(key, raw, raw_dtype=qt)
+            quantized.append(key)
+        else:
+            writer.add_tensor(key, a.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return quantized
+
+
+def load_gguf(model: nn.Module, path, compute_dtype=torch.bfloat16) -> nn.Module:
+    """``model`` (built from its config) with the GGUF file's tensors, the way diffusers'
+    GGUF quantizer loads them: linears whose weight is a ``GGUFParameter`` become
+    ``GGUFLinear`` (dequantized per forward), every other tensor is cast to ``compute_dtype``."""
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint  # noqa: PLC0415
+
+    sd = load_gguf_checkpoint(str(path))
+    return _assign_gguf(model, sd, compute_dtype)
+
+
+def _assign_gguf(model: nn.Module, sd: dict, compute_dtype) -> nn.Module:
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear  # noqa: PLC0415
+
+    _replace_with_gguf_linear(model, compute_dtype, sd)
+    for key, v in sd.items():
+        owner, name = key.rsplit(".", 1)
+        mod = model.get_submodule(owner)
+        if isinstance(v, GGUFParameter):
+            mod._parameters[name] = v
+        elif name in mod._parameters:
+            mod._parameters[name] = nn.Parameter(v.to(compute_dtype), requires_grad=False)
+        else:
+            mod._buffers[name] = v.to(compute_dtype)
+    return model.eval()
+
+
+def gguf_random(model: nn.Module, quant: str = "Q8_0", *, seed: int = 0, compute_dtype=torch.bfloat16) -> nn.Module:
+    """``model`` with every block linear whose rows fit ``quant`` replaced by a diffusers
+    ``GGUFLinear`` holding random valid ``quant`` blocks (benchmarks: no file, no quantization
+    pass over billions of weights). Built one linear at a time (the bf16 weight is dropped)."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    qt = gguf_type(quant)
+    sd = {}
+    for name, lin in block_linears(model).items():
+        if lin.in_features % GGUF_BLOCKS[quant][1] == 0:
+            sd[f"{name}.weight"] = GGUFParameter(random_gguf_bytes(lin.out_features, lin.in_features, quant, g),
+                                                 quant_type=qt)
+            lin.weight = None  # the bf16 weight goes now
+            if lin.bias is not None:
+                sd[f"{name}.bias"] = lin.bias.detach()
+    return _assign_gguf(model, sd, compute_dtype)
+
+
+def torchao_int8(model: nn.Module) -> nn.Module:
+    """``model`` with torchao int8 weight-only quantization of its block linears."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: PLC0415
+
+    names = set(block_linears(model))
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
+    return model
+
+
+def layerwise_fp8(model: nn.Module, storage=torch.float8_e4m3fn, compute=torch.bfloat16) -> nn.Module:
+    """diffusers' ``enable_layerwise_casting``: float8 storage, ``compute`` per forward."""
+    model.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
+    return model
