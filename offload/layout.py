@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .host.quantized import expand
 from .misuse import SharedStorageError
 
 TENSOR_ALIGN = 512
@@ -70,12 +71,12 @@ def block_tensors(block: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     seen: set[int] = set()
     for name, p in block.named_parameters(remove_duplicate=True):
         seen.add(id(p))
-        out.append((name, "parameter", p))
+        out += expand(name, "parameter", p)  # a tensor subclass: its inner tensors (host/quantized.py)
     for name, b in block.named_buffers(remove_duplicate=True):
         if b is None or id(b) in seen:
             continue
         seen.add(id(b))
-        out.append((name, "buffer", b))
+        out += expand(name, "buffer", b)
     return out
 
 
@@ -123,9 +124,8 @@ def check_not_shared(blocks, root: nn.Module) -> None:
     for mname, mod in root.named_modules():
         if id(mod) in block_ids or _inside_block(mname, blocks):
             continue
-        for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is None:
-                continue
+        for pname, t in [(f"{n}{x}", v) for n, o in list(mod._parameters.items()) + list(mod._buffers.items())
+                         if o is not None for x, _, v in expand("", "", o)]:
             full = f"{mname + '.' if mname else ''}{pname}"
             if id(t) in where:
                 raise SharedStorageError(
@@ -163,6 +163,6 @@ def all_tensors(module: nn.Module) -> list[torch.Tensor]:
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            out.append(t)
+            out += [v for _, _, v in expand("", "", t)]  # a tensor subclass: its inner tensors
     return out
 

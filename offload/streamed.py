@@ -23,7 +23,7 @@ from .sources.base import check_stats
 from .sources.pinned import SourceRequest, coded_source, pinned_source
 from .sources.select import Selection, Topology, check_quantized, select
 from .adapters import AdapterWatch, streamable_tensors
-from .host.quantized import check_update, foreign_hooks, held_form, quantized_format
+from .host.quantized import check_update, foreign_hooks, host_form, quantized_format, rehome, split_update, streams
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     AlreadyOffloadedError, OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -75,6 +75,7 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.quantized = quantized_format(module)  # streamed as it is (host/quantized.py)
         check_quantized(self.quantized, self.selection.transport)
+        rehome(module, device)  # tensor subclasses claim the device their inner tensors stream to
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
         self.auto = self.selection.residency == "auto"  # given or the planned default: plan/auto.py plans it
@@ -272,6 +273,9 @@ class StreamedBlocks:
         return plan
 
     def _plan_one(self, key: str, obj: torch.Tensor, new) -> list:
+        parts = split_update(key, obj, new)  # a tensor subclass: its inner tensors (host/quantized.py)
+        if parts is not None:
+            return [(key, dst, v) for name, inner, value in parts for _, dst, v in self._plan_one(name, inner, value)]
         loc = self._where.get(id(obj))
         if loc is None:
             check_update_value(key, new, tuple(obj.shape), obj.dtype)
@@ -581,7 +585,7 @@ class HostStateDictHook:
                 continue  # not in this dict, or keep_vars=True: the live tensor object
             hv = self._lookup(t)
             if hv is not None:
-                state_dict[prefix + key] = held_form(t, hv)  # a quantized tensor in its own form
+                state_dict[prefix + key] = hv
 
     def remove(self) -> None:
         if self._handle is not None:
@@ -602,5 +606,5 @@ def install_state_dict_hook(module: nn.Module, streamed: StreamedBlocks) -> Host
     views = streamed.host_views
     return HostStateDictHook(
         f"weightstream.state_dict[{type(module).__name__}]", module,
-        lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views, before=streamed.flush_edits,
+        lookup=lambda t: host_form(t, views), offloaded=lambda t: streams(t, views), before=streamed.flush_edits,
     )

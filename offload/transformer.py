@@ -16,7 +16,7 @@ from weightstream.offload.hooks import StepHook
 from .misuse import UnsupportedOperationError
 from .tracing import not_traced
 from .build import streamed_blocks
-from .host.quantized import held_form
+from .host.quantized import host_form
 from .streamed import (
     StreamedBlocks, check_wrappable, explain_failure, install_state_dict_hook, resolve_device,
 )
@@ -345,9 +345,9 @@ class OffloadedTransformer(nn.Module):
         sd = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
         host = self._streamed.host_views if not self._disabled else {}
         for k, v in list(sd.items()):
-            hv = host.get(id(v))
+            hv = host_form(v, host)  # a quantized tensor in its own form (host/quantized.py)
             if hv is not None:
-                sd[k] = held_form(v, hv)  # a quantized tensor in its own form (host/quantized.py)
+                sd[k] = hv
             elif not keep_vars:
                 sd[k] = v.detach()
         return sd

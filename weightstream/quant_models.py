@@ -118,12 +118,16 @@ def gguf_random(model: nn.Module, quant: str = "Q8_0", *, seed: int = 0, compute
     return _assign_gguf(model, sd, compute_dtype)
 
 
-def torchao_int8(model: nn.Module) -> nn.Module:
-    """``model`` with torchao int8 weight-only quantization of its block linears."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: PLC0415
+def torchao_weight_only(model: nn.Module, kind: str = "int8") -> nn.Module:
+    """``model`` with torchao weight-only quantization of its block linears: ``kind`` "int8"
+    (``Int8WeightOnlyConfig``: ``Int8Tensor``) or "float8" (``Float8WeightOnlyConfig``: ``Float8Tensor``)."""
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_  # noqa: PLC0415
 
+    configs = {"int8": Int8WeightOnlyConfig, "float8": Float8WeightOnlyConfig}
+    if kind not in configs:
+        raise ValueError(f"kind={kind!r} is not allowed; choose from: {', '.join(configs)}")
     names = set(block_linears(model))
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
+    quantize_(model, configs[kind](), filter_fn=lambda m, fqn: fqn in names)
     return model
 
 

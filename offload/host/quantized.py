@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..misuse import WeightUpdateError
+from ..misuse import UnsupportedOperationError, WeightUpdateError
 
 # diffusers hooks that keep streaming exact (layerwise casting: fp8 storage, upcast per forward
 # on the device from the bound slot view; docs/quantized.md)
@@ -67,14 +68,98 @@ def _gguf_class(t) -> type | None:
                 None)
 
 
-def held_form(t, host_view):
-    """What ``state_dict()`` gives for the streamed tensor ``t`` whose bytes are ``host_view``:
-    the model's own quantized form (a GGUF weight: a ``GGUFParameter`` with its ``quant_type``
-    over the host bytes, zero-copy), the view itself for plain and float8 tensors."""
+def inner_tensors(t) -> list[tuple[str, torch.Tensor]] | None:
+    """The plain inner tensors of a tensor subclass that flattens (torchao's ``Int8Tensor`` /
+    ``Float8Tensor``: ``qdata``, ``scale``, ...), by attribute name, in ``__tensor_flatten__``
+    order; None for a plain tensor (GGUF and float8 storage are plain). These stream: the image
+    holds their bytes, a slot their views, and the subclass object reads them as its attributes."""
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    out = []
+    for name in t.__tensor_flatten__()[0]:
+        v = getattr(t, name)
+        if is_traceable_wrapper_subclass(v):
+            raise UnsupportedOperationError(
+                f"a {type(t).__name__} holds a {type(v).__name__} as {name!r} (a nested tensor subclass); only one "
+                "level of inner tensors streams: quantize with torchao's current configs (Int8WeightOnlyConfig, "
+                "Float8WeightOnlyConfig: Int8Tensor / Float8Tensor), or keep the module resident")
+        out.append((name, v))
+    return out
+
+
+def expand(name: str, kind: str, t: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+    """``(name, kind, t)`` of a block's tensor as the image holds it: itself, or its inner
+    tensors as ``name[inner]`` for a tensor subclass (:func:`inner_tensors`)."""
+    inner = inner_tensors(t)
+    if inner is None:
+        return [(name, kind, t)]
+    return [(f"{name}[{n}]", kind, v) for n, v in inner]
+
+
+def rehome(module: nn.Module, device: torch.device) -> None:
+    """Every tensor subclass of ``module`` claims ``device`` (its inner tensors, streamed or made
+    resident, live there from now on; the object, its identity and its inner tensor objects stay):
+    a wrapper of the same class and metadata built on ``device`` is swapped in, then given back
+    the very inner tensor objects the block images bind."""
+    for m in module.modules():
+        for pname, t in list(m._parameters.items()):
+            inner = inner_tensors(t) if t is not None else None
+            if inner is None or t.device == device:
+                continue
+            names, ctx = t.__tensor_flatten__()
+            stand = {n: torch.empty(1, dtype=v.dtype, device=device).expand(v.shape) for n, v in inner}
+            new = type(t).__tensor_unflatten__(stand, ctx, t.shape, t.stride())
+            torch.utils.swap_tensors(t, nn.Parameter(new, requires_grad=t.requires_grad))
+            for n, v in inner:
+                setattr(t, n, v)
+
+
+def _own_class(t) -> type:
+    """``t``'s class without a weightstream placeholder subclass (placeholders.py)."""
+    cls = type(t)
+    return cls.__mro__[1] if cls.__module__ == "weightstream.offload.placeholders" else cls
+
+
+def host_form(t, views):
+    """What ``state_dict()`` gives for the streamed tensor ``t`` (``views``: id -> host view):
+    the model's own quantized form over the host bytes, zero-copy (a GGUF weight: a
+    ``GGUFParameter`` with its ``quant_type``; a torchao subclass rebuilt from its inner
+    tensors' host views), the host view itself for plain and float8 tensors; None where ``t``
+    does not stream."""
+    inner = inner_tensors(t)
+    if inner is not None:
+        hvs = [views.get(id(v)) for _, v in inner]
+        if any(h is None for h in hvs):
+            return None
+        names, ctx = t.__tensor_flatten__()
+        return _own_class(t).__tensor_unflatten__(dict(zip(names, hvs)), ctx, t.shape, t.stride())
+    hv = views.get(id(t))
     cls = _gguf_class(t)
-    if cls is not None and host_view is not None:
-        return cls(host_view, quant_type=t.quant_type)
-    return host_view
+    if cls is not None and hv is not None:
+        return cls(hv, quant_type=t.quant_type)
+    return hv
+
+
+def streams(t, views) -> bool:
+    """Whether ``t`` (a plain tensor, or a tensor subclass by its inner tensors) is in ``views``."""
+    inner = inner_tensors(t)
+    return id(t) in views if inner is None else all(id(v) in views for _, v in inner)
+
+
+def split_update(key: str, obj, new) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+    """An update of the tensor subclass ``obj`` as updates of its inner tensors
+    ``(key[inner], inner object, new inner)``; None for a plain ``obj``. ``new`` must be of
+    ``obj``'s class with the same metadata (block size, dtype, ...)."""
+    inner = inner_tensors(obj)
+    if inner is None:
+        return None
+    names, ctx = obj.__tensor_flatten__()
+    if _own_class(new) is not _own_class(obj) or new.__tensor_flatten__() != (names, ctx):
+        raise WeightUpdateError(
+            f"update_weights: {key!r} is a {_own_class(obj).__name__} ({ctx}); the new value is a "
+            f"{type(new).__name__}{' with other metadata' if type(new) is _own_class(obj) else ''}; nothing was "
+            f"written. Pass a {_own_class(obj).__name__} quantized with the same config")
+    return [(f"{key}[{n}]", v, getattr(new, n)) for n, v in inner]
 
 
 def check_update(key: str, obj, new) -> None:

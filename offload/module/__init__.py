@@ -70,7 +70,7 @@ from torch import nn
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
-from ..host.quantized import quantized_format
+from ..host.quantized import host_form, quantized_format, streams
 from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits
 from ..streamed import HostStateDictHook
@@ -175,7 +175,8 @@ class ModuleOffload:
             # every unit, VAEs too: parents (the pipeline's save_pretrained) reach it through its module
             self.state_dict_hooks.append(HostStateDictHook(
                 f"weightstream.state_dict[{u.name}]", u.module,
-                lookup=lambda t: views.get(id(t)), offloaded=lambda t: id(t) in views, before=self._write_back,
+                lookup=lambda t: host_form(t, views), offloaded=lambda t: streams(t, views),
+                before=self._write_back,
             ))
         for u in self.units.values():
             if u.swapped:

@@ -1,0 +1,135 @@
+"""torchao weight-only quantization (tensor subclasses: ``Int8Tensor``, ``Float8Tensor``) streamed
+as it is: the block image holds the inner tensors' bytes (qdata, scale, ...), the slot their
+views, and the subclass object reads them as its attributes; bit-exact against the same
+quantized model unwrapped (docs/quantized.md)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
+from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
+from weightstream.offload.misuse import UnsupportedCombinationError, WeightUpdateError  # noqa: E402
+from weightstream.quant_models import block_linears, torchao_weight_only  # noqa: E402
+
+DEV = "cpu"
+KEY = "single_transformer_blocks.1.proj_out.weight"
+
+
+def _cfg(**kw):
+    return OffloadConfig.layerwise(progress=False, **kw)
+
+
+def _run(model, x, steps=1):
+    with torch.no_grad():
+        return [model(**x)[0] for _ in range(steps)]
+
+
+@pytest.fixture(scope="module", params=["int8", "float8"])
+def ao_case(request):
+    kind = request.param
+
+    def make():
+        return torchao_weight_only(tiny_flux(dtype=torch.bfloat16), kind)
+
+    ref = make()
+    x = flux_inputs(ref, dtype=torch.bfloat16)
+    return make, x, _run(ref, x)[0], kind
+
+
+def _quantized(model):
+    return {k: v for k, v in model.state_dict().items() if type(v).__module__.startswith("torchao.")}
+
+
+def _bytes(t) -> int:
+    return sum(v.nbytes for v in (getattr(t, n) for n in t.__tensor_flatten__()[0]))
+
+
+def test_wrapper_streams_the_quantized_bytes(ao_case):
+    make, x, want, kind = ao_case
+    model, ref = make(), make()
+    q = _quantized(ref)
+    assert len(q) == len(block_linears(tiny_flux())) and all(type(v).__name__ in ("Int8Tensor", "Float8Tensor")
+                                                             for v in q.values())
+    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    s = wrapped.stats()
+    assert s["quantized_format"] == "torchao"
+    specs = {spec.name: spec for lay in wrapped.executor.source.layouts for spec in lay.tensors}
+    qdata = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    assert specs["attn.to_q.weight[qdata]"].dtype == qdata  # the image holds the quantized bytes
+    assert not any(n.endswith("to_q.weight") for n in specs)  # and no bf16 weight
+    sd = wrapped.state_dict()
+    for k, v in q.items():  # the quantized tensors, rebuilt over the host bytes
+        assert type(sd[k]) is type(v) and sd[k].__tensor_flatten__()[1] == v.__tensor_flatten__()[1], k
+        assert all(torch.equal(getattr(sd[k], n), getattr(v, n)) for n in v.__tensor_flatten__()[0]), k
+    plain = wrapped.disable()
+    assert type(plain.transformer_blocks[0].attn.to_q.weight).__name__ in ("Int8Tensor", "Float8Tensor")
+    assert torch.equal(_run(plain, x)[0], want)
+
+
+def test_in_place_resident_and_layer_pipeline(ao_case):
+    make, x, want, _ = ao_case
+    model = make()
+    handle = apply_layerwise_offload(model, _cfg(resident_layers=[0, 3]), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    assert handle.remove() is model
+    assert torch.equal(_run(model, x)[0], want)
+
+    class Pipe:
+        def __init__(self, transformer):
+            self.transformer = transformer
+
+    pipe = Pipe(make())
+    h = offload_pipeline(pipe, {"mode": "layer", "components": ["dit"], "progress": False}, device=DEV)
+    assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
+    h.disable()
+    with pytest.raises(UnsupportedCombinationError, match="format=torchao, transport=module"):
+        offload_pipeline(Pipe(make()), {"mode": "module", "components": ["dit"]}, device=DEV)
+
+
+def test_auto_placement_and_coding(ao_case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
+    make, x, want, _ = ao_case
+    probe = OffloadedTransformer(make(), _cfg(), device=DEV)
+    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
+    probe.disable()
+    budget = fixed + 2 * max(sizes) + sum(sizes) // 2
+    wrapped = OffloadedTransformer(make(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
+                                   device=DEV)
+    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
+    assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the quantized bytes
+    assert torch.equal(_run(wrapped.disable(), x)[0], want)
+    for codec in ("exp-k", "auto"):  # int8 / fp8 bytes stay raw, bf16 scales may code; never a wrong output
+        coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
+        assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
+
+
+def test_update_weights_of_quantized_tensors(ao_case):
+    make, x, _, kind = ao_case
+    model, other = make(), make()
+    source = torchao_weight_only(tiny_flux(seed=5, dtype=torch.bfloat16), kind)
+    new = _quantized(source)[KEY]
+    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
+    _run(wrapped, x)
+    assert wrapped.update_weights({KEY: new}) == [KEY]
+    owner = other.get_submodule(KEY.rsplit(".", 1)[0])
+    owner.weight = torch.nn.Parameter(copy.deepcopy(new), requires_grad=False)
+    assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+    got = wrapped.state_dict()[KEY]
+    assert all(torch.equal(getattr(got, n), getattr(new, n)) for n in new.__tensor_flatten__()[0])
+    with pytest.raises(WeightUpdateError, match="quantized with the same config"):
+        wrapped.update_weights({KEY: torch.zeros(new.shape, dtype=torch.bfloat16)})
+
+
+def test_dlo_of_a_torchao_model_is_refused_by_name():
+    from weightstream.offload.sources.select import check_quantized
+
+    for transport in ("dlo-allgather", "dlo-rank-local", "module", "mmap"):
+        with pytest.raises(UnsupportedCombinationError, match=f"format=torchao, transport={transport}"):
+            check_quantized("torchao", transport)
