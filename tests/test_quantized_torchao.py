@@ -133,3 +133,20 @@ def test_dlo_of_a_torchao_model_is_refused_by_name():
     for transport in ("dlo-allgather", "dlo-rank-local", "module", "mmap"):
         with pytest.raises(UnsupportedCombinationError, match=f"format=torchao, transport={transport}"):
             check_quantized("torchao", transport)
+
+
+def test_rehome_keeps_the_inner_tensor_objects():
+    """The wrapper-side half of streaming a subclass: its outer tensor moves to the compute device
+    (meta here: the CPU has no second device) and keeps the inner tensor objects the ring binds."""
+    from weightstream.offload.host.quantized import inner_tensors, rehome
+
+    model = torchao_weight_only(tiny_flux(dtype=torch.bfloat16), "int8")
+    w = model.transformer_blocks[0].attn.to_q.weight
+    before = [(n, v, v.clone()) for n, v in inner_tensors(w)]
+    shape, stride, ident = w.shape, w.stride(), id(w)
+    rehome(model, torch.device("meta"))
+    w = model.transformer_blocks[0].attn.to_q.weight
+    assert id(w) == ident and w.device.type == "meta" and w.shape == shape and w.stride() == stride
+    assert isinstance(w, torch.nn.Parameter) and type(w).__name__ == "Int8Tensor"
+    for (n, v, copy_), (m, u) in zip(before, inner_tensors(w)):
+        assert n == m and u is v and torch.equal(u, copy_)
