@@ -103,6 +103,8 @@ def _yardstick(mode: str) -> str | None:
         spec = parse_mode(mode)
     except ValueError:
         return None
+    if spec.quantize is not None:  # the same quantized model resident (perf/quantized.py)
+        return None if spec.kind == "resident" else f"resident-{spec.quantize}"
     if spec.compile:
         return "resident-compile"
     if spec.weight_fill != "normal":

@@ -55,6 +55,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,6 +63,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from perf.quantized import split_quant
 from perf.results import validate_mode_name
 from perf.scenarios import Scenario, block_bytes, tensor_bytes
 
@@ -92,15 +94,24 @@ class ModeSpec:
     copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
     default: bool = False                           # the planned default: no resident_layers / weight_codec given
+    quantize: str | None = None                     # perf.quantized variant (-qfp8, -qgguf8, -qint8)
 
     @property
-    def builds_on_device(self) -> bool:
-        return self.kind in ("resident", "resident-graph")
+    def builds_on_device(self) -> bool:  # quantized models are built and quantized on the host
+        return self.kind in ("resident", "resident-graph") and self.quantize is None
 
 
 def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
     """Validate a mode name (and whether the scenario allows it)."""
     validate_mode_name(name)
+    base, quant = split_quant(name)
+    if quant is not None:  # perf/quantized.py: the same mode over the quantized model
+        spec = parse_mode(base, scenario)
+        if spec.source == "mmap" or spec.kind != "weightstream" and spec.kind not in ("resident", "diffusers-group"):
+            raise ValueError(f"mode {name!r}: quantized variants run resident, weightstream from host memory "
+                             "(not -mmap: a quantized model does not map) and diffusers group offload")
+        # the scenario's normal weights, quantized (coded variants too: their yardstick is resident-q<x>)
+        return dataclasses.replace(spec, name=name, quantize=quant, weight_fill="normal")
     if name == "resident":
         return ModeSpec(name, "resident")
     if name == "resident-compile":

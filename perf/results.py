@@ -11,6 +11,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from perf.quantized import quant_yardstick
+
 GB = 1e9
 
 # Figures the regression check compares: ratios, which survive a change of
@@ -23,17 +25,18 @@ HIGHER_IS_BETTER = ("ratio_to_copy",)
 
 # Yardsticks: the whole model on the device, plain / as one CUDA graph / with
 # diffusers' regional compile (compile_repeated_blocks).
-RESIDENT_MODES = ("resident", "resident-graph", "resident-compile", "resident-tfill")
+RESIDENT_MODES = ("resident", "resident-graph", "resident-compile", "resident-tfill",
+                  "resident-qfp8", "resident-qgguf8", "resident-qint8")  # the last: perf/quantized.py
 
 # Peers are other libraries' offloading, named by library prefix.
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|resident-compile|resident-tfill|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
+    r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8)|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], default[-<N>gb] (the planned default), "
                "copy[-variant...], triton[-variant...] (kernel benchmarks), "
@@ -165,17 +168,21 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
     for mode, f in out.items():
         if not is_offloaded(mode):
             continue
+        own_ms = resident_ms
+        yard = quant_yardstick(mode)  # a quantized mode: the same quantized model resident
+        if yard is not None and yard in out:
+            own_ms = out[yard]["step_ms"]
         streamed = f.get("streamed_bytes")
         if streamed is None and f.get("streamed_gb") is not None:
             streamed = f["streamed_gb"] * GB
-        if resident_ms is None:
+        if own_ms is None:
             # no resident step (it failed, e.g. out of memory): the transfer term alone
             if streamed is None or not h2d_gbps:
                 continue
             f["floor_ms"] = round(floor_ms(0.0, streamed, h2d_gbps), 3)
         else:
-            f["floor_ms"] = round(floor_ms(resident_ms, streamed, h2d_gbps), 3)
-            f["ratio_to_resident"] = _sig(f["step_ms"] / resident_ms)
+            f["floor_ms"] = round(floor_ms(own_ms, streamed, h2d_gbps), 3)
+            f["ratio_to_resident"] = _sig(f["step_ms"] / own_ms)
         f["ratio_to_floor"] = _sig(f["step_ms"] / f["floor_ms"])
         if best_peer is not None and is_weightstream(mode):
             f["ratio_to_best_peer"] = _sig(f["step_ms"] / best_peer)

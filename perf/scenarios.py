@@ -334,9 +334,12 @@ def first_output(out) -> torch.Tensor:
 # ------------------------------------------------------------------ sizes
 
 def tensor_bytes(module: nn.Module) -> int:
-    """Bytes of every parameter and buffer of a module (each storage once)."""
+    """Bytes of every parameter and buffer of a module (each storage once; a quantized tensor
+    subclass by its inner tensors)."""
+    from weightstream.offload.layout import all_tensors  # noqa: PLC0415
+
     seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in all_tensors(module):
         key = (t.device, t.data_ptr()) if t.device.type != "meta" else id(t)
         if key in seen:
             continue

@@ -22,6 +22,7 @@ import torch
 
 from perf.common import measure_h2d_gbps, timed_steps
 from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, staging_figures, weightstream_config
+from perf.quantized import QUANT_VARIANTS, quantize
 from perf.results import GB, placement_figures
 from perf.scenarios import (
     block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output, fs_type,
@@ -168,6 +169,9 @@ def run_mode(args, prefix: str) -> dict:
     else:
         model = build_model(scenario, tiny=tiny, device=device if spec.builds_on_device else "cpu",
                             seed=args.seed, progress=lambda m: log(prefix, m), weight_fill=spec.weight_fill)
+        if spec.quantize is not None:  # perf/quantized.py: the same weights, quantized on the host
+            model = quantize(model, spec.quantize)
+            log(prefix, f"quantized ({QUANT_VARIANTS[spec.quantize]}): {tensor_bytes(model) / GB:.2f} GB")
         model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
     build_s = time.perf_counter() - t
     inputs = build_inputs(scenario, device, tiny=tiny)

@@ -164,3 +164,24 @@ def test_other_diffusers_hooks_are_still_refused():
         ModelHook(), "probe")
     with pytest.raises(AlreadyOffloadedError, match=r"to_k carries diffusers hooks \(probe"):
         OffloadedTransformer(model, _cfg(), device=DEV)
+
+
+def test_perf_quantized_modes_compare_with_their_resident_quantized_model():
+    """perf/quantized.py: `*-q<x>` modes run the model quantized, compare with `resident-q<x>`
+    bit for bit, and their floor is max(that step, quantized bytes / best H2D)."""
+    from perf.harness import _yardstick
+    from perf.modes import parse_mode
+    from perf.results import summarise
+
+    spec = parse_mode("graphs-r2-qgguf8")
+    assert (spec.kind, spec.quantize, spec.config_kw) == ("weightstream", "qgguf8",
+                                                          {"cuda_graphs": "on", "resident_layers": 2})
+    assert parse_mode("layerwise-coded-qfp8").weight_fill == "normal"  # the yardstick's weights
+    assert _yardstick("layerwise-qint8") == "resident-qint8" and _yardstick("resident-qint8") is None
+    assert parse_mode("diffusers-block-qfp8").kind == "diffusers-group"
+    with pytest.raises(ValueError, match="not -mmap"):
+        parse_mode("layerwise-mmap-qfp8")
+    out = summarise({"resident": {"step_ms": 100.0}, "resident-qfp8": {"step_ms": 110.0},
+                     "layerwise-qfp8": {"step_ms": 121.0, "streamed_gb": 5.5}}, h2d_gbps=55.0)
+    assert out["layerwise-qfp8"]["floor_ms"] == 110.0 and out["layerwise-qfp8"]["ratio_to_resident"] == 1.1
+    assert "floor_ms" not in out["resident-qfp8"]

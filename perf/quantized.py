@@ -1,0 +1,47 @@
+"""Quantized benchmark modes (issue 37, docs/quantized.md): a mode name ending in a quantization
+variant runs the scenario's model quantized that way, every kind of mode alike.
+
+- `-qfp8`: diffusers' `enable_layerwise_casting` (float8_e4m3fn storage, bf16 compute);
+- `-qgguf8`: GGUF Q8_0 linears in the blocks (diffusers' `GGUFLinear`, random valid blocks:
+  no file, no quantization pass over the weights; needs the `gguf` package);
+- `-qint8`: torchao int8 weight-only of the block linears (`Int8WeightOnlyConfig`; needs torchao).
+
+`resident-q<x>` is the yardstick of every `*-q<x>` mode (the same quantized model resident):
+their outputs must equal its bit for bit, and their floor is max(its step, the quantized bytes
+streamed / the best H2D of the run). The variant comes last: `layerwise-r4-qfp8`,
+`graphs-qgguf8`, `diffusers-block-qint8`. Torch-free until a model is quantized.
+"""
+from __future__ import annotations
+
+QUANT_VARIANTS = {
+    "qfp8": "layerwise casting, float8_e4m3fn storage, bf16 compute",
+    "qgguf8": "GGUF Q8_0 block linears (diffusers GGUFLinear)",
+    "qint8": "torchao int8 weight-only block linears",
+}
+
+
+def split_quant(name: str) -> tuple[str, str | None]:
+    """(the mode without its quantization variant, the variant or None)."""
+    head, _, last = name.rpartition("-")
+    if head and last in QUANT_VARIANTS:
+        return head, last
+    return name, None
+
+
+def quant_yardstick(name: str) -> str | None:
+    """``resident-q<x>`` for a ``*-q<x>`` mode, else None."""
+    _, q = split_quant(name)
+    return None if q is None else f"resident-{q}"
+
+
+def quantize(model, variant: str):
+    """``model`` (bf16, on the CPU or the device) quantized as ``variant``."""
+    from weightstream.quant_models import gguf_random, layerwise_fp8, torchao_weight_only  # noqa: PLC0415
+
+    if variant == "qfp8":
+        return layerwise_fp8(model)
+    if variant == "qgguf8":
+        return gguf_random(model, "Q8_0")
+    if variant == "qint8":
+        return torchao_weight_only(model, "int8")
+    raise ValueError(f"quantization variant {variant!r} is not allowed; choose from: {', '.join(QUANT_VARIANTS)}")

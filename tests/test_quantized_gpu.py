@@ -1,0 +1,107 @@
+"""Quantized blocks on CUDA (pytest -m gpu): layerwise casting (fp8), GGUF Q8_0 / Q4_K and torchao
+int8 / float8 weight-only, streamed eager and under CUDA graphs (the graph captures the copies
+into the quantized slots and the modules' own dequantizing compute), resident layers, pinned
+bytes = quantized bytes; each bit-exact against the same quantized model resident on the GPU.
+The graph cases run in a fresh process each (as tests/test_graphs_gpu.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "torchao-float8"]
+WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24), joint_attention_dim=256)
+
+
+def make(fmt: str, folder: str):
+    """A fresh tiny Flux quantized as ``fmt`` (the same weights every call)."""
+    import torch
+
+    from weightstream.models import tiny_flux
+    from weightstream.quant_models import layerwise_fp8, load_gguf, torchao_weight_only, write_gguf
+
+    kind, _, arg = fmt.partition("-")
+    base = tiny_flux(dtype=torch.bfloat16, **WIDE)
+    if kind == "fp8":
+        return layerwise_fp8(base, getattr(torch, f"float8_{arg}"))
+    if kind == "torchao":
+        return torchao_weight_only(base, arg)
+    path = os.path.join(folder, f"flux-{arg}.gguf")
+    if not os.path.exists(path):
+        write_gguf(tiny_flux(dtype=torch.bfloat16, **WIDE), path, arg)
+    return load_gguf(base, path)
+
+
+def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: int = 5) -> None:
+    import torch
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import flux_inputs
+
+    ref = make(fmt, folder).to("cuda")
+    x = flux_inputs(ref, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(**x)[0]
+        cfg = OffloadConfig.layerwise(cuda_graphs=graphs, resident_layers=resident, progress=False)
+        w = OffloadedTransformer(make(fmt, folder), cfg, device="cuda")
+        outs = [w(**x)[0] for _ in range(steps)]
+    bad = [float((o.float() - want.float()).abs().max()) for o in outs if not torch.equal(o, want)]
+    assert not bad, (fmt, graphs, bad)
+    s = w.stats()
+    assert s["pinned"] is True and s["quantized_format"] != "none"
+    images = sum(lay.nbytes for lay in w._streamed.layouts)
+    assert s["pinned_bytes"] == s["host_bytes"] < images + 4096 * s["blocks_streamed"]  # the quantized bytes
+    if graphs == "on":
+        c = w.graphs.counts
+        assert c["capture"] >= 1 and c["replay"] >= 1, c
+    back = w.disable()
+    with torch.no_grad():
+        assert torch.equal(back(**x)[0], want)
+
+
+def run_isolated(fmt, folder, **kw):
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import test_quantized_gpu as t; "
+            f"t.case({fmt!r}, {str(folder)!r}, **{kw!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{fmt} {kw} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_eager_on_cuda(fmt, tmp_path):
+    case(fmt, str(tmp_path), steps=3)
+    case(fmt, str(tmp_path), resident=2, steps=2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_graphs_capture_the_quantized_slots(fmt, tmp_path):
+    run_isolated(fmt, tmp_path, graphs="on")
+    run_isolated(fmt, tmp_path, graphs="on", resident=2)
+
+
+def test_bitsandbytes_is_refused_by_name():
+    """bitsandbytes (CUDA only) is not streamed: the quantized support matrix refuses it for every
+    transport, naming what to use instead; with bitsandbytes installed, a real Params4bit model too."""
+    import torch
+
+    from weightstream import OffloadedTransformer
+    from weightstream.offload.misuse import UnsupportedCombinationError
+    from weightstream.offload.sources.select import TRANSPORTS, check_quantized
+
+    assert torch.cuda.is_available()
+    for t in TRANSPORTS:
+        with pytest.raises(UnsupportedCombinationError, match="bitsandbytes tensors"):
+            check_quantized("bitsandbytes", t)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    from weightstream.models import ToyDiT
+
+    model = ToyDiT(width=64)
+    blk = model.single_blocks[0]
+    lin = bnb.nn.Linear4bit(blk.up.in_features, blk.up.out_features, compute_dtype=torch.bfloat16)
+    blk.up = lin.cuda()
+    with pytest.raises(UnsupportedCombinationError, match="format=bitsandbytes"):
+        OffloadedTransformer(model, None, device="cuda")
