@@ -18,8 +18,9 @@ from .tracing import not_traced
 from .build import streamed_blocks
 from .host.quantized import host_form
 from .streamed import (
-    StreamedBlocks, check_wrappable, explain_failure, install_state_dict_hook, resolve_device,
+    StreamedBlocks, explain_failure, install_state_dict_hook, resolve_device,
 )
+from .wrap_checks import check_wrappable
 
 def layer_config(config, who: str) -> OffloadConfig:
     """``config`` as an OffloadConfig for streaming one DiT (layer mode, 'dit' selected)."""

@@ -250,6 +250,10 @@ _MMAP_QUANTIZED = (
     "the mmap source binds checkpoint tensors by their safetensors dtype and shape, and a quantized model's "
     "tensors are not those; load the model (quantized) into memory and wrap it with OffloadedTransformer "
     "(pinned host images of the quantized bytes)")
+_TORCHAO_ONE = (
+    "torchao tensor subclasses stream through the layerwise ring of one process (the wrapper, in place, "
+    "layer-mode pipelines); DLO and module offload do not rebuild them yet: use mode='layer' without DLO, "
+    "or GGUF / layerwise casting (plain quantized storage) for those")
 # (rule, key, why) over (format, transport); the first rule that matches refuses the pair
 _QUANTIZED_RULES = (
     (lambda f, t: f == "bitsandbytes", "quantization_config",
@@ -257,10 +261,8 @@ _QUANTIZED_RULES = (
      "the tensor and moves with module.to(); use GGUF, torchao int8/float8 weight-only or layerwise casting, "
      "or keep the bitsandbytes model resident"),
     (lambda f, t: f != "none" and t == "mmap", "checkpoint", _MMAP_QUANTIZED),
-    (lambda f, t: f == "torchao" and t in ("dlo-allgather", "dlo-rank-local", "module"), "mode",
-     "torchao tensor subclasses stream through the layerwise ring of one process (the wrapper, in place, "
-     "layer-mode pipelines); DLO and module offload do not rebuild them yet: use mode='layer' without DLO, "
-     "or GGUF / layerwise casting (plain quantized storage) for those"),
+    (lambda f, t: f == "torchao" and t in ("dlo-allgather", "dlo-rank-local"), "parallel", _TORCHAO_ONE),
+    (lambda f, t: f == "torchao" and t == "module", "mode", _TORCHAO_ONE),
 )
 
 QUANTIZED_SUPPORT = types.MappingProxyType({
@@ -277,3 +279,17 @@ def check_quantized(fmt: str, transport: str) -> None:
         raise UnsupportedCombinationError(
             f"{key}: a {fmt} quantized model is not allowed with transport={transport}; {why} (quantized "
             f"support matrix cell: format={fmt}, transport={transport})")
+
+
+def quantized_table_markdown() -> str:
+    """The quantized support matrix as markdown (docs/quantized.md prints it): a row per
+    quantized format, a column per transport; "yes" or the refused key."""
+    lines = ["| format | " + " | ".join(TRANSPORTS) + " |", "|" + "---|" * (len(TRANSPORTS) + 1)]
+    for f in QUANTIZED_FORMATS[1:]:
+        cells = ["yes" if QUANTIZED_SUPPORT[(f, t)] is None else f"no ({QUANTIZED_SUPPORT[(f, t)][0]})"
+                 for t in TRANSPORTS]
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    reasons = sorted({ref for ref in QUANTIZED_SUPPORT.values() if ref is not None})
+    lines += ["", "Refusals (the named error is `UnsupportedCombinationError`):", ""]
+    lines += [f"- `{key}`: {why}" for key, why in reasons]
+    return "\n".join(lines) + "\n"
