@@ -192,7 +192,7 @@ class StreamedBlocks:
     def _read_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A device copy of ``t``'s current weights (its host view)."""
         with self.held(f"reading .data of {self.placeholders.name(t)!r}"):
-            return self.host_views[id(t)].to(self.device, copy=True)
+            return host_form(t, self.host_views).to(self.device, copy=True)  # a GGUF weight stays one
 
     def _write_tensor(self, t: torch.Tensor, value) -> None:
         """``t.data = value`` (or an edited ``.data`` copy): an update of that one tensor

@@ -64,6 +64,10 @@ def test_wrapper_streams_the_gguf_bytes(gguf_case):
     sd, rsd = wrapped.state_dict(), _gguf_weights(ref)
     for k, v in rsd.items():  # the quantized tensors, as the model has them
         assert type(sd[k]) is GGUFParameter and sd[k].quant_type == v.quant_type and torch.equal(sd[k], v), k
+    w = wrapped.module.transformer_blocks[0].attn.to_q.weight  # between forwards: .data is a device copy
+    data = w.data
+    assert type(data) is GGUFParameter and data.quant_type == w.quant_type and torch.equal(data, rsd[
+        "transformer_blocks.0.attn.to_q.weight"])
     plain = wrapped.disable()
     assert isinstance(plain.transformer_blocks[0].attn.to_q.weight, GGUFParameter)
     assert torch.equal(_run(plain, x)[0], want)

@@ -150,3 +150,16 @@ def test_rehome_keeps_the_inner_tensor_objects():
     assert isinstance(w, torch.nn.Parameter) and type(w).__name__ == "Int8Tensor"
     for (n, v, copy_), (m, u) in zip(before, inner_tensors(w)):
         assert n == m and u is v and torch.equal(u, copy_)
+
+
+def test_reading_a_streamed_subclass_between_forwards_is_a_named_error(ao_case):
+    from weightstream.offload.misuse import StreamedModuleAccessError
+
+    make, x, _, _ = ao_case
+    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
+    _run(wrapped, x)
+    w = wrapped.module.transformer_blocks[0].attn.to_q.weight
+    with pytest.raises(StreamedModuleAccessError, match=r"transformer_blocks\.0\.attn\.to_q\.weight\[qdata\]"):
+        w.dequantize()
+    with pytest.raises(StreamedModuleAccessError, match="outside"):
+        torch.nn.functional.linear(torch.ones(1, w.shape[1], dtype=torch.bfloat16), w)
