@@ -87,6 +87,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan
+from .host.quantized import expand
 from weightstream.offload.dlo.guard import AllGatherGuard, DLOGuard
 from .sources.dlo import ShardSource
 from .build import default_source, streamed_blocks
@@ -250,7 +251,8 @@ def _resident_tensors(module: nn.Module, req: SourceRequest) -> dict[str, torch.
     """Every parameter and buffer of ``module`` outside the streamed blocks, by name (tied ones once)."""
     streamed = {id(t) for ts in req.tensors for _, _, t in ts}
     out, seen = {}, set()
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+    named = [*module.named_parameters(), *module.named_buffers()]
+    for name, _, t in [e for n, o in named for e in expand(n, "", o)]:  # tensor subclasses: inner tensors
         if id(t) not in streamed and id(t) not in seen:
             seen.add(id(t))
             out[name] = t

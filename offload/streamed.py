@@ -23,7 +23,9 @@ from .sources.base import check_stats
 from .sources.pinned import SourceRequest, coded_source, pinned_source
 from .sources.select import Selection, Topology, check_quantized, select
 from .adapters import AdapterWatch, streamable_tensors
-from .host.quantized import check_update, host_form, quantized_format, rehome, split_update, streams
+from .host.quantized import (
+    check_update, host_form, parts_of, quantized_format, rehome, split_update, streams,
+)
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
     OffloadMisuseError, StreamedModuleAccessError, WeightUpdateError,
@@ -378,16 +380,17 @@ class StreamedBlocks:
         images = None
         out = {}
         for name, t in names.items():
-            loc = self._where.get(id(t))
-            if loc is None:
+            parts = parts_of(t)  # a tensor subclass: its inner tensors (host/quantized.py)
+            if any(id(v) not in self._where for _, v in parts):
                 out[name] = t.detach().to("cpu", copy=True)
                 continue
             if images is None:
                 if self.source.caps.sharded:
                     self.source.ready_to_gather("gather_state_dict()")
                 images = self._images()
-            k, i = loc
-            out[name] = self.layouts[k].tensors[i].view_of(images[k]).to("cpu", copy=True)
+            views = {id(v): self.layouts[k].tensors[i].view_of(images[k])
+                     for _, v in parts for k, i in [self._where[id(v)]]}
+            out[name] = host_form(t, views).to("cpu", copy=True)
         return out
 
     def local_state_dict(self) -> dict:
@@ -396,7 +399,8 @@ class StreamedBlocks:
         Non-streamed tensors as in ``state_dict()``; streamed ones as the source
         holds them: under DLO AllGather a tensor wholly in this rank's share is a
         CPU tensor, any other a :class:`ShardPiece` with the bytes this rank has
-        (``merge_shards`` of every rank's result is the full state dict)."""
+        (``merge_shards`` of every rank's result is the full state dict; a tensor
+        subclass comes as its inner tensors, keys ``key[qdata]``, ...)."""
         sharded = self.source.caps.sharded
         out = {}
         # resident tensors are read on a stream of their own: after a timed-out
@@ -404,13 +408,14 @@ class StreamedBlocks:
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for name, t in self.module.state_dict(keep_vars=True).items():
-                loc = self._where.get(id(t))
-                if loc is None:
+                parts = parts_of(t)  # a tensor subclass: a piece per inner tensor, named key[inner]
+                if any(id(v) not in self._where for _, v in parts):
                     out[name] = t.detach().to("cpu", copy=True)
                 elif sharded:
-                    out[name] = self.source.local_piece(name, *loc)
+                    for suffix, v in parts:
+                        out[name + suffix] = self.source.local_piece(name + suffix, *self._where[id(v)])
                 else:
-                    out[name] = self.host_views[id(t)].to("cpu", copy=True)
+                    out[name] = host_form(t, self.host_views).to("cpu", copy=True)
         return out
 
 

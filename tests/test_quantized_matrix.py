@@ -25,6 +25,9 @@ COVERED = {
     ("gguf", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("gguf", "module"): "test_quantized_gguf::test_in_place_resident_and_pipelines",
     ("torchao", "pinned"): "test_quantized_torchao::test_wrapper_streams_the_quantized_bytes",
+    ("torchao", "dlo-allgather"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
+    ("torchao", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
+    ("torchao", "module"): "test_quantized_torchao::test_in_place_resident_and_layer_pipeline",
 }
 
 

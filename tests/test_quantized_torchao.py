@@ -88,8 +88,13 @@ def test_in_place_resident_and_layer_pipeline(ao_case):
     h = offload_pipeline(pipe, {"mode": "layer", "components": ["dit"], "progress": False}, device=DEV)
     assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
     h.disable()
-    with pytest.raises(UnsupportedCombinationError, match="format=torchao, transport=module"):
-        offload_pipeline(Pipe(make()), {"mode": "module", "components": ["dit"]}, device=DEV)
+    pipe = Pipe(make())
+    h = offload_pipeline(pipe, {"mode": "module", "components": ["dit"], "progress": False}, device=DEV)
+    assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
+    sd = pipe.transformer.state_dict()
+    assert type(sd["transformer_blocks.0.attn.to_q.weight"]).__name__ in ("Int8Tensor", "Float8Tensor")
+    h.disable()
+    assert torch.equal(_run(pipe.transformer, x)[0], want)
 
 
 def test_auto_placement_and_coding(ao_case, monkeypatch):
@@ -125,14 +130,6 @@ def test_update_weights_of_quantized_tensors(ao_case):
     assert all(torch.equal(getattr(got, n), getattr(new, n)) for n in new.__tensor_flatten__()[0])
     with pytest.raises(WeightUpdateError, match="quantized with the same config"):
         wrapped.update_weights({KEY: torch.zeros(new.shape, dtype=torch.bfloat16)})
-
-
-def test_dlo_of_a_torchao_model_is_refused_by_name():
-    from weightstream.offload.sources.select import check_quantized
-
-    for transport in ("dlo-allgather", "dlo-rank-local", "module", "mmap"):
-        with pytest.raises(UnsupportedCombinationError, match=f"format=torchao, transport={transport}"):
-            check_quantized("torchao", transport)
 
 
 def test_rehome_keeps_the_inner_tensor_objects():

@@ -87,6 +87,12 @@ def inner_tensors(t) -> list[tuple[str, torch.Tensor]] | None:
     return out
 
 
+def parts_of(t) -> list[tuple[str, torch.Tensor]]:
+    """``[("", t)]`` for a plain tensor; ``[("[qdata]", inner), ...]`` for a tensor subclass."""
+    inner = inner_tensors(t)
+    return [("", t)] if inner is None else [(f"[{n}]", v) for n, v in inner]
+
+
 def expand(name: str, kind: str, t: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, kind, t)`` of a block's tensor as the image holds it: itself, or its inner
     tensors as ``name[inner]`` for a tensor subclass (:func:`inner_tensors`)."""

@@ -70,7 +70,7 @@ from torch import nn
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
-from ..host.quantized import host_form, quantized_format, streams
+from ..host.quantized import host_form, quantized_format, rehome, streams
 from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits
 from ..streamed import HostStateDictHook
@@ -114,6 +114,8 @@ class ModuleOffload:
         self.components = components
         for c in components.items:  # quantized components: the quantized support matrix (sources/select.py)
             check_quantized(quantized_format(c.module), "module")
+        for c in components.items:  # tensor subclasses claim the device their inner tensors move to
+            rehome(c.module, device)
         self.cuda = device.type == "cuda"
         self._log = TransitionLog(t0)
         self.events = self._log.events

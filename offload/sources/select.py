@@ -250,10 +250,6 @@ _MMAP_QUANTIZED = (
     "the mmap source binds checkpoint tensors by their safetensors dtype and shape, and a quantized model's "
     "tensors are not those; load the model (quantized) into memory and wrap it with OffloadedTransformer "
     "(pinned host images of the quantized bytes)")
-_TORCHAO_ONE = (
-    "torchao tensor subclasses stream through the layerwise ring of one process (the wrapper, in place, "
-    "layer-mode pipelines); DLO and module offload do not rebuild them yet: use mode='layer' without DLO, "
-    "or GGUF / layerwise casting (plain quantized storage) for those")
 # (rule, key, why) over (format, transport); the first rule that matches refuses the pair
 _QUANTIZED_RULES = (
     (lambda f, t: f == "bitsandbytes", "quantization_config",
@@ -261,8 +257,6 @@ _QUANTIZED_RULES = (
      "the tensor and moves with module.to(); use GGUF, torchao int8/float8 weight-only or layerwise casting, "
      "or keep the bitsandbytes model resident"),
     (lambda f, t: f != "none" and t == "mmap", "checkpoint", _MMAP_QUANTIZED),
-    (lambda f, t: f == "torchao" and t in ("dlo-allgather", "dlo-rank-local"), "parallel", _TORCHAO_ONE),
-    (lambda f, t: f == "torchao" and t == "module", "mode", _TORCHAO_ONE),
 )
 
 QUANTIZED_SUPPORT = types.MappingProxyType({
