@@ -13,7 +13,7 @@ pytest.importorskip("torchao")
 
 from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
-from weightstream.offload.misuse import UnsupportedCombinationError, WeightUpdateError  # noqa: E402
+from weightstream.offload.misuse import WeightUpdateError  # noqa: E402
 from weightstream.quant_models import block_linears, torchao_weight_only  # noqa: E402
 
 DEV = "cpu"
