@@ -84,9 +84,22 @@ def load_gguf(model: nn.Module, path, compute_dtype=torch.bfloat16) -> nn.Module
 
 
 def _assign_gguf(model: nn.Module, sd: dict, compute_dtype) -> nn.Module:
-    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear  # noqa: PLC0415
+    """As diffusers' GGUF quantizer: every ``nn.Linear`` whose weight in ``sd`` is a ``GGUFParameter``
+    becomes a ``GGUFLinear`` (built on meta, then given ``sd``'s tensors), the rest is cast."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: PLC0415
 
-    _replace_with_gguf_linear(model, compute_dtype, sd)
+    for key, v in sd.items():
+        owner = key.rsplit(".", 1)[0]
+        lin = model.get_submodule(owner)
+        if key.endswith(".weight") and isinstance(v, GGUFParameter) and type(lin) is nn.Linear:
+            parent, _, child = owner.rpartition(".")
+            new = GGUFLinear(lin.in_features, lin.out_features, lin.bias is not None, compute_dtype=compute_dtype,
+                             device="meta")
+            new.source_cls = type(lin)
+            new.requires_grad_(False)
+            if lin.bias is not None and f"{owner}.bias" not in sd:
+                new.bias = nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
+            model.get_submodule(parent)._modules[child] = new
     for key, v in sd.items():
         owner, name = key.rsplit(".", 1)
         mod = model.get_submodule(owner)
@@ -112,9 +125,7 @@ def gguf_random(model: nn.Module, quant: str = "Q8_0", *, seed: int = 0, compute
         if lin.in_features % GGUF_BLOCKS[quant][1] == 0:
             sd[f"{name}.weight"] = GGUFParameter(random_gguf_bytes(lin.out_features, lin.in_features, quant, g),
                                                  quant_type=qt)
-            lin.weight = None  # the bf16 weight goes now
-            if lin.bias is not None:
-                sd[f"{name}.bias"] = lin.bias.detach()
+            lin.weight = None  # the bf16 weight goes now (the bias stays, cast to compute_dtype)
     return _assign_gguf(model, sd, compute_dtype)
 
 
