@@ -45,3 +45,21 @@ def quantize(model, variant: str):
     if variant == "qint8":
         return torchao_weight_only(model, "int8")
     raise ValueError(f"quantization variant {variant!r} is not allowed; choose from: {', '.join(QUANT_VARIANTS)}")
+
+
+def reset_peak_rss() -> bool:
+    """After quantizing (the bf16 build's memory given back): start this process's peak RSS
+    (VmHWM) again from what it holds now, so the setup peak of a quantized mode is measured over
+    the quantized model, not the bf16 build before it. False where Linux's clear_refs is absent."""
+    import gc  # noqa: PLC0415
+
+    from weightstream.offload.host.packing import malloc_trim  # noqa: PLC0415
+
+    gc.collect()
+    malloc_trim()()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

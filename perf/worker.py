@@ -22,7 +22,7 @@ import torch
 
 from perf.common import measure_h2d_gbps, timed_steps
 from perf.modes import coded_figures, parse_mode, prepare, prepare_mmap, staging_figures, weightstream_config
-from perf.quantized import QUANT_VARIANTS, quantize
+from perf.quantized import QUANT_VARIANTS, quantize, reset_peak_rss
 from perf.results import GB, placement_figures
 from perf.scenarios import (
     block_bytes, build_inputs, build_meta_model, build_model, checkpoint_dir, checkpoint_info, first_output, fs_type,
@@ -172,6 +172,8 @@ def run_mode(args, prefix: str) -> dict:
         if spec.quantize is not None:  # perf/quantized.py: the same weights, quantized on the host
             model = quantize(model, spec.quantize)
             log(prefix, f"quantized ({QUANT_VARIANTS[spec.quantize]}): {tensor_bytes(model) / GB:.2f} GB")
+            if not reset_peak_rss():  # the setup peak counts from the quantized model on
+                log(prefix, "could not reset the peak RSS: the setup peak includes the bf16 build")
         model_bytes, blk_bytes = tensor_bytes(model), block_bytes(model, scenario)
     build_s = time.perf_counter() - t
     inputs = build_inputs(scenario, device, tiny=tiny)
