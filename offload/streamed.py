@@ -24,7 +24,7 @@ from .sources.pinned import SourceRequest, coded_source, pinned_source
 from .sources.select import Selection, Topology, check_quantized, select
 from .adapters import AdapterWatch, streamable_tensors
 from .host.quantized import (
-    check_update, host_form, parts_of, quantized_format, rehome, split_update, streams,
+    check_update, host_form, parts_of, quantized_format, rehome, split_update, streams, unhome,
 )
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
@@ -78,7 +78,6 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.quantized = quantized_format(module)  # streamed as it is (host/quantized.py)
         check_quantized(self.quantized, self.selection.transport)
-        rehome(module, device)  # tensor subclasses claim the device their inner tensors stream to
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
         self.auto = self.selection.residency == "auto"  # given or the planned default: plan/auto.py plans it
@@ -118,7 +117,12 @@ class StreamedBlocks:
         req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule, codec=codec)
         if source is None:  # the default: pinned host images, coded ones with a codec
             source = pinned_source if codec == "none" else coded_source
-        self.source = source(req)
+        moved = rehome(module, device)  # tensor subclasses claim the device their inner tensors stream to
+        try:
+            self.source = source(req)
+        except BaseException:
+            unhome(moved)  # the source gave the inner tensors their weights back
+            raise
         self.selection = self.selection.for_source(self.source.caps)  # a given raw source stays raw by default
         codec = self.selection.codec
         self.layouts = self.source.layouts

@@ -185,3 +185,19 @@ def test_perf_quantized_modes_compare_with_their_resident_quantized_model():
                      "layerwise-qfp8": {"step_ms": 121.0, "streamed_gb": 5.5}}, h2d_gbps=55.0)
     assert out["layerwise-qfp8"]["floor_ms"] == 110.0 and out["layerwise-qfp8"]["ratio_to_resident"] == 1.1
     assert "floor_ms" not in out["resident-qfp8"]
+
+
+def test_save_pretrained_writes_the_fp8_tensors(case, tmp_path):
+    from safetensors.torch import load_file
+
+    ref, x, want = case
+    wrapped = OffloadedTransformer(casted(), _cfg(), device=DEV)
+    _run(wrapped, x)
+    wrapped.module.save_pretrained(str(tmp_path / "streamed"))
+    ref.save_pretrained(str(tmp_path / "resident"))
+    got = load_file(str(tmp_path / "streamed" / "diffusion_pytorch_model.safetensors"))
+    exp = load_file(str(tmp_path / "resident" / "diffusion_pytorch_model.safetensors"))
+    assert got.keys() == exp.keys()
+    assert all(got[k].dtype == exp[k].dtype and torch.equal(got[k].view(torch.uint8), exp[k].view(torch.uint8))
+               for k in exp)
+    assert got["transformer_blocks.0.attn.to_q.weight"].dtype == torch.float8_e4m3fn

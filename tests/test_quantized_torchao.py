@@ -135,18 +135,22 @@ def test_update_weights_of_quantized_tensors(ao_case):
 def test_rehome_keeps_the_inner_tensor_objects():
     """The wrapper-side half of streaming a subclass: its outer tensor moves to the compute device
     (meta here: the CPU has no second device) and keeps the inner tensor objects the ring binds."""
-    from weightstream.offload.host.quantized import inner_tensors, rehome
+    from weightstream.offload.host.quantized import inner_tensors, rehome, unhome
 
     model = torchao_weight_only(tiny_flux(dtype=torch.bfloat16), "int8")
     w = model.transformer_blocks[0].attn.to_q.weight
     before = [(n, v, v.clone()) for n, v in inner_tensors(w)]
     shape, stride, ident = w.shape, w.stride(), id(w)
-    rehome(model, torch.device("meta"))
+    moved = rehome(model, torch.device("meta"))
+    assert len(moved) == len(block_linears(model))
     w = model.transformer_blocks[0].attn.to_q.weight
     assert id(w) == ident and w.device.type == "meta" and w.shape == shape and w.stride() == stride
     assert isinstance(w, torch.nn.Parameter) and type(w).__name__ == "Int8Tensor"
     for (n, v, copy_), (m, u) in zip(before, inner_tensors(w)):
         assert n == m and u is v and torch.equal(u, copy_)
+    unhome(moved)  # a setup that failed after it: back on the CPU, the same objects
+    w = model.transformer_blocks[0].attn.to_q.weight
+    assert id(w) == ident and w.device.type == "cpu" and all(u is v for (_, v, _), (_, u) in zip(before, inner_tensors(w)))
 
 
 def test_reading_a_streamed_subclass_between_forwards_is_a_named_error(ao_case):

@@ -102,22 +102,35 @@ def expand(name: str, kind: str, t: torch.Tensor) -> list[tuple[str, str, torch.
     return [(f"{name}[{n}]", kind, v) for n, v in inner]
 
 
-def rehome(module: nn.Module, device: torch.device) -> None:
+def rehome(module: nn.Module, device: torch.device) -> list[tuple[torch.Tensor, torch.device]]:
     """Every tensor subclass of ``module`` claims ``device`` (its inner tensors, streamed or made
     resident, live there from now on; the object, its identity and its inner tensor objects stay):
     a wrapper of the same class and metadata built on ``device`` is swapped in, then given back
-    the very inner tensor objects the block images bind."""
+    the very inner tensor objects the block images bind. Returns (tensor, its device before),
+    for :func:`unhome` after a failed setup."""
+    moved = []
     for m in module.modules():
-        for pname, t in list(m._parameters.items()):
-            inner = inner_tensors(t) if t is not None else None
-            if inner is None or t.device == device:
-                continue
-            names, ctx = t.__tensor_flatten__()
-            stand = {n: torch.empty(1, dtype=v.dtype, device=device).expand(v.shape) for n, v in inner}
-            new = type(t).__tensor_unflatten__(stand, ctx, t.shape, t.stride())
-            torch.utils.swap_tensors(t, nn.Parameter(new, requires_grad=t.requires_grad))
-            for n, v in inner:
-                setattr(t, n, v)
+        for t in list(m._parameters.values()):
+            if t is not None and inner_tensors(t) is not None and t.device != device:
+                moved.append((t, t.device))
+                _claim(t, device)
+    return moved
+
+
+def unhome(moved: list[tuple[torch.Tensor, torch.device]]) -> None:
+    """Undo :func:`rehome` (a setup failed after it: the inner tensors hold their weights again)."""
+    for t, device in moved:
+        _claim(t, device)
+
+
+def _claim(t: torch.Tensor, device: torch.device) -> None:
+    inner = inner_tensors(t)
+    names, ctx = t.__tensor_flatten__()
+    stand = {n: torch.empty(1, dtype=v.dtype, device=device).expand(v.shape) for n, v in inner}
+    new = type(t).__tensor_unflatten__(stand, ctx, t.shape, t.stride())
+    torch.utils.swap_tensors(t, nn.Parameter(new, requires_grad=t.requires_grad))
+    for n, v in inner:
+        setattr(t, n, v)
 
 
 def _own_class(t) -> type:
