@@ -201,3 +201,21 @@ def test_save_pretrained_writes_the_fp8_tensors(case, tmp_path):
     assert all(got[k].dtype == exp[k].dtype and torch.equal(got[k].view(torch.uint8), exp[k].view(torch.uint8))
                for k in exp)
     assert got["transformer_blocks.0.attn.to_q.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_module_mode_keeps_casted_tensors_on_the_unit_buffer(case):
+    """Module offload: after a forward the casting hook leaves float8 copies; CastingRebind binds
+    them back to the unit's buffer, so nothing is written back and no copy stays on the device."""
+    ref, x, want = case
+    pipe = _Pipe(casted())
+    handle = offload_pipeline(pipe, {"mode": "module", "components": ["dit"], "progress": False}, device=DEV)
+    assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
+    (unit,) = handle.units.values()
+    lo = unit.buffer.data_ptr()
+    hi = lo + unit.buffer.numel()
+    w = pipe.transformer.transformer_blocks[0].attn.to_q.weight
+    assert lo <= w.data_ptr() < hi  # on the unit's buffer, not on the casting hook's copy
+    assert handle.edits.write_back(unit) == 0
+    assert any("CastingRebind" in repr(h) for h in handle.hooks)
+    handle.disable()
+    assert torch.equal(_run(pipe.transformer, x)[0], want)

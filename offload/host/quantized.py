@@ -29,6 +29,11 @@ def _hook_names(module) -> set[str]:
     return set(registry.hooks) if registry is not None else set()
 
 
+def casting_leaves(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module`` that diffusers' layerwise casting hooks (its leaves)."""
+    return [m for m in module.modules() if "layerwise_casting" in _hook_names(m)]
+
+
 def tensor_format(t) -> str:
     """The quantized format of one tensor object by its class (:data:`FORMATS` order), else "none"."""
     for cls in type(t).__mro__:

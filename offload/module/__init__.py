@@ -75,7 +75,7 @@ from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
-from .hooks import ModuleHook, forward_running, unit_hooks
+from .hooks import ModuleHook, casting_rebinds, forward_running, unit_hooks
 from .selection import MARK, assign_tensors, device_peak, select_units, tensors_of
 from .split import SplitMovers, SplitOffloadMixin, SupportsSplitOffload, undo_split
 from .units import Unit, UnitImages
@@ -125,7 +125,7 @@ class ModuleOffload:
         self._split: list[tuple[nn.Module, SplitMovers]] = []
         self.units: dict[str, Unit] = {}
         self._resident_only: dict[str, Component] = {}
-        self.hooks: list[ModuleHook] = []
+        self.hooks: list = []  # ModuleHook, CastingRebind
         self.state_dict_hooks: list[HostStateDictHook] = []
         self.host_views: Mapping[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
@@ -183,6 +183,7 @@ class ModuleOffload:
         for u in self.units.values():
             if u.swapped:
                 self.hooks += unit_hooks(self._enter, u)
+                self.hooks += casting_rebinds(u)  # layerwise casting: tensors back on the unit's buffer
 
     @property
     def store(self):

@@ -11,6 +11,7 @@ from typing import Callable
 
 from torch import nn
 
+from ..host.quantized import casting_leaves
 from ..layout import block_tensors
 from ..tracing import not_traced
 from .units import Unit
@@ -75,6 +76,45 @@ def unit_hooks(enter: Enter, unit: Unit) -> list[ModuleHook]:
         if any(id(t) in unit_ids for _, _, t in block_tensors(child)):
             hooks.append(ModuleHook(enter, unit, child, entry=cname))
     return hooks
+
+
+class CastingRebind:
+    """Named, removable forward hook on a leaf of a swapped unit that diffusers' layerwise casting
+    hooks: the casting hook's ``module.to(storage_dtype)`` after the leaf's forward leaves its
+    tensors on fresh float8 copies of the same values; this hook, which runs after it, binds them
+    back to their views of the unit's buffer, so the copies are freed at once and the unit's
+    write-back (offload/adapters.py UnitEdits) sees no edit (docs/quantized.md)."""
+
+    def __init__(self, unit: Unit, leaf: nn.Module, index: list[int]):
+        self.unit, self.index = unit, index  # positions of the leaf's tensors in unit.tensors
+        self.name = f"weightstream.module[{unit.name}].casting"
+        self._handle = leaf.register_forward_hook(self.post_forward)
+
+    @not_traced  # rebinds parameters
+    def post_forward(self, module, args, output):
+        u = self.unit
+        if u.buffer is not None:
+            for i in self.index:
+                u.tensors[i].data = u.layout.tensors[i].view_of(u.buffer)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __repr__(self) -> str:
+        return f"CastingRebind({self.name}, {len(self.index)} tensors, {'active' if self._handle else 'removed'})"
+
+
+def casting_rebinds(unit: Unit) -> list[CastingRebind]:
+    """A :class:`CastingRebind` on every leaf of ``unit`` under layerwise casting."""
+    index = {id(t): i for i, t in enumerate(unit.tensors)}
+    out = []
+    for leaf in casting_leaves(unit.module):
+        mine = [index[id(t)] for _, _, t in block_tensors(leaf) if id(t) in index]
+        if mine:
+            out.append(CastingRebind(unit, leaf, mine))
+    return out
 
 
 def forward_running(module: nn.Module) -> bool:
