@@ -438,8 +438,8 @@ def test_a_sampled_block_estimates_its_coded_bytes(monkeypatch, fill):
     k = max(range(len(src.layouts)), key=lambda i: src.layouts[i].nbytes)
     lay = src.layouts[k]
     for codec in ("exp-k", "exp-k2"):
-        whole, *_ = src.sample(k, codec, max_bytes=None)
-        est, data, table, nbytes = src.sample(k, codec, max_bytes=lay.nbytes // 8)
+        whole, *_ = src.sample(k, (codec,), max_bytes=None)[codec]
+        est, data, table, nbytes = src.sample(k, (codec,), max_bytes=lay.nbytes // 8)[codec]
         assert lay.nbytes // 12 < nbytes < lay.nbytes // 4
         assert abs(est - whole) <= 0.02 * whole, (codec, est, whole)
         sub, tensors, _ = ca._sampled(lay, src.region(k), -(-lay.nbytes // (lay.nbytes // 8)))

@@ -165,7 +165,7 @@ class Coding:
     def _option(self, codec: str, raw) -> CodecOption:
         """``codec``'s link bytes per streamed block (coded blocks: theirs; raw ones: one sampled
         block per layout, cached) and decode rate (given, an earlier plan's, or timed on the samples)."""
-        src: CodedSource = self.streamed.source
+        src = self.streamed.source
         known = self.decode_gbps or (self._latest.decode_gbps if self._latest is not None else {})
         link = list(raw)
         decoded_bytes, decode_ms = 0, 0.0
@@ -178,7 +178,7 @@ class Coding:
             key = (codec, _layout_key(lay))
             if key not in self._samples:
                 t0 = time.perf_counter()
-                coded, data, table, nbytes = src.sample(k, codec)
+                coded, data, table, nbytes = src.sample(k, (codec,))[codec]
                 t1 = time.perf_counter()
                 self._samples[key] = min(src.capacity[k], align_up(coded + _slack(lay), _ALIGN))
                 if codec not in known:

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..host.recode import SAMPLE_BYTES
 from ..layout import BlockLayout
 
 # Every source's stats() carries these keys (perf/ and the dashboards read them; no guessing).
@@ -59,6 +60,7 @@ class WeightSource(Protocol):
     layouts: list[BlockLayout]  # runtime layout of streamed block k (slot views come from it)
     slot_bytes: int  # bytes one device slot needs (a gathered image, a decoded image)
     caps: SourceCaps
+    device: torch.device  # the device the slots live on
     # the executor's EventLog while it records (None otherwise) and its step_of(position):
     # sources with stages of their own (a gather, a decode) log them as lanes of it
     event_log: Any = None
@@ -132,10 +134,53 @@ class WeightSource(Protocol):
     def image(self, k: int) -> torch.Tensor:
         """Block ``k``'s runtime image in a fresh device tensor (restore, state_dict of coded sources)."""
 
+    # -- weight_codec="auto" (plan/coding.py reads these; sources with caps.codes_blocks) ----
+    # the codec the coded blocks use (None: nothing coded yet, or a source that does not code)
+    codec: str | None = None
+    # a background coding job is running (code_blocks(background=True) not finished yet)
+    coding_active: bool = False
+    # where and how the decode stage decodes a coded block (:class:`~.decode.DecodeStage`):
+    # "load" or "use", and on a side stream (True) or the stream it is issued on (False)
+    decode_at: str = "load"
+    decode_stream: bool = True
+    # caps.collective sources: control collectives this rank issued eagerly on the group; the
+    # DLO guard and the gathered codec plan count theirs here (the guard compares the counts)
+    ncoll: int = 0
+
+    @property
+    def raw(self) -> list[bool]:
+        """Per block: its host image is raw (True) or coded (False). Default: every block raw."""
+        return [True] * len(self.layouts)
+
+    @property
+    def capacity(self) -> list[int]:
+        """Per block: the most bytes its coded image may take in the store. Default: its raw bytes."""
+        return [lay.nbytes for lay in self.layouts]
+
+    def sample(self, k: int, codecs, max_bytes: int | None = SAMPLE_BYTES) -> dict:
+        """Raw block ``k`` encoded aside with each codec of ``codecs``, nothing stored (a sample of
+        about ``max_bytes`` of it; None: whole): codec -> (the whole block's coded bytes, the coded
+        sample, its DecodeTable, the bytes it decodes to) (:func:`~..host.recode.sample_coded`).
+        A collective on ``caps.collective`` sources (every rank samples the same blocks in order)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot code its blocks (caps.codes_blocks is False)")
+
+    def coded_shard_bytes(self, k: int, coded: int) -> int:
+        """``caps.sharded`` sources: this rank's link bytes for block ``k`` coded in ``coded`` bytes."""
+        raise NotImplementedError(f"{type(self).__name__} holds whole blocks (caps.sharded is False)")
+
     def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
         """Code raw blocks ``ks`` with ``codec`` in place, on a thread with ``background``
         (sources with ``caps.codes_blocks``; the auto mechanism, plan/auto.py, calls it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot code its blocks (caps.codes_blocks is False)")
+
+    # -- sharded sources (caps.sharded: streamed.py's local_state_dict / gather_state_dict) --
+    def ready_to_gather(self, what: str) -> None:
+        """Raise a named error when ``what`` (a gather outside the ring) cannot run now."""
+        raise NotImplementedError(f"{type(self).__name__} holds whole blocks (caps.sharded is False)")
+
+    def local_piece(self, name: str, k: int, index: int):
+        """This rank's piece of tensor ``index`` of block ``k`` (state-dict key ``name``)."""
+        raise NotImplementedError(f"{type(self).__name__} holds whole blocks (caps.sharded is False)")
 
     def stats(self) -> dict:
         """At least :data:`STATS_KEYS`; source-specific keys beside them."""

@@ -342,8 +342,8 @@ class CodedSource(WeightSource, DeviceSide):
     def region(self, k: int) -> torch.Tensor:
         return self.images.region(k)
 
-    def sample(self, k: int, codec: str, max_bytes: int | None = SAMPLE_BYTES):
-        return self.images.sample(k, codec, max_bytes)
+    def sample(self, k: int, codecs, max_bytes: int | None = SAMPLE_BYTES) -> dict:
+        return {c: self.images.sample(k, c, max_bytes) for c in codecs}
 
     def code_blocks(self, ks, codec: str, *, progress: bool = False, background: bool = False) -> None:
         self.images.code_blocks(ks, codec, progress=progress, background=background)
