@@ -12,7 +12,7 @@ import torch
 from layerwise_cases import build, check_equal_outputs, first
 from torch import nn
 
-from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream import OffloadConfig, OffloadedTransformer, UnsupportedCombinationError
 from weightstream.fills import fill
 from weightstream.models import tiny_flux, tiny_wan
 from weightstream.offload.discovery import discover_blocks
@@ -279,7 +279,7 @@ def test_config_weight_codec():
     # DLO takes the codec now (tests/test_dlo_coded.py)
     assert OffloadConfig(mode="layer", components=["dit"], weight_codec="exp-k",
                          layer_options={"dit": {"weight_transfer": "allgather"}}).weight_codec == "exp-k"
-    with pytest.raises(ValueError, match="weight_codec='exp-k' is not allowed with the mmap source"):
+    with pytest.raises(UnsupportedCombinationError, match="weight_codec='exp-k' is not allowed with the mmap source"):
         check_codec_supported(cfg.weight_codec, "the mmap source")
     check_codec_supported(select(OffloadConfig.layerwise(), Topology()).codec, "the mmap source")  # the default: raw
 

@@ -24,7 +24,7 @@ import traceback
 import pytest
 import torch
 
-from weightstream import OffloadConfig, OffloadedTransformer
+from weightstream import OffloadConfig, OffloadedTransformer, UnsupportedCombinationError
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload import distributed as dlo
 from weightstream.offload.host.shares import Shares
@@ -647,7 +647,7 @@ REJECTIONS = [
 def test_rejections_before_any_tensor_moves(par, transfer, resident, match):
     model, ptrs = _toy_and_ptrs()
     cfg = OffloadConfig.layerwise(weight_transfer=transfer, resident_layers=resident or None, progress=False)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UnsupportedCombinationError) as e:
         OffloadedTransformer(model, cfg, device="cpu", parallel=ParallelConfig(**par))
     assert match in str(e.value)
     assert "rank-local" in str(e.value)  # names the way out
@@ -666,7 +666,7 @@ def test_dlo_refuses_next_step_graph_boundary_loads():
 
 
 @pytest.mark.parametrize("par,msg", [
-    (dict(hsdp=2, dp=2), "HSDP combines with SP only"),
+    (dict(hsdp=2, dp=2), "HSDP combines with SP only"),  # an UnsupportedCombinationError (a ValueError)
     (dict(hsdp=2, tp=2), "HSDP combines with SP only"),
     (dict(dp=0), "ParallelConfig.dp=0"),
     (dict(sp=-1), "ParallelConfig.sp=-1"),
@@ -683,7 +683,7 @@ def test_resolve_transfer_refuses_any_resident_set_under_allgather():
     (a ValueError naming the value and the way out), never a TypeError from comparing it to 0."""
     for resident in ("auto", [0], [2, 5]):
         cfg = OffloadConfig.layerwise(resident_layers=resident)
-        with pytest.raises(ValueError, match=r"resident_layers=.* is not allowed: resident layers require "
+        with pytest.raises(UnsupportedCombinationError, match=r"resident_layers=.* is not allowed: resident layers require "
                                              r"weight_transfer='rank-local'"):
             resolve_transfer(cfg, ParallelConfig(dp=2))
         assert resolve_transfer(cfg, ParallelConfig()) == "rank-local"  # nothing to gather: allowed

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from weightstream.offload.config import OffloadConfig
 from weightstream.offload.config_schema import _keeps_resident
 from weightstream.offload.layout import TENSOR_ALIGN, align_up
+from weightstream.offload.misuse import UnsupportedCombinationError
 
 _DIMS = ("dp", "sp", "tp", "hsdp")
 
@@ -50,7 +51,7 @@ class ParallelConfig:
             if v < 1:
                 raise ValueError(f"ParallelConfig.{dim}={v!r} is not allowed; expected an int >= 1")
         if self.hsdp > 1 and (self.dp > 1 or self.tp > 1):
-            raise ValueError(
+            raise UnsupportedCombinationError(
                 f"ParallelConfig(hsdp={self.hsdp}, dp={self.dp}, tp={self.tp}) is not allowed: HSDP "
                 "combines with SP only, not with DP > 1 or TP > 1; use hsdp=1 or dp=1 and tp=1"
             )
@@ -106,8 +107,9 @@ class DLOPlan:
 def resolve_transfer(config: OffloadConfig, parallel: ParallelConfig) -> str:
     """Check the DLO compatibility rules and return the transfer to use.
 
-    Pure: reads only the two configs. Every rejection is a ``ValueError`` that
-    names the values and the way out. An unset ``weight_transfer`` means
+    Pure: reads only the two configs. Every rejection is an
+    :class:`~..misuse.UnsupportedCombinationError` (a ``ValueError``) that names the
+    values and the way out. An unset ``weight_transfer`` means
     "allgather" when the sharding group has more than one rank (the DLO
     default), else "rank-local"; "allgather" over a group of one rank runs
     rank-local (there is nothing to gather).
@@ -124,17 +126,17 @@ def resolve_transfer(config: OffloadConfig, parallel: ParallelConfig) -> str:
                 f"{parallel.shard_dim}={parallel.shard_size})")
         fix = "set layer_options.dit.weight_transfer='rank-local'"
         if parallel.tp > 1:
-            raise ValueError(
+            raise UnsupportedCombinationError(
                 f"{said} with tp={parallel.tp} is not allowed: DLO never all-gathers over tensor-parallel "
                 f"ranks and would bypass the TP-aware weight layout; {fix} (TP-local tensors then stream as they are)"
             )
         if parallel.hsdp > 1:
-            raise ValueError(
+            raise UnsupportedCombinationError(
                 f"{said} with hsdp={parallel.hsdp} is not allowed: HSDP already shards the parameters, so a "
                 f"DLO AllGather would double-shard them; {fix} (HSDP keeps its own gathers)"
             )
         if _keeps_resident(config.resident_layers):  # an int > 0, "auto" or a list of blocks
-            raise ValueError(
+            raise UnsupportedCombinationError(
                 f"layer_options.dit.resident_layers={config.resident_layers!r} with {said} is not allowed: "
                 f"resident layers require weight_transfer='rank-local'; {fix} or resident_layers=0"
             )
@@ -176,7 +178,7 @@ def plan_dlo(config: OffloadConfig, parallel: ParallelConfig, device: torch.devi
     group, size, rank = _resolve_group(parallel, dim)
     backend = str(dist.get_backend(group))
     if backend == "nccl" and torch.device(device).type != "cuda":
-        raise ValueError(
+        raise UnsupportedCombinationError(
             f"device={str(device)!r} with the NCCL {dim} group is not allowed: NCCL gathers CUDA tensors; "
             "pass device='cuda:<local rank>' or use a gloo group on CPU"
         )

@@ -38,6 +38,7 @@ from weightstream.offload.host.encode import _ALIGN, _slack
 from weightstream.offload.layout import align_up, all_tensors, tensor_bytes
 from weightstream.offload.plan.codec import CodecOption, CodecPlan, CodecPlanInputs, plan_codec
 from weightstream.offload.plan.measure import compute_from_events, h2d_from_events
+from weightstream.offload.misuse import UnsupportedCombinationError
 from weightstream.offload.progress import announce
 from weightstream.offload.sources.pinned import CodedSource
 
@@ -75,7 +76,7 @@ class Coding:
         streamed = auto.streamed
         src = streamed.source
         if not src.caps.codes_blocks:
-            raise ValueError(f"weight_codec='auto' needs a source that can code its blocks in place (the pinned "
+            raise UnsupportedCombinationError(f"weight_codec='auto' needs a source that can code its blocks in place (the pinned "
                              f"coded source of layer mode); {type(src).__name__} cannot; choose from: "
                              f"{', '.join(CODECS)}, none")
         self.auto = auto

@@ -35,6 +35,7 @@ import torch
 from ...kernels.codec import decode_any
 from ...kernels.codec_format import DecodeTable
 from weightstream.offload.codecs import CodedCaptureStaleError
+from weightstream.offload.misuse import UnsupportedCombinationError
 
 __all__ = ["DecodeStage", "DECODE_AT", "check_codec_supported", "decode_placement", "runs"]
 
@@ -43,10 +44,10 @@ _NEVER = object()  # capture tag of an event never recorded
 
 
 def check_codec_supported(codec: str, where: str) -> None:
-    """ValueError naming ``weight_codec`` when ``where`` (a transport no decode stage is composed
+    """:class:`~..misuse.UnsupportedCombinationError` naming ``weight_codec`` when ``where`` (a transport no decode stage is composed
     with) is asked to decode with ``codec`` (a request's ``codec``)."""
     if codec != "none":
-        raise ValueError(
+        raise UnsupportedCombinationError(
             f"weight_codec={codec!r} is not allowed with {where}: coded weights are not supported "
             "there yet (only the pinned host source of layer mode decodes them); choose from: none")
 
