@@ -15,7 +15,7 @@ elements. It costs about five passes of a plain copy over the tensor on one
 core (about 0.6-0.9 GB/s of raw bytes per core, measured with one intra-op
 thread); intermediate memory is about 1.5x the tensor. Torch's ops here are
 small and per chunk: run encoders side by side on worker threads with ONE
-intra-op thread each (as offload/sources/coded.py does), not one encoder over
+intra-op thread each (as offload/host/encode.py does), not one encoder over
 torch's intra-op pool, which is slower per core (its threads spin and thrash).
 """
 from __future__ import annotations

@@ -146,7 +146,7 @@ class OffloadConfig:
         byte as k-bit table codes with escapes, the sign/mantissa byte raw;
         other dtypes raw), copies the coded bytes H2D and decodes them into the
         slot: eagerly on a decode stream beside the copies, with cuda_graphs="on"
-        on the compute stream just before the block runs (offload/sources/coded.py,
+        on the compute stream just before the block runs (offload/sources/decode.py,
         decode_placement). "exp-k2" codes the escapes again at a second level
         (about 0.69 instead of 0.71 of the bytes on Student-t bf16 weights; a
         tensor it does not shrink keeps the "exp-k" bytes). "exp-kp" stores each

@@ -23,7 +23,7 @@ CUDA_GRAPHS = ("off", "on")
 GRAPH_BOUNDARY_LOADS = ("auto", "in-graph", "next-step")
 CODEC_MODES = ("layer", "module")  # modes whose host images can be stored coded
 COMPAT_COMPONENTS = ("dit", "text_encoder")  # what enable_cpu_offload=True selects
-RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/planner.py)
+RESIDENT_AUTO = "auto"  # resident_layers="auto": the planner picks the resident set (offload/plan/placement.py)
 # resident_layers / weight_codec not given (None, JSON null): the planned default (sources/select.py
 # resolve_default), distinguishable from an explicit 0 / "none", which keep their meaning
 UNSET = None

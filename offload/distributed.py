@@ -19,7 +19,7 @@ Two weight transfers (``layer_options.dit.weight_transfer``):
 With ``weight_codec='exp-k'`` AllGather keeps 1/N of every block's *coded*
 image per rank (:class:`~.sources.dlo.ShardSource` over coded shares: H2D of the coded
 shard, all-gather of coded bytes, one decode into the slot), and rank-local
-streams full coded blocks (:class:`~.sources.coded.CodedSource`). Coded shards
+streams full coded blocks (:class:`~.sources.pinned.CodedSource`). Coded shards
 are not a plain share of the weights: ``local_state_dict()`` holds
 :class:`CodedPiece` values, which :func:`merge_shards` joins and decodes.
 

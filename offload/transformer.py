@@ -223,7 +223,7 @@ class OffloadedTransformer(nn.Module):
     streams). ``plan``: an :class:`OffloadPlan` naming the block containers.
     ``parallel``: a ``ParallelConfig`` for distributed layerwise offload (DLO).
     ``streamed``: streaming machinery already built over ``module`` (other
-    weight sources, see :func:`weightstream.offload.sources.mmap.offload_from_safetensors`).
+    weight sources, see :func:`weightstream.offload.checkpoint_offload.offload_from_safetensors`).
     """
 
     _weightstream_wrapper = True  # check_wrappable refuses to wrap one again

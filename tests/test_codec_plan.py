@@ -1,4 +1,4 @@
-"""weight_codec="auto"'s policy (offload/codec_plan.py): pure, on the CPU."""
+"""weight_codec="auto"'s policy (offload/plan/codec.py): pure, on the CPU."""
 import itertools
 import random
 

@@ -30,7 +30,7 @@ class _Done:
     def wait(self, timeout=None):
         return None
 
-    def is_completed(self) -> bool:  # polled on CUDA (dlo_control.bounded_wait)
+    def is_completed(self) -> bool:  # polled on CUDA (dlo/control.py bounded_wait)
         return True
 
 

@@ -537,10 +537,10 @@ def test_block_loads_split_at_registration_chunks(source, monkeypatch):
     """Each block load from the host arena (executor and DLO shard copies) is
     cut where the block's registrations meet (chunks counted from the image
     start), checked on the copies themselves, not on outputs."""
-    from weightstream.offload.host import arena as host_store
+    from weightstream.offload.host import arena
 
     chunk = 1000  # a tiny chunk (not a multiple of 512) so the toy blocks span several
-    monkeypatch.setattr(host_store, "REGISTER_CHUNK", chunk)
+    monkeypatch.setattr(arena, "REGISTER_CHUNK", chunk)
     case = Case(source, slots=2)
     log = _CopyLog()
     with log:
@@ -581,7 +581,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
 
     from weightstream.offload.host import checkpoint as ms
     from weightstream.offload.checkpoint_offload import mmap_streamed_blocks
-    from weightstream.offload.host import copy_plans as mmap_plans
+    from weightstream.offload.host import copy_plans
     from weightstream.offload.host import registration
 
     class MmapToy(ToyDiT):
@@ -617,7 +617,7 @@ def test_mmap_blocks_copied_direct_only_from_registered_pages(tmp_path, monkeypa
         bases = [f.base for f in ckpt.files]
         for p in store.plans:
             if p.direct:
-                pages = mmap_plans._pages(p.ranges(), bases, PAGE)
+                pages = copy_plans._pages(p.ranges(), bases, PAGE)
                 assert all(any(a <= s and e <= b for a, b in accepted) for _, s, e in pages), p.name
     finally:
         store.pages._reg.ptrs.clear()  # nothing was really registered: nothing to unregister

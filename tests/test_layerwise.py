@@ -277,11 +277,11 @@ def test_bad_device_and_module():
 
 
 def test_failed_setup_loses_nothing(monkeypatch):
-    from weightstream.offload.host import arena as host_store
+    from weightstream.offload.host import arena
 
     model, ref, x = build("toy", DEV)
     calls = {"n": 0}
-    real_pin = host_store.HostStore.pin
+    real_pin = arena.HostStore.pin
 
     def failing_pin(self, i):
         calls["n"] += 1
@@ -289,7 +289,7 @@ def test_failed_setup_loses_nothing(monkeypatch):
             raise MemoryError("injected")
         return real_pin(self, i)
 
-    monkeypatch.setattr(host_store.HostStore, "pin", failing_pin)
+    monkeypatch.setattr(arena.HostStore, "pin", failing_pin)
     with pytest.raises(MemoryError):
         OffloadedTransformer(model, None, device=DEV)
     assert all(p.numel() > 0 for p in model.parameters())
@@ -300,9 +300,9 @@ def test_failed_setup_loses_nothing(monkeypatch):
 def test_copies_split_at_registration_chunks(monkeypatch):
     """Block copies and disable() split at REGISTER_CHUNK boundaries (CUDA rejects a
     copy whose source spans two registrations); a tiny chunk forces the split path."""
-    from weightstream.offload.host import arena as host_store
+    from weightstream.offload.host import arena
 
-    monkeypatch.setattr(host_store, "REGISTER_CHUNK", 1000)
+    monkeypatch.setattr(arena, "REGISTER_CHUNK", 1000)
     wrapped, ref, x = check_equal_outputs("toy", DEV)
     plain = wrapped.disable()
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Module offload with coded weights (weight_codec="exp-k" / "exp-k2") on the CPU, and one GPU test.
 
-Each unit's image is kept losslessly coded (offload/sources/coded.py); an arrival decodes
+Each unit's image is kept losslessly coded (offload/host/images.py); an arrival decodes
 it into the unit's buffer. Compared with the same pipeline without offload: outputs bit for
 bit, state_dict() / disable() round trips, an in-place edit reaching the next forward,
 special values, and a failed build that gives every weight back.

@@ -526,9 +526,9 @@ def test_copies_split_at_registration_chunks(monkeypatch, toy):
     """Copies from the host image are split at REGISTER_CHUNK boundaries (CUDA
     rejects a copy spanning two registrations); with a tiny chunk every
     arrival and disable() goes through the split path."""
-    import weightstream.offload.host.arena as host_store
+    from weightstream.offload.host import arena
 
-    monkeypatch.setattr(host_store, "REGISTER_CHUNK", 1000)  # not a multiple of 512 on purpose
+    monkeypatch.setattr(arena, "REGISTER_CHUNK", 1000)  # not a multiple of 512 on purpose
     pipe, inputs, expected = toy
     handle = offload_pipeline(pipe, cfg(), device="cpu")
     for _ in range(2):

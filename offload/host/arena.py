@@ -8,7 +8,7 @@ registering each block's range with ``cudaHostRegister`` (chunks of at most
 bytes pinned (DESIGN.md section 8). A pinned-memory budget is honoured; what
 lies beyond it stays pageable, with one warning. Nothing here allocates after
 construction; an arena the OS refuses is a ``HostMemoryError`` naming its size
-(:func:`~.host_memory.map_anonymous`).
+(:func:`~.registration.map_anonymous`).
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def decode_paths(levels: int) -> dict:
 
 def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None,
                    levels: int = 1) -> torch.Tensor:
-    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec.encode`;
+    """``t`` coded (at the start of ``out`` when it fits, see :func:`~weightstream.kernels.codec_encode.encode`;
     ``levels`` 2: codec "exp-k2")."""
     if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
         raise ValueError(f"tensor {spec.name!r}: got {t.dtype} {tuple(t.shape)}, the layout says "

@@ -8,7 +8,7 @@ source registers through here: the pinned host store (anonymous arena), the
 DLO shards and the mmap source (read-only file mappings).
 
 Host buffers are allocated through :func:`map_anonymous` / :func:`empty_host`, so that a
-failed allocation is a :class:`~.misuse.HostMemoryError` naming the bytes asked for, what
+failed allocation is a :class:`~..misuse.HostMemoryError` naming the bytes asked for, what
 the process already held, and how to need less, instead of a bare ENOMEM.
 """
 from __future__ import annotations

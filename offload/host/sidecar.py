@@ -296,7 +296,7 @@ def load_sidecar(path: Path, ident: dict, layouts: list[BlockLayout],
 
 
 class _Watched:
-    """The mapped sidecar's identity as mapped (``check``: one fstat, :class:`~..checkpoint.FileWatch`;
+    """The mapped sidecar's identity as mapped (``check``: one fstat, :class:`~.checkpoint.FileWatch`;
     the sidecar is only ever replaced atomically, so a change means someone wrote it in place)."""
 
     def __init__(self, path: Path, fd: int):

@@ -33,7 +33,7 @@ Mechanism (DESIGN.md section 3):
 - On ``device="cpu"`` the same mechanism runs: "on the device" is a private
   CPU buffer copied from the host image, "off" is the placeholder.
 - ``weight_codec="exp-k"``: each unit's image is kept losslessly coded
-  instead (a :class:`~weightstream.offload.sources.coded.CodedSource` over
+  instead (a :class:`~weightstream.offload.sources.pinned.CodedSource` over
   the unit layouts: encoded on worker threads, originals dropped, pinned
   within ``pinned_memory_budget_gb``). An arrival copies the coded bytes H2D
   on the copy stream into a staging buffer allocated for that arrival (no

@@ -5,9 +5,9 @@ each tensor (``.data``, identity kept) to its aligned view of a fresh buffer,
 departing rebinds it to an empty placeholder and drops the buffer (no D2H copy:
 the host master is unchanged).
 
-:class:`UnitImages` owns the host masters: a :class:`~..host_store.HostStore`
+:class:`UnitImages` owns the host masters: a :class:`~..host.arena.HostStore`
 image per unit (every tensor 512-byte aligned, pinned once), or with
-``weight_codec`` a :class:`~..sources.coded.CodedSource` over the unit layouts;
+``weight_codec`` a :class:`~..sources.pinned.CodedSource` over the unit layouts;
 and it fills an arriving unit's buffer from them (on CUDA on side streams,
 ordered by events, never a synchronize).
 """

@@ -6,7 +6,7 @@ stream takes 426 ms, the compute 172 ms) gains about 0.3 of its step; a
 compute-bound one (Wan 14B at 480p: the raw stream already hides under the
 compute) gains nothing and pays the decode: measured, 1.011-1.013x the resident
 step with every block coded. So the codec is planned from a measured step,
-like the resident set (:mod:`.planner`):
+like the resident set (:mod:`.placement`):
 
 - inputs: per-block compute (ms, execution order) and the link rate from the
   first eager step's event log (every block streamed raw); per codec the coded
@@ -81,7 +81,7 @@ class CodecPlanInputs:
     raw_bytes[i]: raw link bytes of streamed block ``i``; None for a resident block.
     h2d_gbps: the measured link rate. num_slots: the ring's slots.
     options: the codecs to choose from. decode_on: "side" (eager) or "compute" (graphs).
-    step_local: the CUDA-graph schedule with resident blocks (:mod:`.planner`).
+    step_local: the CUDA-graph schedule with resident blocks (:mod:`.ring`).
     fixed: blocks coded already (an earlier plan), with the one option given; the plan adds to them.
     decoded_bytes[i]: bytes block ``i``'s decode writes (None: its ``raw_bytes``, one process streaming
     whole blocks). DLO AllGather: a rank's link moves its 1/N share of a block, its decode the whole block.

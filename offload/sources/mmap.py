@@ -24,7 +24,7 @@ direct (CUDA, primary)
 staging (fallback)
     Blocks that cannot be copied directly (CPU device, no registration,
     budget exhausted, a Python ``mmap_weight_transform`` callable) are packed
-    by a background thread into two host buffers (see :mod:`..staging`); the
+    by a background thread into two host buffers (see :mod:`..host.staging`); the
     forward thread only waits for a packed buffer and issues the H2D.
 
 Model opt-in (as in vLLM-Omni's mmap loader): diffusers models load from a
@@ -55,7 +55,7 @@ the mtime back (``cp -p`` of a same-size file, ``os.utime``) still moves the
 ctime, which no user call can set; so do chmod, touch, a hard link and a rename
 of the file itself (errors too: build a new wrapper). The one ctime change
 accepted is the file losing its last name (an atomic replace over its path, or
-its deletion), which changes no byte (:class:`~..checkpoint.FileWatch`).
+its deletion), which changes no byte (:class:`~..host.checkpoint.FileWatch`).
 ``state_dict()`` values are views of the mapping: read them before replacing
 anything in place.
 
@@ -65,8 +65,9 @@ this source is read-only (as ``update_weights`` of streamed tensors is).
 
 Entry point: :func:`offload_from_safetensors` (public as
 :func:`weightstream.offload_from_safetensors`). Checkpoint parsing and meta binding
-live in :mod:`..checkpoint`, registration in :mod:`..host_memory`, copy plans
-and the registration of checkpoint pages in :mod:`.mmap_plans`.
+live in :mod:`..host.checkpoint` and :mod:`..host.binding`, registration in
+:mod:`..host.registration`, copy plans and the registration of checkpoint pages in
+:mod:`..host.copy_plans`, the stager in :mod:`..host.staging`.
 """
 from __future__ import annotations
 

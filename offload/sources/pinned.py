@@ -7,10 +7,10 @@ views of the arena (zero-copy), and an in-place edit of one is picked up at the
 next step start through the arena's version counter (:meth:`host_version`).
 
 Blocks the store could not pin (beyond ``pinned_memory_budget_gb``, or a failed
-registration) always stage on CUDA: a :class:`~..staging.Stager` packer thread
+registration) always stage on CUDA: a :class:`~..host.staging.Stager` packer thread
 walks the schedule's positions ahead of the forward pass and copies each such
 block's pageable image into one of two pinned bounce buffers (split over
-:class:`~..staging.CopyPool` threads for large blocks); ``load`` only waits for
+:class:`~..host.staging.CopyPool` threads for large blocks); ``load`` only waits for
 the packed buffer, issues the H2D from it, records the stager's ``h2d_done``
 event and hands the buffer back. So their copies overlap compute instead of
 serialising with it as a pageable ``copy_`` does. No config key turns this off;
@@ -94,7 +94,7 @@ class PinnedSource(WeightSource):
         """``stage``: None (default): on CUDA, every block the store did not pin
         stages through the bounce buffers; True: every unpinned block stages, on
         any device (tests); False: none do (unpinned blocks copy with a pageable
-        ``copy_``). ``staging_threads``: packing threads (see :func:`~..staging.check_threads`)."""
+        ``copy_``). ``staging_threads``: packing threads (see :func:`~..host.staging.check_threads`)."""
         if stage not in STAGE_CHOICES:
             raise ValueError(f"stage={stage!r} is not allowed; choose from: None (auto), True, False")
         self.staging_threads = check_threads(staging_threads)
