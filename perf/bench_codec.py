@@ -25,7 +25,7 @@ single-stream block of ~283 MB, a double-stream block of ~680 MB):
   byte-identical, both encode rates and the decode rate.
 
 - build path (``--build``, on by default): the coded source's encode as setup runs it
-  (`offload.sources.coded_encode.encoded_in_order`: one block per worker thread, torch's
+  (`offload.host.encode.encoded_in_order`: one block per worker thread, torch's
   intra-op threads at 1) over ``--build-blocks`` blocks of the first size, at
   1..N workers (``--build-workers``, default powers of two up to the usable
   cores, and the cores): raw GB/s in aggregate and per worker (modes
@@ -67,7 +67,7 @@ from perf.results import validate_result, write_result  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GBPS = 300.0  # decoded bf16 per second on an H200
 SIZES = ("tensor", "single", "double")
-CODEC_SUFFIX = {"exp-k": "", "exp-k2": "-k2", "exp-kp": "-kp"}  # mode-name suffix per codec (offload.sources.coded.CODECS)
+CODEC_SUFFIX = {"exp-k": "", "exp-k2": "-k2", "exp-kp": "-kp"}  # mode-name suffix per codec (offload.codecs.CODECS)
 
 
 def _shapes(size: str) -> list[tuple[int, ...]]:
