@@ -2,6 +2,7 @@
 import copy
 
 import torch
+from torch import nn
 
 from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
@@ -22,6 +23,26 @@ def stream_config(**cfg) -> OffloadConfig:
     if "layer_options" not in kw:
         kw.setdefault("resident_layers", 0)
     return OffloadConfig.layerwise(**kw)
+
+
+class ResidualBlocks(nn.Module):
+    """Residual MLP blocks (non-diffusers); checkpoint keys equal runtime names (mmap opt-in)."""
+
+    _supports_mmap_loading = True
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self, width=16, n=3):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                    for _ in range(n))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
 
 
 def first(out):

@@ -54,6 +54,15 @@ def _slow_link(wrapped) -> None:
     sb.codec_planner.h2d_gbps, sb.codec_planner.decode_gbps = 1e-6, FAST_DECODE
 
 
+def _two_signatures():
+    """(reference, inputs, inputs of a second signature, block sizes, fixed bytes, the model wrapped
+    under a budget that holds half the streamed bytes resident besides two slots)."""
+    model, ref, x = _toy()
+    sizes, fixed = _sizes(model)
+    wrapped = _joint(model, fixed + 2 * max(sizes) + sum(sizes) // 2)
+    return ref, x, {k: torch.cat([v, v]) for k, v in x.items()}, sizes, fixed, wrapped
+
+
 def _until_coded(wrapped, x, want, timeout_s: float = 60.0) -> None:
     t0 = time.monotonic()
     while wrapped.stats().get("coding_in_background") is not None:
@@ -107,11 +116,8 @@ def test_residency_then_codec_is_bit_exact_within_the_budget(room):
 def test_a_new_signature_replans_the_placement_and_adds_coded_blocks_only():
     """A second input signature is measured and planned again (the placement per signature, the
     codec only adding, with the codec chosen); switching back reuses the first placement."""
-    model, ref, x = _toy()
-    sizes, fixed = _sizes(model)
-    wrapped = _joint(model, fixed + 2 * max(sizes) + sum(sizes) // 2)
+    ref, x, two, sizes, fixed, wrapped = _two_signatures()
     sb = wrapped._streamed
-    two = {k: torch.cat([v, v]) for k, v in x.items()}
     with torch.no_grad():
         want = {"x": first(ref(**x)), "two": first(ref(**two))}
         assert torch.equal(first(wrapped(**x)), want["x"])
@@ -132,11 +138,8 @@ def test_a_new_signature_replans_the_placement_and_adds_coded_blocks_only():
 def test_a_placement_planned_alone_reserves_the_staging_of_blocks_coded_already():
     """Once blocks are coded, a later placement (here the codec part removed, a new signature and a
     smaller budget) keeps the coded staging buffers within the budget."""
-    model, ref, x = _toy()
-    sizes, fixed = _sizes(model)
-    wrapped = _joint(model, fixed + 2 * max(sizes) + sum(sizes) // 2)
+    ref, x, two, sizes, fixed, wrapped = _two_signatures()
     sb = wrapped._streamed
-    two = {k: torch.cat([v, v]) for k, v in x.items()}
     with torch.no_grad():
         wrapped(**x)
         _until_coded(wrapped, x, first(ref(**x)))

@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tiny_pipelines import generate, tiny_flux_pipeline
 from weightstream.__main__ import _parser
 from weightstream.offload import config_schema as schema
 from weightstream.offload.codecs import WEIGHT_CODECS
@@ -203,43 +204,6 @@ def _readme_offload_config(code: str) -> dict:
     raise AssertionError("the README quickstart calls no offload_pipeline(pipe, {...})")
 
 
-def _tiny_flux_pipeline(folder: Path):
-    """A real diffusers FluxPipeline from configs: tiny Flux, CLIP and T5 text encoders, VAE and
-    tokenizers written to ``folder`` (character-level CLIP vocabulary, word-level T5)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
-
-    from weightstream.models import tiny_flux
-
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in letters:
-        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    clip_tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
-    words = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(["a", "photo", "of", "cat"])}}
-    word_level = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    t5_tokenizer = T5TokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", extra_ids=0)
-    torch.manual_seed(0)
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
-                                        projection_dim=16)).eval()
-    t5 = T5EncoderModel(T5Config(vocab_size=len(words), d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                 num_heads=4)).eval()
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        norm_num_groups=8, layers_per_block=1, sample_size=16, shift_factor=0.0,
-                        scaling_factor=1.0).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
-                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=tiny_flux())
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def test_readme_quickstart_on_a_tiny_flux_pipeline(tmp_path):
     """The README's load / offload / generate / save, with the README's offload config, on a real
     FluxPipeline whose transformer and both text encoders stream: the resident pipeline's image bit
@@ -252,13 +216,12 @@ def test_readme_quickstart_on_a_tiny_flux_pipeline(tmp_path):
 
     from weightstream import offload_pipeline
 
-    pipe = _tiny_flux_pipeline(tmp_path)
+    pipe = tiny_flux_pipeline(tmp_path)
     resident = copy.deepcopy(pipe)
-    call = dict(height=16, width=16, num_inference_steps=2, max_sequence_length=8, output_type="pt")
-    expected = resident("a photo of a cat", generator=torch.Generator().manual_seed(0), **call).images
+    expected = generate(resident)
     handle = offload_pipeline(pipe, {**_readme_offload_config(code), "progress": False}, device="cpu")
     assert set(handle.wrapped) == {"transformer", "text_encoder", "text_encoder_2"}, handle
-    image = pipe("a photo of a cat", generator=torch.Generator().manual_seed(0), **call).images
+    image = generate(pipe)
     assert torch.equal(image, expected)
     pipe.save_pretrained(str(tmp_path / "saved"))
     for sub, cls in (("transformer", FluxTransformer2DModel), ("text_encoder", CLIPTextModel),

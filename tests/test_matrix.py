@@ -7,41 +7,21 @@ import copy
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from weightstream import OffloadConfig, OffloadedTransformer, ParallelConfig, UnsupportedCombinationError
 from weightstream.offload.host.checkpoint import on_meta
 from weightstream.offload.sources.select import SUPPORT, refusals, support_table_markdown
 
+from layerwise_cases import ResidualBlocks
 from test_distributed import get, run_ranks
 
 RESIDENT = {"none": 0, "fixed": 1, "auto": "auto"}
 STEPS = 3  # auto placement / auto codec: a measured step, then the planned ones
 
 
-class _Blocks(nn.Module):
-    """Four residual MLP blocks; checkpoint keys equal runtime names (mmap opt-in)."""
-
-    _supports_mmap_loading = True
-    _layerwise_offload_blocks_attrs = ["blocks"]
-
-    def __init__(self, width=16, n=4):
-        super().__init__()
-        self.embed = nn.Linear(4, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-                                    for _ in range(n))
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
-
-
 def _model():
     torch.manual_seed(0)
-    return _Blocks().eval()
+    return ResidualBlocks(n=4).eval()
 
 
 def _x(seed=1):
@@ -72,7 +52,7 @@ def _run_layer(transport, codec, residency, graphs, device, tmp_path=None, paral
             path = tmp_path / "toy.safetensors"
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
             with on_meta():
-                meta = _Blocks().eval()
+                meta = ResidualBlocks(n=4).eval()
             wrapped = offload_from_safetensors(meta, path, cfg, device=device)
         else:
             wrapped = OffloadedTransformer(model, cfg, device=device, parallel=parallel)

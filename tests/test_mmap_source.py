@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from layerwise_cases import ResidualBlocks
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
 from weightstream.offload.host.arena import PAGE
@@ -162,24 +163,7 @@ def test_merge_runs_keeps_relative_placement():
 # ----------------------------------------------------------------- toy models
 
 
-class _Blocks(nn.Module):
-    """Three residual MLP blocks (non-diffusers); keys equal runtime names."""
-
-    _supports_mmap_loading = True
-    _layerwise_offload_blocks_attrs = ["blocks"]
-
-    def __init__(self, width=16, n=3):
-        super().__init__()
-        self.embed = nn.Linear(4, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-                                    for _ in range(n))
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
+_Blocks = ResidualBlocks  # three blocks
 
 
 def _toy(cls=_Blocks, **kw):
@@ -228,7 +212,7 @@ def test_meta_left_behind_lists_the_tensors(tmp_path):
     sd = _toy().state_dict()
     del sd["blocks.1.0.weight"], sd["head.bias"]
     path = _save(sd, tmp_path / "toy.safetensors")
-    with pytest.raises(ValueError, match=r"2 expected tensor\(s\) of _Blocks are still on the meta device") as e:
+    with pytest.raises(ValueError, match=r"2 expected tensor\(s\) of ResidualBlocks are still on the meta device") as e:
         offload_from_safetensors(_meta(), path, device=DEV)
     assert "'blocks.1.0.weight'" in str(e.value) and "'head.bias'" in str(e.value)
 
@@ -237,7 +221,7 @@ def test_missing_keys_of_a_real_model(tmp_path):
     sd = _toy().state_dict()
     del sd["embed.weight"]
     path = _save(sd, tmp_path / "toy.safetensors")
-    with pytest.raises(ValueError, match=r"parameters of _Blocks missing from the checkpoint: 'embed.weight'"):
+    with pytest.raises(ValueError, match=r"parameters of ResidualBlocks missing from the checkpoint: 'embed.weight'"):
         offload_from_safetensors(_toy(), path, device=DEV)  # built for real, not on meta
 
 
@@ -245,7 +229,7 @@ def test_unknown_keys_without_remap(tmp_path):
     sd = _toy().state_dict()
     sd["extra.scale"] = torch.ones(3)
     path = _save(sd, tmp_path / "toy.safetensors")
-    with pytest.raises(ValueError, match=r"checkpoint keys that _Blocks has no tensor for: 'extra.scale'.*_remap_ckpt_key"):
+    with pytest.raises(ValueError, match=r"checkpoint keys that ResidualBlocks has no tensor for: 'extra.scale'.*_remap_ckpt_key"):
         offload_from_safetensors(_meta(), path, device=DEV)
 
 

@@ -10,60 +10,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from tiny_pipelines import generate, reload, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline  # noqa: E402
 from weightstream.offload.misuse import AlreadyOffloadedError  # noqa: E402
-
-CALL = dict(height=16, width=16, num_inference_steps=2, max_sequence_length=8, output_type="pt")
-
-
-def tiny_flux_pipeline(folder: Path):
-    """FluxPipeline of tiny components from configs; character-level CLIP vocabulary, word-level T5."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
-
-    from weightstream.models import tiny_flux
-
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in letters:
-        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    clip_tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16)
-    words = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(["a", "photo", "of", "cat"])}}
-    word_level = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    t5_tokenizer = T5TokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", extra_ids=0)
-    torch.manual_seed(0)
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
-                                        projection_dim=16)).eval()
-    t5 = T5EncoderModel(T5Config(vocab_size=len(words), d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                 num_heads=4)).eval()
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        norm_num_groups=8, layers_per_block=1, sample_size=16, shift_factor=0.0,
-                        scaling_factor=1.0).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
-                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=tiny_flux())
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def generate(pipe):
-    return pipe("a photo of a cat", generator=torch.Generator().manual_seed(0), **CALL).images
-
-
-def reload(pipe, folder: Path):
-    """FluxPipeline.from_pretrained of a saved folder. The test's word-level T5 tokenizer does not
-    survive transformers' save / load (it reloads as a Unigram one), so that one object is passed."""
-    from diffusers import FluxPipeline
-
-    back = FluxPipeline.from_pretrained(str(folder), tokenizer_2=pipe.tokenizer_2)
-    back.set_progress_bar_config(disable=True)
-    return back
 
 
 @pytest.fixture
@@ -164,18 +113,13 @@ def test_pipeline_calls_on_the_wrapper_work_or_name_the_error(pipe):
 def tiny_wan_pipeline():
     """WanPipeline of tiny components from configs: tiny Wan, a UMT5 encoder, a Wan VAE, a word-level tokenizer."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel
 
     from weightstream.models import tiny_wan
 
-    words = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(["a", "photo", "of", "cat"])}}
-    word_level = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = T5TokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="</s>",
-                                unk_token="<unk>", extra_ids=0)
+    tokenizer = t5_tokenizer()
     torch.manual_seed(0)
-    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer.get_vocab()), d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                           num_heads=4)).eval()
     vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
