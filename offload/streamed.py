@@ -20,8 +20,8 @@ from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
 from .sources.base import check_stats
-from .sources.pinned import SourceRequest, coded_source, pinned_source
-from .sources.select import Selection, Topology, check_quantized, select
+from .sources.pinned import SourceRequest
+from .sources.select import Selection, check_quantized
 from .adapters import AdapterWatch, streamable_tensors
 from .host.quantized import (
     check_update, host_form, parts_of, quantized_format, rehome, split_update, streams, unhome,
@@ -69,12 +69,13 @@ class StreamedBlocks:
     executor_cls = LayerwiseExecutor  # tests substitute mutants (tests/test_happens_before.py)
 
     def __init__(self, module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
-                 *, selection: Selection | None = None, source=None, guard=None, prime: str = "now",
-                 next_step: bool = True):
+                 *, selection: Selection, source, guard=None, prime: str = "now", next_step: bool = True):
+        """Built by :func:`~.build.streamed_blocks` only: ``selection`` is the supported cell of the
+        support matrix, ``source`` its transport's factory ``SourceRequest -> WeightSource``."""
         t0 = time.perf_counter()
         check_wrappable(module, allow_meta=True)  # sources that bind checkpoints start from meta
         self.module, self.config, self.device = module, config, device
-        self.selection = selection or select(config, Topology(device_type=device.type))  # build.py passes it
+        self.selection = selection
         self.supports_next_step = self.supports_next_step and next_step
         self.quantized = quantized_format(module)  # streamed as it is (host/quantized.py)
         check_quantized(self.quantized, self.selection.transport)
@@ -115,8 +116,6 @@ class StreamedBlocks:
         self.tensors = tensors
         codec = self.selection.codec
         req = SourceRequest(config, device, streamed, tensors, layouts, self.schedule, codec=codec)
-        if source is None:  # the default: pinned host images, coded ones with a codec
-            source = pinned_source if codec == "none" else coded_source
         moved = rehome(module, device)  # tensor subclasses claim the device their inner tensors stream to
         try:
             self.source = source(req)

@@ -371,10 +371,10 @@ def _encode_on_device(spec: ModeSpec, model: nn.Module, device: torch.device, re
     """A -coded-encgpu mode's wrapper: the coded source codes its blocks on the GPU."""
     from weightstream import OffloadedTransformer
     from weightstream.offload.sources.pinned import coded_source
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     cfg = weightstream_config(spec, record_events)
-    st = StreamedBlocks(model, cfg, device, None, source=lambda req: coded_source(req, encode_on=spec.encode_on))
+    st = streamed_blocks(model, cfg, device, None, source=lambda req: coded_source(req, encode_on=spec.encode_on))
     return OffloadedTransformer(model, cfg, device=device, streamed=st), cfg
 
 
@@ -384,12 +384,12 @@ def _half_pinned(spec: ModeSpec, model: nn.Module, device: torch.device, record_
 
     from weightstream import OffloadedTransformer
     from weightstream.offload.sources.pinned import PinnedSource
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     budget = half_pinned_budget_gb(model)
     spec = dataclasses.replace(spec, config_kw={**spec.config_kw, "pinned_memory_budget_gb": budget})
     cfg = weightstream_config(spec, record_events)
-    st = StreamedBlocks(model, cfg, device, None, source=lambda req: PinnedSource(req, stage=spec.stage))
+    st = streamed_blocks(model, cfg, device, None, source=lambda req: PinnedSource(req, stage=spec.stage))
     return OffloadedTransformer(model, cfg, device=device, streamed=st), cfg
 
 

@@ -20,6 +20,7 @@ from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.offload.schedule import Schedule
 from weightstream.offload.sources.pinned import PinnedSource
 from weightstream.offload.streams import Op, RecordingStreams
+from weightstream.offload.build import streamed_blocks
 from weightstream.offload.streamed import StreamedBlocks
 
 from layerwise_cases import build, first
@@ -47,7 +48,7 @@ class Bounce:
         model, self.ref, self.x = build(name, DEV)
         cfg = OffloadConfig.layerwise(resident_layers=resident, num_slots=max(2, slots), progress=False)
         cls = streamed_cls(slots, mode, streams)
-        st = cls(model, cfg, DEV, None, source=source or staged())
+        st = streamed_blocks(model, cfg, DEV, None, source=source or staged(), cls=cls)
         self.wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=st)
         self.source = st.source
 
@@ -158,10 +159,10 @@ def test_stage_choices():
     model, _, _ = build("toy", DEV)
     cfg = OffloadConfig.layerwise(progress=False)
     with pytest.raises(ValueError, match="stage='yes' is not allowed; choose from: None"):
-        StreamedBlocks(model, cfg, DEV, None, source=lambda req: PinnedSource(req, stage="yes"))
+        streamed_blocks(model, cfg, DEV, None, source=lambda req: PinnedSource(req, stage="yes"))
     for stage in (None, False):  # the CPU default and the pageable path: no stager
         model, ref, x = build("toy", DEV)
-        st = StreamedBlocks(model, cfg, DEV, None, source=lambda req, s=stage: PinnedSource(req, stage=s))
+        st = streamed_blocks(model, cfg, DEV, None, source=lambda req, s=stage: PinnedSource(req, stage=s))
         wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=st)
         assert st.source.stager is None and wrapped.stats()["staged_blocks"] == 0
         assert st.source.uncapturable() is None
@@ -372,7 +373,7 @@ def test_auto_placement_rebuilds_the_ring_over_staged_blocks(name, resident):
     replaced by one with the given resident blocks (its choice depends on CPU timings)."""
     model, ref, x = build(name, DEV)
     cfg = OffloadConfig.layerwise(resident_layers="auto", device_memory_budget_gb=1.0, progress=False)
-    st = StreamedBlocks(model, cfg, DEV, None, source=staged())
+    st = streamed_blocks(model, cfg, DEV, None, source=staged())
     wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=st)
     n = len(st.source.layouts)
     first_stager = st.source.stager

@@ -6,7 +6,7 @@ import torch
 
 from weightstream import OffloadedTransformer
 from weightstream.offload.sources.pinned import PinnedSource
-from weightstream.offload.streamed import StreamedBlocks
+from weightstream.offload.build import streamed_blocks
 
 from layerwise_cases import build, first, stream_config
 
@@ -29,7 +29,7 @@ def wrap_half(name, dtype, *, stage=None, **cfg):
     config = stream_config(progress=False, pinned_memory_budget_gb=budget, **cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the budget warning
-        st = StreamedBlocks(model, config, DEV, None, source=lambda req: PinnedSource(req, stage=stage))
+        st = streamed_blocks(model, config, DEV, None, source=lambda req: PinnedSource(req, stage=stage))
     return OffloadedTransformer(model, config, device=DEV, streamed=st), ref, x
 
 

@@ -16,6 +16,7 @@ from weightstream import OffloadConfig, OffloadedTransformer
 from weightstream.models import toy_inputs
 from weightstream.offload.sources.decode import DecodeStage
 from weightstream.offload.sources.pinned import CodedSource, coded_source
+from weightstream.offload.build import streamed_blocks
 from weightstream.offload.streamed import StreamedBlocks
 from weightstream.offload.streams import RecordingStreams
 
@@ -44,7 +45,7 @@ class CodedCase:
             src.caps = dataclasses.replace(src.caps, writes_at_use=decode_at == "use")
             return src
 
-        streamed = cls(model, cfg, DEV, None, source=factory)
+        streamed = streamed_blocks(model, cfg, DEV, None, source=factory, cls=cls)
         self.wrapped = OffloadedTransformer(streamed.module, cfg, device=DEV, streamed=streamed)
         if coded is not None:
             streamed.codec_planner.remove()  # the test picks the coded blocks

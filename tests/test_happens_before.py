@@ -32,6 +32,7 @@ from weightstream.offload.host.registration import REGISTER_CHUNK
 from weightstream.offload.layout import block_tensors, build_layout
 from weightstream.offload.schedule import Schedule
 from weightstream.offload.streams import CudaStreams, RecordingStreams, default_streams, resolve_streams
+from weightstream.offload.build import streamed_blocks
 from weightstream.offload.streamed import StreamedBlocks
 
 import stream_trace
@@ -94,7 +95,7 @@ class Case:
         cfg = OffloadConfig.layerwise(resident_layers=resident, record_events=True, progress=False)
         if source == "host":
             cls = _traced(StreamedBlocks, self.rec, slots, mode, executor_cls)
-            streamed = cls(model, cfg, DEV, None)
+            streamed = streamed_blocks(model, cfg, DEV, None, cls=cls)
         elif source == "dlo":
             cls = _traced(StreamedBlocks, self.rec, slots, mode, executor_cls)
             streamed = fake_dlo(model, cfg, cls, source_cls)

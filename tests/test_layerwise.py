@@ -314,18 +314,18 @@ def test_defer_last_schedule_bit_exact(name):
     """graph_boundary_loads='next-step' (CUDA graphs without resident blocks: the
     load that waits for a step's last block is issued when the next step starts)
     on the CPU: same outputs, same mechanism."""
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     model, ref, x = build(name, DEV)
-    plain = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="in-graph"),
-                           torch.device(DEV), None)
+    plain = streamed_blocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="in-graph"),
+                            torch.device(DEV), None)
     assert not plain.schedule.defer_last and not plain.schedule.step_local  # in-graph keeps the plain ring
     plain.restore()
-    auto = StreamedBlocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on"), torch.device(DEV), None)
+    auto = streamed_blocks(build(name, DEV)[0], OffloadConfig.layerwise(cuda_graphs="on"), torch.device(DEV), None)
     assert auto.schedule.defer_last  # the default ("auto") without resident layers
     auto.restore()
     cfg = OffloadConfig.layerwise(cuda_graphs="on", graph_boundary_loads="next-step", record_events=True)
-    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    sb = streamed_blocks(model, cfg, torch.device(DEV), None)
     sched = sb.schedule
     assert sched.defer_last and "StepHook" in repr(sb.executor.hooks)
     with torch.no_grad():
@@ -347,11 +347,11 @@ def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
     first streamed block starts, not when the DiT's forward starts: inside a CUDA
     graph a copy created before any kernel of the step runs on the launching
     stream, measured slower on the H200."""
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     model, ref, x = build("flux", DEV)
     cfg = OffloadConfig.layerwise(cuda_graphs="on", record_events=True)
-    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    sb = streamed_blocks(model, cfg, torch.device(DEV), None)
     copies_seen = []
     count = lambda: sum(r.lane == "copy" for r in sb.executor.ring_log.log.records)  # noqa: E731
     first_block = sb.blocks[0].module
@@ -373,11 +373,11 @@ def test_defer_last_step_start_load_waits_for_the_first_streamed_block():
 def test_step_local_schedule_bit_exact(name, resident):
     """The schedule CUDA graphs use with resident blocks (loads start with each
     step, none cross a step boundary) on the CPU: same outputs, same mechanism."""
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     model, ref, x = build(name, DEV)
     cfg = OffloadConfig.layerwise(cuda_graphs="on", resident_layers=resident, record_events=True)
-    sb = StreamedBlocks(model, cfg, torch.device(DEV), None)
+    sb = streamed_blocks(model, cfg, torch.device(DEV), None)
     assert sb.schedule.step_local and "StepHook" in repr(sb.executor.hooks)
     with torch.no_grad():
         expected = first(ref(**x))

@@ -67,6 +67,7 @@ def test_sd3_skip_layers_graph_schedules_bit_exact(mode, num_slots):
     """The CUDA-graph schedules (step-start loads, a deferred boundary load) run
     eagerly on the CPU with the same skipping."""
     from weightstream.offload.schedule import Schedule
+    from weightstream.offload.build import streamed_blocks
     from weightstream.offload.streamed import StreamedBlocks
 
     class Sched(StreamedBlocks):
@@ -76,7 +77,7 @@ def test_sd3_skip_layers_graph_schedules_bit_exact(mode, num_slots):
     model, ref, x = _sd3()
     resident = 1 if mode == "step_local" else 0
     cfg = OffloadConfig.layerwise(resident_layers=resident, progress=False)
-    wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=Sched(model, cfg, DEV, None))
+    wrapped = OffloadedTransformer(model, cfg, device=DEV, streamed=streamed_blocks(model, cfg, DEV, None, cls=Sched))
     _run(wrapped, ref, x)
 
 

@@ -25,7 +25,7 @@ from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload import distributed as dlo
 from weightstream.offload.dlo.control import tensor_digests
 from weightstream.offload.dlo.topology import ParallelConfig
-from weightstream.offload.streamed import StreamedBlocks
+from weightstream.offload.build import streamed_blocks
 
 TIMEOUT_S = 2.0  # dlo_timeout_s of the checks that time out on purpose
 SLACK_S = 4.0  # two shared CPU cores: scheduling delay on top of it
@@ -589,7 +589,7 @@ def test_dlo_rank_local_schedule_is_not_next_step():
     """graph_boundary_loads='auto' picks the next-step boundary (Schedule.defer_last) for
     plain layerwise graphs, never for DLO (supports_next_step=False)."""
     cfg = OffloadConfig.layerwise(cuda_graphs="on", progress=False)
-    plain = StreamedBlocks(ToyDiT(), cfg, torch.device("cpu"), None)
+    plain = streamed_blocks(ToyDiT(), cfg, torch.device("cpu"), None)
     assert plain.schedule.defer_last is True  # the same config outside DLO: the check can fail
     plain.restore()
     rl = OffloadConfig.layerwise(cuda_graphs="on", weight_transfer="rank-local", progress=False)

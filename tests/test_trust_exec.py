@@ -17,7 +17,7 @@ from weightstream import (
     WeightUpdateError,
 )
 from weightstream.models import ToyDiT
-from weightstream.offload.streamed import StreamedBlocks
+from weightstream.offload.build import streamed_blocks
 
 from layerwise_cases import build, first
 
@@ -45,7 +45,7 @@ class Runner:
         self.model, self.ref, self.x = build(name, DEV)
         config = OffloadConfig.layerwise(**cfg)
         if direct:
-            self.sb = StreamedBlocks(self.model, config, torch.device(DEV), None)
+            self.sb = streamed_blocks(self.model, config, torch.device(DEV), None)
             assert self.sb.schedule.has_step_start
             self.call = lambda: first(self.model(**self.x))
             self.update = self.sb.update_weights
@@ -525,7 +525,7 @@ def test_direct_forward_call_runs_the_step_start(name, cfg):
     schedules (defer_last, step_local) the first streamed block issues the
     step-start loads itself. Mixed with __call__ steps, every output is exact."""
     model, ref, x = build(name, DEV)
-    sb = StreamedBlocks(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), torch.device(DEV), None)
+    sb = streamed_blocks(model, OffloadConfig.layerwise(cuda_graphs="on", **cfg), torch.device(DEV), None)
     assert sb.schedule.has_step_start
     with torch.no_grad():
         expected = first(ref(**x))

@@ -101,11 +101,11 @@ def case_direct_forward_step_schedules(cfg_name: str):
     import torch
 
     from layerwise_cases import build, first, stream_config
-    from weightstream.offload.streamed import StreamedBlocks
+    from weightstream.offload.build import streamed_blocks
 
     model, ref, x = build("flux", "cuda", torch.bfloat16)
     cfg = stream_config(cuda_graphs="on", **GRAPH_CFGS[cfg_name])
-    sb = StreamedBlocks(model, cfg, torch.device("cuda"), None)
+    sb = streamed_blocks(model, cfg, torch.device("cuda"), None)
     assert sb.schedule.has_step_start
     with torch.no_grad():
         expected = first(ref(**x))
