@@ -100,10 +100,7 @@ class Placeholders:
             self._classes[cls] = sub
         return sub
 
-    # -- the executor's bind / unbind (tensor already holds its placeholder / about to get its view) --
-    def unbound(self, t: torch.Tensor) -> None:
-        t.__class__ = self.placeholder_class(self._base[id(t)])
-
+    # -- the executor's bind (the tensor is about to get its view) -----------------------------------
     def bound(self, t: torch.Tensor) -> None:
         t.__class__ = self._base[id(t)]
 

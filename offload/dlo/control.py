@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from weightstream.offload.config import OffloadConfig
 from weightstream.offload.dlo.topology import DLOPlan, ParallelConfig, _resolve_group
 from weightstream.kernels.codec import decode_tensor
+from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, TensorSpec
 
 # Request arguments that change what the transformer computes per step (shapes,
@@ -192,8 +192,7 @@ def tensor_digests(tensors: list[torch.Tensor]) -> list[str]:
     flats = [_flat_bytes(t) for t in tensors]
     tasks = [(i, a, min(a + _HASH_CHUNK, raw.numel())) for i, raw in enumerate(flats)
              for a in range(0, raw.numel(), _HASH_CHUNK)]
-    workers = max(1, min(_HASH_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count() or 1, len(tasks)))
+    workers = max(1, min(_HASH_WORKERS, usable_cpus(), len(tasks)))
     with torch.no_grad(), ThreadPoolExecutor(workers, thread_name_prefix="weightstream-digest") as pool:
         chunks = list(pool.map(lambda task: _hash_chunk(flats[task[0]], task[1], task[2]), tasks))
     per: list[list[bytes]] = [[] for _ in tensors]

@@ -392,9 +392,6 @@ class Checkpoint:
     def tensor(self, t: CkptTensor) -> torch.Tensor:
         return self.bytes(t).view(t.dtype).view(t.shape)
 
-    def address(self, t: CkptTensor) -> int:
-        return self.files[t.file].base + t.offset
-
     def check_unchanged(self) -> None:
         """Raise CheckpointChangedError naming the first file that changed in place
         (an ``fstat`` per file; atomically replaced paths keep their old mapping)."""

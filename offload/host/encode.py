@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from weightstream.kernels.codec_encode import encode
 from weightstream.kernels.codec_format import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, read_header
 from weightstream.offload.host.arena import PAGE
+from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, TensorSpec, align_up
 
 CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
@@ -128,10 +128,8 @@ def encoded_in_order(layouts: list[BlockLayout], objs: list[list[torch.Tensor]],
 
 
 def encode_workers() -> int:
-    """Encode worker threads: the cores this process may run on (``os.sched_getaffinity``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    """Encode worker threads: the cores this process may run on (:func:`~.packing.usable_cpus`)."""
+    return usable_cpus()
 
 
 @contextlib.contextmanager

@@ -34,6 +34,13 @@ AHEAD_FRACTION = 0.05
 MAX_WORKERS = 8
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``; elsewhere ``os.cpu_count()``), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def malloc_trim() -> Callable[[], None]:
     """A function that hands malloc's free heap pages back to the OS
     (glibc ``malloc_trim(0)``); a no-op where the C library has none."""

@@ -72,6 +72,7 @@ from weightstream.offload.host.binding import TensorBinding
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, changed_message
 from weightstream.offload.host.encode import _capacity, decode_paths
 from weightstream.offload.host.images import BlockImages, CodedRegion
+from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, align_up
 
 SIDECAR_MODES = ("off", "write", "auto", "read")
@@ -99,11 +100,7 @@ def check_sidecar_mode(mode, codec_name: str) -> str:
 
 def verify_threads() -> int:
     """Threads that hash a loaded sidecar: the CPUs this process may run on, at most 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(VERIFY_THREADS_MAX, cpus))
+    return max(1, min(VERIFY_THREADS_MAX, usable_cpus()))
 
 
 # -- identity ---------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 import time
 import warnings
@@ -40,6 +39,7 @@ import torch
 
 from weightstream.offload.host.registration import _Registration
 from weightstream.offload.host.arena import PAGE
+from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import align_up
 
 NUM_BUFFERS = 2
@@ -53,11 +53,7 @@ PIECE_MAX = 64 << 20
 
 
 def default_threads() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cpus - 2))
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cpus() - 2))
 
 
 def check_threads(threads) -> int:
