@@ -28,7 +28,7 @@ from .config_schema import (CODEC_MODES, COMPAT_COMPONENTS, COMPONENTS, CUDA_GRA
                             LAYER_COMPONENTS, LEGACY_MAPPED, LEGACY_REJECTED, MODES, RESIDENT_AUTO, UNSET,
                             WEIGHT_TRANSFERS, ConfigTypeError, _check_bool, _check_budget, _check_choice,
                             _check_int, _check_resident, _check_timeout, _choices, _keeps_resident, _map_legacy,
-                            _reject, _short_repr, _unknown_key, _wrong_type)
+                            _reject, _short_repr, _unknown_key, _wrong_type, unknown_keyword)
 
 __all__ = ["OffloadConfig", "LayerOptions", "ConfigTypeError"]
 
@@ -340,7 +340,7 @@ class OffloadConfig:
                     f"not both (layer_options={kw['layer_options']!r})")
             kw["layer_options"] = {"dit": LayerOptions(weight_transfer=weight_transfer,
                                                        resident_layers=resident_layers)}
-        _check_keywords("OffloadConfig.layerwise()", kw, fixed=("mode",))
+        _check_keywords("OffloadConfig.layerwise()", kw, fixed=("mode",), own=("resident_layers", "weight_transfer"))
         kw.setdefault("components", ("dit",))
         return cls(mode="layer", **kw)
 
@@ -499,10 +499,12 @@ def _budget_bytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * GB)
 
 
-def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...] = ()) -> None:
+def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...] = (),
+                    own: tuple[str, ...] = ()) -> None:
     """Keyword arguments that become config fields: a named ConfigTypeError (a TypeError, as
-    Python's own, and a ValueError) for one that is not a field or that ``where`` sets itself."""
-    names = [f.name for f in dataclasses.fields(OffloadConfig)]
+    Python's own, and a ValueError) for one that is not a field or that ``where`` sets itself,
+    naming the allowed ones (``own``: ``where``'s own keywords, then the fields), the closest first."""
+    names = [*own, *(f.name for f in dataclasses.fields(OffloadConfig) if f.name not in fixed)]
     for key, value in kw.items():
         if key in fixed:
             raise ConfigTypeError(
@@ -511,5 +513,4 @@ def _check_keywords(where: str, kw: Mapping[str, Any], *, fixed: tuple[str, ...]
         if key not in names:
             legacy = LEGACY_MAPPED.get(key) or LEGACY_REJECTED.get(key)
             hint = f"; it is a legacy vLLM-Omni flag: write {legacy} instead" if legacy else ""
-            raise ConfigTypeError(
-                f"{where} got unknown keyword {key!r}, which is not allowed{hint}; {_choices(names)}")
+            raise unknown_keyword(where, key, names, hint)

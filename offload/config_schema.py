@@ -10,6 +10,7 @@ allowed. Torch-free.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from collections.abc import Mapping
@@ -59,6 +60,29 @@ class ConfigTypeError(TypeError, ValueError):
 
 def _choices(options) -> str:
     return "choose from: " + ", ".join(options)
+
+
+def closest_first(key: str, allowed) -> list[str]:
+    """``allowed`` with the names closest to ``key`` first (difflib; for a typo's message)."""
+    allowed = list(allowed)
+    close = difflib.get_close_matches(key, allowed, n=len(allowed), cutoff=0.5)
+    return close + [a for a in allowed if a not in close]
+
+
+# the hint of a front end's unknown keyword: config fields are not keywords of the entry points
+CONFIG_FIELDS_HINT = (" (config fields such as num_slots go in the config: OffloadConfig.layerwise(num_slots=3) "
+                      "or {'mode': 'layer', 'num_slots': 3})")
+
+
+def unknown_keyword(where: str, key: str, allowed, hint: str = "", tail: str = "") -> ConfigTypeError:
+    """The named error for keyword ``key`` that ``where`` does not take: the allowed names, the
+    closest first, and the closest one named (a TypeError, as Python's own, and a ValueError);
+    ``hint`` before the names, ``tail`` after them."""
+    ordered = closest_first(key, allowed)
+    close = difflib.get_close_matches(key, ordered, n=1, cutoff=0.5)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigTypeError(f"{where} got unknown keyword {key!r}, which is not allowed{hint}; "
+                           f"{_choices(ordered)}{guess}{tail}")
 
 
 def _reject(path: str, value: Any, allowed: str) -> ValueError:

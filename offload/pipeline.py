@@ -14,7 +14,6 @@ see the real components.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 
 from .components import Components, discover_components
 from .config import OffloadConfig
-from .config_schema import ConfigTypeError
+from .config_schema import CONFIG_FIELDS_HINT, unknown_keyword
 from .discovery import OffloadPlan
 from .misuse import AlreadyOffloadedError
 from .module import ModuleOffload
@@ -111,12 +110,6 @@ class LayerwisePipelineOffload:
 OFFLOAD_PIPELINE_KEYWORDS = ("config", "device")
 
 
-def closest_first(key: str, allowed) -> list[str]:
-    """``allowed`` with the names closest to ``key`` first (for a typo's message)."""
-    close = difflib.get_close_matches(key, list(allowed), n=len(allowed), cutoff=0.5)
-    return close + [a for a in allowed if a not in close]
-
-
 def offload_pipeline(pipe: Any, config: Any = None, *, device=None,
                      **unknown: Any) -> ModuleOffload | LayerwisePipelineOffload:
     """Offload a pipeline's components; returns the handle (:class:`ModuleOffload` in
@@ -140,10 +133,7 @@ def offload_pipeline(pipe: Any, config: Any = None, *, device=None,
     """
     if unknown:
         key = next(iter(unknown))
-        raise ConfigTypeError(
-            f"offload_pipeline() got unknown keyword {key!r}, which is not allowed; choose from: "
-            f"{', '.join(closest_first(key, OFFLOAD_PIPELINE_KEYWORDS))} (config fields such as num_slots go "
-            "in the config: OffloadConfig.layerwise(num_slots=3) or {'mode': 'layer', 'num_slots': 3})")
+        raise unknown_keyword("offload_pipeline()", key, OFFLOAD_PIPELINE_KEYWORDS, tail=CONFIG_FIELDS_HINT)
     cfg = OffloadConfig.module() if config is None else OffloadConfig.coerce(config)
     dev = resolve_device(device)
     components = discover_components(pipe)

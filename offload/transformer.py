@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig
+from .config_schema import CONFIG_FIELDS_HINT, unknown_keyword
 from .discovery import OffloadPlan
 from .distributed import build_streamed
 from weightstream.offload.executor import LayerwiseExecutor
@@ -200,7 +201,7 @@ class LayerwiseOffloadHandle:
 
 
 def apply_layerwise_offload(module: nn.Module, config=None, *, device=None,
-                            plan: OffloadPlan | None = None) -> LayerwiseOffloadHandle:
+                            plan: OffloadPlan | None = None, **unknown) -> LayerwiseOffloadHandle:
     """Stream ``module``'s blocks in place: the module keeps its class and object
     (``isinstance`` checks, ``save_pretrained``, pipelines see it unchanged).
 
@@ -211,7 +212,19 @@ def apply_layerwise_offload(module: nn.Module, config=None, *, device=None,
     Unlike the wrapper, casts and moves of the module (``.to(dtype)``, ``.half()``)
     are not intercepted: do not call them while it streams.
     """
+    _refuse_keywords("apply_layerwise_offload()", unknown, APPLY_KEYWORDS)
     return LayerwiseOffloadHandle(module, config, device=device, plan=plan)
+
+
+APPLY_KEYWORDS = ("config", "device", "plan")
+WRAPPER_KEYWORDS = ("config", "device", "plan", "parallel", "streamed")
+
+
+def _refuse_keywords(where: str, unknown: Mapping, allowed: tuple[str, ...]) -> None:
+    """A typo'd keyword of an entry point: the named ConfigTypeError (a TypeError, as Python's own)
+    naming it, the keywords allowed (the closest first) and where config fields go."""
+    if unknown:
+        raise unknown_keyword(where, next(iter(unknown)), allowed, tail=CONFIG_FIELDS_HINT)
 
 
 class OffloadedTransformer(nn.Module):
@@ -237,8 +250,10 @@ class OffloadedTransformer(nn.Module):
         plan: OffloadPlan | None = None,
         parallel=None,
         streamed: StreamedBlocks | None = None,
+        **unknown,
     ):
         super().__init__()
+        _refuse_keywords("OffloadedTransformer()", unknown, WRAPPER_KEYWORDS)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         # the wrapper's own forward intercepts calls: no forward override on the module

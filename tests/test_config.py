@@ -172,6 +172,16 @@ def test_wrong_types_raise_config_type_error():
     assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("kw, closest", [({"num_slot": 3}, "num_slots"), ({"resident_layer": 1}, "resident_layers"),
+                                         ({"weight_codecs": "exp-k"}, "weight_codec")])
+def test_a_typo_keyword_of_layerwise_names_the_closest_field(kw, closest):
+    with pytest.raises(ConfigTypeError, match=rf"OffloadConfig.layerwise\(\) got unknown keyword '{next(iter(kw))}', "
+                                              rf"which is not allowed; choose from: {closest}, .*"
+                                              rf"\(did you mean '{closest}'\?\)$") as e:
+        OffloadConfig.layerwise(**kw)
+    assert isinstance(e.value, TypeError)
+
+
 def test_misspelled_transfer_exact_message():
     with pytest.raises(ValueError, match=r"^layer_options\.dit\.weight_transfer='rank_local' is not "
                                          r"allowed; choose from: allgather, rank-local$"):

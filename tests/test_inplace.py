@@ -129,6 +129,25 @@ def test_config_errors_name_the_entry_point(config, exc, match):
     assert not _weightstream_hooks(model) and torch.equal(_out(model, x), expected)
 
 
+@pytest.mark.parametrize("entry, kw, match", [
+    ("wrapper", {"devcie": DEV}, r"OffloadedTransformer\(\) got unknown keyword 'devcie', which is not allowed; "
+                                 r"choose from: device, .*parallel, streamed \(did you mean 'device'\?\)"),
+    ("in place", {"pln": None}, r"apply_layerwise_offload\(\) got unknown keyword 'pln', which is not allowed; "
+                                r"choose from: plan, .*\(did you mean 'plan'\?\)"),
+    ("wrapper", {"num_slots": 3}, r"got unknown keyword 'num_slots'.*config fields such as num_slots go in the "
+                                  r"config: OffloadConfig.layerwise\(num_slots=3\)"),
+])
+def test_a_typo_keyword_names_the_allowed_ones_and_the_closest(entry, kw, match):
+    from weightstream.offload.config import ConfigTypeError
+
+    model, _, x, expected = _flux()
+    make = OffloadedTransformer if entry == "wrapper" else apply_layerwise_offload
+    with pytest.raises(ConfigTypeError, match=match) as e:
+        make(model, _cfg(), **kw)
+    assert isinstance(e.value, TypeError)  # as Python's own
+    assert not _weightstream_hooks(model) and torch.equal(_out(model, x), expected)
+
+
 def test_not_a_module_is_a_type_error():
     with pytest.raises(TypeError, match="must be a torch.nn.Module, got dict"):
         apply_layerwise_offload({}, _cfg(), device=DEV)
