@@ -82,7 +82,8 @@ class LayerwisePipelineOffload:
                 else:  # an encoder streams with its own layer options (not the planned default)
                     cfg = config.encoder_config()
                     plan = _encoder_plan(c.module)
-                self.wrapped[c.name] = LayerwiseOffloadHandle(c.module, cfg, device=device, plan=plan)
+                self.wrapped[c.name] = LayerwiseOffloadHandle(c.module, cfg, device=device, plan=plan,
+                                                              who="offload_pipeline")
             with torch.no_grad():
                 for c in components.items:
                     if c.name not in self.wrapped:

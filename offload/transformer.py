@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .casts import APPLY_CALLS, CastGuard, check_to
 from .config import OffloadConfig
 from .config_schema import CONFIG_FIELDS_HINT, unknown_keyword
 from .discovery import OffloadPlan
@@ -135,6 +136,9 @@ class LayerwiseOffloadHandle:
                 self.streamed.restore()  # nothing lost: the module gets its weights back
                 raise
         self.state_dict_hook = install_state_dict_hook(module, self.streamed)
+        # in place, casts and moves are the module's own: a guard on the instance (the wrapper has its own)
+        undo = "handle.disable()" if who == "offload_pipeline" else "handle.remove()"
+        self.cast_guard = CastGuard(module, self.device, who, undo) if intercept else None
         self.removed = False
 
     def _graph_runner(self, intercept: bool) -> None:
@@ -184,6 +188,9 @@ class LayerwiseOffloadHandle:
             if self.graphs is not None:
                 self.graphs.release()
                 self.graphs = None
+            if self.cast_guard is not None:
+                self.cast_guard.remove()
+                self.cast_guard = None
             module = self.streamed.restore()
             self.state_dict_hook.remove()
             self.removed = True
@@ -209,8 +216,10 @@ def apply_layerwise_offload(module: nn.Module, config=None, *, device=None,
     Returns the handle; ``handle.remove()`` gives back the plain module with every
     weight on the device. With ``cuda_graphs='on'`` the handle sets the
     instance's ``forward`` to a :class:`GraphForward` (removed by ``remove()``).
-    Unlike the wrapper, casts and moves of the module (``.to(dtype)``, ``.half()``)
-    are not intercepted: do not call them while it streams.
+    As with the wrapper, a cast or move of the module (``.to(dtype)``, ``.half()``,
+    ``.to("cuda")`` from the CPU) is an :class:`UnsupportedOperationError`, and a
+    ``.to()`` that changes nothing is a no-op (a :class:`~.casts.CastGuard` on the
+    instance, removed by ``remove()``).
     """
     _refuse_keywords("apply_layerwise_offload()", unknown, APPLY_KEYWORDS)
     return LayerwiseOffloadHandle(module, config, device=device, plan=plan)
@@ -322,19 +331,12 @@ class OffloadedTransformer(nn.Module):
         """No-op when it changes nothing (pipelines call ``.to(device)`` on every
         component); a dtype, device or memory-format change is refused: it would
         reach the resident parts only, not the host store."""
-        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and (device.type != self._device.type or device.index not in (None, self._device.index)):
-            raise self._refuse(f".to({device})")
-        if fmt is not None:
-            raise self._refuse(f".to(memory_format={fmt})")
-        if dtype is not None:
-            have = {t.dtype for t in self.state_dict(keep_vars=True).values() if t.is_floating_point()}
-            if have - {dtype}:
-                raise self._refuse(f".to({dtype})")
+        dtypes = lambda: {t.dtype for t in self.state_dict(keep_vars=True).values() if t.is_floating_point()}  # noqa: E731
+        check_to(args, kwargs, self._device, dtypes, self._refuse)
         return self
 
     def _apply(self, fn, recurse=True):
-        raise self._refuse(".half() / .float() / .bfloat16() / .double() / .type() / .cuda() / .cpu()")
+        raise self._refuse(APPLY_CALLS)
 
     def _refuse(self, what: str) -> UnsupportedOperationError:
         return UnsupportedOperationError(

@@ -148,6 +148,25 @@ def test_a_typo_keyword_names_the_allowed_ones_and_the_closest(entry, kw, match)
     assert not _weightstream_hooks(model) and torch.equal(_out(model, x), expected)
 
 
+def test_casts_and_moves_in_place_are_refused_by_name_and_a_no_op_move_works():
+    from weightstream import UnsupportedOperationError
+
+    model, _, x, expected = _flux()
+    handle = apply_layerwise_offload(model, _cfg(), device=DEV)
+    assert model.to("cpu") is model and model.to(torch.float32) is model
+    assert torch.equal(_out(model, x), expected)
+    for call, what in ((lambda: model.to(torch.bfloat16), r"\.to\(torch.bfloat16\)"),
+                       (lambda: model.to("cuda"), r"\.to\(cuda\)"), (lambda: model.half(), r"\.half\(\)"),
+                       (lambda: torch.nn.Sequential(model).double(), r"\.double\(\)")):
+        with pytest.raises(UnsupportedOperationError, match=what + r".* on FluxTransformer2DModel streamed by "
+                                                                   r"apply_layerwise_offload.*handle.remove\(\)"):
+            call()
+    assert torch.equal(_out(model, x), expected)
+    assert "CastGuard" in repr(handle.cast_guard)
+    handle.remove()
+    assert "to" not in model.__dict__ and "_apply" not in model.__dict__
+
+
 def test_not_a_module_is_a_type_error():
     with pytest.raises(TypeError, match="must be a torch.nn.Module, got dict"):
         apply_layerwise_offload({}, _cfg(), device=DEV)

@@ -94,6 +94,42 @@ def case_pipeline_graphs_keeps_module_and_saves():
     assert pipe.transformer is model and "forward" not in model.__dict__
 
 
+def case_pipeline_to_the_device_is_a_no_op_and_casts_are_refused():
+    """pipe.to("cuda") after offload_pipeline on CUDA (layer mode, module mode, apply_layerwise_offload):
+    a no-op, the next generation bit-exact; a cast or a move to the CPU: UnsupportedOperationError."""
+    from diffusers import DiffusionPipeline
+
+    from weightstream import OffloadConfig, UnsupportedOperationError, apply_layerwise_offload, offload_pipeline
+
+    class TinyPipe(DiffusionPipeline):
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+    for entry in ("layer", "module", "in place"):
+        torch, model, x, expected = _flux()
+        pipe = TinyPipe(model)
+        if entry == "in place":
+            handle = apply_layerwise_offload(model, OffloadConfig.layerwise(progress=False), device="cuda")
+        else:
+            handle = offload_pipeline(pipe, {"mode": entry, "components": ["dit"], "progress": False}, device="cuda")
+        assert pipe.to("cuda") is pipe and model.to("cuda:0") is model and model.to(torch.bfloat16) is model
+        with torch.no_grad():
+            assert torch.equal(pipe.transformer(**x)[0], expected), entry
+        for call in (lambda: pipe.to(torch.float16), lambda: model.to("cpu"), lambda: model.float()):
+            try:
+                call()
+            except UnsupportedOperationError as e:
+                assert "is not supported" in str(e) and "no-op" in str(e), e
+            else:
+                raise AssertionError(f"{entry}: a cast or move was accepted")
+        with torch.no_grad():
+            assert torch.equal(pipe.transformer(**x)[0], expected), entry
+        handle.remove() if entry == "in place" else handle.disable()
+        assert "to" not in model.__dict__ and "_apply" not in model.__dict__
+        assert model.to(torch.float16) is model  # a plain module again
+
+
 # -- tests ---------------------------------------------------------------------------------
 
 def test_inplace_graphs():
@@ -106,3 +142,7 @@ def test_inplace_graphs_resident():
 
 def test_pipeline_graphs_keeps_module_and_saves():
     run_isolated("case_pipeline_graphs_keeps_module_and_saves")
+
+
+def test_pipeline_to_the_device_is_a_no_op_and_casts_are_refused():
+    run_isolated("case_pipeline_to_the_device_is_a_no_op_and_casts_are_refused")

@@ -110,6 +110,32 @@ def test_pipeline_calls_on_the_wrapper_work_or_name_the_error(pipe):
         pipe.to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_pipeline_casts_and_moves_after_offload_pipeline_are_refused_by_name(pipe, mode):
+    """pipe.to(...) after offload_pipeline: to the device it runs on, a no-op (the next image bit for
+    bit); a cast or a move elsewhere, the wrapper's UnsupportedOperationError naming what to do
+    (never a StreamedModuleAccessError, a raw torch error or a silent cast); disable() gives the
+    plain modules back, which cast as usual."""
+    from weightstream.offload.misuse import UnsupportedOperationError
+
+    expected = generate(pipe)
+    handle = offload_pipeline(pipe, {"mode": mode, "components": ["dit", "text_encoder"], "progress": False},
+                              device="cpu")
+    assert pipe.to("cpu") is pipe and pipe.to(torch.float32) is pipe
+    assert torch.equal(generate(pipe), expected)
+    for arg, what in ((torch.bfloat16, r"\.to\(torch.bfloat16\)"), ("cuda", r"\.to\(cuda\)")):
+        with pytest.raises(UnsupportedOperationError, match=what + r" on \w+ streamed by offload_pipeline.*"
+                                                                r"handle.disable\(\) gives the plain module back"):
+            pipe.to(arg)
+    with pytest.raises(UnsupportedOperationError, match=r"\.half\(\)"):
+        pipe.transformer.half()
+    assert torch.equal(generate(pipe), expected)  # the refusals cast nothing that streams
+    handle.disable()
+    assert all("to" not in m.__dict__ and "_apply" not in m.__dict__ for m in pipe.components.values()
+               if isinstance(m, torch.nn.Module))
+    assert pipe.transformer.to(torch.bfloat16).dtype == torch.bfloat16  # plain modules again
+
+
 def tiny_wan_pipeline():
     """WanPipeline of tiny components from configs: tiny Wan, a UMT5 encoder, a Wan VAE, a word-level tokenizer."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..casts import CastGuard
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
@@ -127,6 +128,7 @@ class ModuleOffload:
         self._resident_only: dict[str, Component] = {}
         self.hooks: list = []  # ModuleHook, CastingRebind
         self.state_dict_hooks: list[HostStateDictHook] = []
+        self.cast_guards: list[CastGuard] = []
         self.host_views: Mapping[int, torch.Tensor] = {}
         self._marked: list[nn.Module] = []
         self.images: UnitImages | None = None
@@ -184,6 +186,9 @@ class ModuleOffload:
             if u.swapped:
                 self.hooks += unit_hooks(self._enter, u)
                 self.hooks += casting_rebinds(u)  # layerwise casting: tensors back on the unit's buffer
+        # a cast or move of a unit would reach its device copy only, not its host master: refused by name
+        self.cast_guards = [CastGuard(u.module, self.device, "offload_pipeline (mode='module')", "handle.disable()")
+                            for u in self.units.values()]
 
     @property
     def store(self):
@@ -384,6 +389,8 @@ class ModuleOffload:
             h.remove()
         for h in self.state_dict_hooks:
             h.remove()
+        for g in self.cast_guards:
+            g.remove()
         self.host_views.clear()  # the hooks' lookups hold this dict: let the store's memory go
 
     def _check_live(self) -> None:
