@@ -1,6 +1,7 @@
 """A real diffusers FluxPipeline built from configs (tiny Flux, CLIP and T5 text encoders, VAE,
 tokenizers written to a folder; no downloads), the way a user walks it: offload, generate, save,
 reload, generate; and what the pipeline entry points refuse."""
+import copy
 import json
 from pathlib import Path
 
@@ -134,6 +135,26 @@ def test_pipeline_casts_and_moves_after_offload_pipeline_are_refused_by_name(pip
     assert all("to" not in m.__dict__ and "_apply" not in m.__dict__ for m in pipe.components.values()
                if isinstance(m, torch.nn.Module))
     assert pipe.transformer.to(torch.bfloat16).dtype == torch.bfloat16  # plain modules again
+
+
+@pytest.mark.parametrize("codec", ["none", "exp-k"])
+@pytest.mark.parametrize("components", [["dit"], ["dit", "text_encoder"]])
+def test_module_mode_uses_a_state_dict_edit_at_the_next_generation(pipe, codec, components):
+    """Issue 36's stale read, in module mode: a component that stays on the device between
+    generations (the only swapped one) kept its device copy after an in-place edit of a
+    state_dict() tensor, which state_dict() showed; now its next call makes the copy again."""
+    resident = copy.deepcopy(pipe)
+    handle = offload_pipeline(pipe, {"mode": "module", "components": components, "weight_codec": codec}, device="cpu")
+    assert torch.equal(generate(pipe), generate(resident))
+    key = "transformer_blocks.0.attn.to_q.weight"
+    with torch.no_grad():
+        pipe.transformer.state_dict()[key].add_(0.25)
+        resident.transformer.state_dict()[key].add_(0.25)
+    assert torch.equal(pipe.transformer.state_dict()[key], resident.transformer.state_dict()[key])
+    expected = generate(resident)
+    assert all(torch.equal(generate(pipe), expected) for _ in range(2))
+    assert "host edit" in {e.cause for e in handle.events} or len(components) > 1  # the DiT alone: made again
+    handle.disable()
 
 
 def tiny_wan_pipeline():

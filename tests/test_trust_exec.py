@@ -299,6 +299,47 @@ def test_edit_that_bypasses_the_placeholder_is_an_error_at_the_next_forward(edit
         assert torch.equal(wrapped.state_dict()["single_blocks.2.up.weight"], ref.single_blocks[2].up.weight)
 
 
+@pytest.mark.parametrize("entry", ["wrapper", "in place"])
+@pytest.mark.parametrize("error", ["op on a placeholder", "bypassed op", "write in forward"])
+def test_a_state_dict_edit_after_a_streamed_write_error_is_used_by_the_next_forward(error, entry):
+    """Issue 36: after a StreamedWriteError, an in-place edit of a state_dict() tensor shows in
+    state_dict() and the very next forward uses it (and every one after), for a tensor of the
+    blocks that raised and for one of another block."""
+    from weightstream import apply_layerwise_offload
+
+    model, ref, x = build("toy", DEV)
+    cfg = OffloadConfig.layerwise(progress=False)
+    if entry == "wrapper":
+        run = OffloadedTransformer(model, cfg, device=DEV)
+    else:
+        apply_layerwise_offload(model, cfg, device=DEV)
+        run = model
+    sd = run.state_dict
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the re-priming warning after a cut-short step
+        run(**x)
+        p = model.single_blocks[2].up.weight
+        with pytest.raises(StreamedWriteError):
+            if error == "op on a placeholder":
+                p.mul_(2.0)
+            elif error == "bypassed op":
+                with torch._C.DisableTorchFunctionSubclass():
+                    p.mul_(2.0)
+                run(**x)
+            else:
+                h = model.single_blocks[1].register_forward_pre_hook(lambda m, a: (m.gate.add_(1.0), None)[1])
+                try:
+                    run(**x)
+                finally:
+                    h.remove()
+        for key in ("single_blocks.2.up.weight", "single_blocks.1.gate", "single_blocks.0.up.weight"):
+            sd()[key].add_(0.125)
+            ref.state_dict()[key].add_(0.125)
+            assert torch.equal(sd()[key], ref.state_dict()[key])
+        for _ in range(2):
+            assert torch.equal(first(run(**x)), first(ref(**x)))
+
+
 @pytest.mark.parametrize("how", ["assign", "iadd", "inplace-on-data", "safe-merge"])
 def test_data_write_between_forwards_takes_effect(how):
     """``.data`` of an unbound streamed tensor is a device copy of its weights: assigning it,

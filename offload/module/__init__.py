@@ -203,6 +203,7 @@ class ModuleOffload:
     # ---------------------------------------------------------------- movers
     def _arrive(self, u: Unit, cause: str) -> None:
         t0 = time.perf_counter()
+        u.host_version = self.images.host_version()  # before the load: an edit meanwhile reloads again
         u.bind(self.images.load(u, self.coded_run_bytes))
         self.edits.arrived(u)
         u.arrivals += 1
@@ -222,6 +223,10 @@ class ModuleOffload:
     def _enter(self, u: Unit, *, cause: str, log: bool) -> None:
         if self._disabled:
             raise RuntimeError(f"module offload of {self.components.pipeline} was disabled, yet a hook of {u.name!r} ran")
+        if u.on_device and u.active <= 1 and self.images.host_version() != u.host_version:  # u's own forward only
+            # a state_dict() tensor was edited in place since u's device copy was made: that copy
+            # is stale; make it again (state_dict() shows the host images, so the forward must use them)
+            self._depart(u, cause="host edit")
         if not u.on_device:
             leaving = [v for v in u.excludes if v.on_device]
             for v in leaving:
@@ -236,7 +241,7 @@ class ModuleOffload:
                 self._depart(v, cause=cause)
             self._arrive(u, cause=cause)
         else:
-            self.edits.write_back(u)  # fused / unfused since the last forward: into the host master
+            self._write_back_unit(u)  # fused / unfused since the last forward: into the host master
         if log:
             self._log.enter(u.name, cause, self.on_device())
 
@@ -244,7 +249,14 @@ class ModuleOffload:
         """Before state_dict() reads the host masters: the device edits of the units on the device."""
         if not self._disabled:
             for u in self.units.values():
-                self.edits.write_back(u)
+                self._write_back_unit(u)
+
+    def _write_back_unit(self, u: Unit) -> None:
+        """``u``'s device edits into its host master; the device copy it came from stays current
+        (only our own write moved the host images' version: no reload at its next call)."""
+        current = self.images.host_version() == u.host_version
+        if self.edits.write_back(u) and current:
+            u.host_version = self.images.host_version()
 
     @staticmethod
     def _still_busy(u: Unit) -> bool:

@@ -52,6 +52,7 @@ class Unit:
         self.pins = 0  # open using() contexts
         self.arrivals = 0
         self.departures = 0
+        self.host_version: int | None = None  # the host images' version its device copy was made from
 
     @property
     def on_device(self) -> bool:
@@ -208,6 +209,15 @@ class UnitImages:
             self.coded.write(u.index, index, value)
         else:
             u.layout.tensors[index].view_of(self.store.image(u.index)).copy_(value)
+
+    def host_version(self) -> int:
+        """An int that moves when a host view (a ``state_dict()`` tensor) is edited in place: the
+        arena's version counter, which every view of it shares; coded: the source's, once the
+        decoded host copies edited in place are re-encoded (its ``check``)."""
+        if self.coded is None:
+            return self.store.arena._version
+        self.coded.check()
+        return self.coded.host_version()
 
     # ---------------------------------------------------------------- arrivals
     def load(self, u: Unit, run_bytes: int) -> torch.Tensor:
