@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .discovery_forward import Never, Where, locate, resolve_path
+from .discovery_forward import Never, Where, indexed_items, locate, resolve_path
 
 # Container names diffusers DiTs use for their repeated blocks; found at any
 # depth (``token_refiner.refiner_blocks``), as the name of the list that holds
@@ -303,6 +303,27 @@ def _drop_conditional(root: nn.Module, groups: list[Group], where: dict) -> list
     return rest
 
 
+def _drop_indexed(root: nn.Module, groups: list[Group], cache: dict) -> list[Group]:
+    """Items a forward reads by a constant index outside the loop (DiTTransformer2DModel reads
+    ``self.transformer_blocks[0].norm1.emb`` after it) would be read while their weights are in
+    the host store: they are not streamed and stay resident (one warning). Pure."""
+    out = []
+    for g in groups:
+        read = indexed_items(root, g.path, cache) if g.indices else {}
+        n = len(g.indices)
+        keep = [(c, i) for c, i in zip(g.blocks, g.indices) if i not in read and i - n not in read]
+        if len(keep) < len(g.blocks):
+            left = [(c.name, read.get(i, read.get(i - n))) for c, i in zip(g.blocks, g.indices) if (c, i) not in keep]
+            srcs = sorted({src for _, src in left})
+            warnings.warn(f"{type(root).__name__}.forward reads {', '.join(srcs)} outside the loop over "
+                          f"{g.path!r}: {', '.join(name for name, _ in left)} stay resident on the device (not streamed)",
+                          stacklevel=5)
+            g = Group(g.path, tuple(c for c, _ in keep), tuple(i for _, i in keep))
+        if g.blocks:
+            out.append(g)
+    return out
+
+
 def _drop_never(root: nn.Module, groups: list[Group], where: dict) -> list[Group]:
     never = [g for g in groups if isinstance(where[g.path], Never)]
     if never:
@@ -335,6 +356,7 @@ def order_groups(root: nn.Module, groups: list[Group]) -> list[Candidate]:
     where = {g.path: locate(root, g.path, cache) for g in groups}
     several = len(groups) > 1  # one list alone runs in index order, however forward reaches it
     groups = _drop_conditional(root, _split_segments(_drop_never(root, groups, where), where), where)
+    groups = _drop_indexed(root, groups, cache)
     known = {p: w for p, w in where.items() if isinstance(w, Where)}
     if not several:
         return list(groups[0].blocks) if groups else []

@@ -93,6 +93,19 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
     return None
 
 
+def _indexed_base(node: ast.AST) -> ast.Subscript | None:
+    """``x[<int>].a.b`` -> the ``x[<int>]`` node (a constant index, negative too); else None."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    if not isinstance(node, ast.Subscript):
+        return None
+    index = node.slice
+    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
+        index = index.operand
+    ok = isinstance(index, ast.Constant) and isinstance(index.value, int) and not isinstance(index.value, bool)
+    return node if ok else None
+
+
 def _is_call_of(node: ast.AST, name: str) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
 
@@ -134,8 +147,8 @@ class _UseCollector:
             self._body(fn.body, (), ())
         return self.uses
 
-    def _add(self, path, kind, conds, loops, rank=0, node=None, pos=None, part=None):
-        src = ast.unparse(node) if node is not None else ".".join(path)
+    def _add(self, path, kind, conds, loops, rank=0, node=None, pos=None, part=None, called=False):
+        src = (ast.unparse(node) if node is not None else ".".join(path)) + ("(...)" if called else "")
         pos = len(self.uses) if pos is None else pos
         env = tuple(self.aliases.items()) if part is not None else ()
         self.uses.append(_Use(path, pos, kind, conds, loops, rank, src, part, env))
@@ -221,6 +234,10 @@ class _UseCollector:
             pass
         elif chain is not None:
             self._add(chain, "call", conds, loops, node=node.func)
+        elif (indexed := _indexed_base(node.func)) is not None and self._chain(indexed.value) is not None:
+            # self.blocks[0].norm1.emb(...): a call into one item of a list (its weights are read)
+            self._add(self._chain(indexed.value), "other", conds, loops, node=node.func, called=True)
+            self._expr(indexed.slice, conds, loops)
         else:
             self._expr(node.func, conds, loops)
         for a in node.args:
@@ -318,6 +335,22 @@ def _class_uses(cls: type, cache: dict) -> tuple[_Use, ...]:
     if cls not in cache:
         cache[cls] = tuple(_UseCollector(cls).run())
     return cache[cls]
+
+
+def indexed_items(root: nn.Module, path: str, cache: dict) -> dict[int, str]:
+    """Items of the list ``path`` whose submodules its owner's ``forward`` calls by a constant
+    index, outside any loop over the list (``self.transformer_blocks[0].norm1.emb(...)`` after
+    the loop: diffusers' DiTTransformer2DModel; reading an attribute, such as
+    ``self.layers[0].self_attn.processor``, runs nothing): index -> the source that calls it."""
+    owner_path, _, name = path.rpartition(".")
+    owner = resolve_path(root, owner_path) if owner_path else root
+    out: dict[int, str] = {}
+    for u in _class_uses(type(owner), cache):
+        if u.path == (name,) and u.kind == "other" and (name,) not in u.loops and u.src.endswith("(...)"):
+            index = u.src[len(f"self.{name}["):].partition("]")[0]
+            if u.src.startswith(f"self.{name}[") and index.lstrip("-").isdigit():
+                out.setdefault(int(index), u.src)
+    return out
 
 
 # --------------------------------------------------------------------------- where a path runs

@@ -67,6 +67,9 @@ RESIDENT_WARNINGS = {
     "WanAnimateTransformer3DModel": "'motion_encoder.res_blocks' (4 blocks) only when WanAnimateTransformer3DModel: "
                                     "inside `for face_batch in face_batches` (zero or more times)",
     "RFD4ProteinaTransformer": "'transformer_layers' (2 blocks) only when RFD4ProteinaTransformer: inside `for cycle",
+    # its forward calls self.transformer_blocks[0].norm1.emb(...) after the loop: block 0 stays resident
+    "DiTTransformer2DModel": "reads self.transformer_blocks[0].norm1.emb(...) outside the loop over "
+                             "'transformer_blocks': transformer_blocks.0",
 }
 
 # What the generic reducer cannot derive (head counts that must match, dims tied to vocabularies, ...).
@@ -85,6 +88,7 @@ OVERRIDES = {
     "SanaWMTransformer3DModel": dict(linear_head_dim=32),
     "WanVACETransformer3DModel": dict(vace_layers=[0, 1]),
     "Kandinsky6Transformer3DModel": dict(axes_dims=(8, 12, 12)),
+    "DiTTransformer2DModel": dict(num_layers=3),  # block 0 stays resident (RESIDENT_WARNINGS): two to stream
 }
 MAX_PARAMS = 20_000_000
 
@@ -341,3 +345,30 @@ def test_consisid_face_blocks_stay_resident_with_warning():
                                          r"i % self.cross_attn_interval == 0 and valid_face_emb is not None.*resident"):
         assert [b.name for b in discover_blocks(model)] == ["transformer_blocks.0", "transformer_blocks.1"]
     assert "perceiver_cross_attention.0" in [c.name for c in find_candidates(model)]
+
+
+@pytest.mark.parametrize("entry, cfg", [("wrapper", {}), ("in place", {}),
+                                        ("wrapper", {"resident_layers": "auto", "device_memory_budget_gb": 1.0})])
+def test_dit_transformer_2d_streams_by_default_bit_exact(entry, cfg):
+    """Issue 36: DiTTransformer2DModel calls self.transformer_blocks[0].norm1.emb(...) after the block
+    loop; discovery keeps that block resident (one warning), so the defaults (and "auto") stream the
+    others bit for bit, without resident_layers=1."""
+    from diffusers import DiTTransformer2DModel
+
+    from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload
+
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=3,
+                                  sample_size=8, patch_size=2, norm_num_groups=2, num_embeds_ada_norm=10).eval()
+    ref = copy.deepcopy(model)
+    x = dict(hidden_states=torch.randn(1, 4, 8, 8), timestep=torch.tensor([3]), class_labels=torch.tensor([1]))
+    config = OffloadConfig.layerwise(progress=False, **cfg)
+    with pytest.warns(UserWarning, match=r"transformer_blocks\.0 stay resident"):
+        run = OffloadedTransformer(model, config, device="cpu") if entry == "wrapper" else model
+        if entry == "in place":
+            apply_layerwise_offload(model, config, device="cpu")
+    with torch.no_grad():
+        want = ref(**x).sample
+        assert all(torch.equal(run(**x).sample, want) for _ in range(3))
+    if entry == "wrapper":
+        assert [b.name for b in run._streamed.blocks] == ["transformer_blocks.1", "transformer_blocks.2"]
