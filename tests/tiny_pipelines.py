@@ -89,3 +89,45 @@ def reload(pipe, folder: Path):
     back = type(pipe).from_pretrained(str(folder), tokenizer_2=pipe.tokenizer_2)
     back.set_progress_bar_config(disable=True)
     return back
+
+
+def tiny_sd3_pipeline(folder: Path):
+    """StableDiffusion3Pipeline of tiny components from configs: a tiny SD3Transformer2DModel, two
+    CLIP text encoders with projection (character-level vocabulary, written to ``folder``), a T5
+    encoder (word-level tokenizer), a VAE. Widths follow SD3's joins: the two CLIP hidden states
+    side by side fill the T5 width (joint_attention_dim), their projections the pooled width."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from weightstream.models import tiny_sd3
+
+    clip_tok = clip_tokenizer(folder)
+    t5_tok = t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = tiny_sd3()  # joint_attention_dim 16, pooled_projection_dim 8
+    cfg = transformer.config
+    clips = [CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(clip_tok.get_vocab()), hidden_size=cfg.joint_attention_dim // 2, intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
+        projection_dim=cfg.pooled_projection_dim // 2)).eval() for _ in range(2)]
+    t5 = tiny_t5(len(t5_tok.get_vocab()), d_model=cfg.joint_attention_dim)
+    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                    vae=tiny_vae(), text_encoder=clips[0], tokenizer=clip_tok,
+                                    text_encoder_2=clips[1], tokenizer_2=clip_tok, text_encoder_3=t5,
+                                    tokenizer_3=t5_tok)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate_sd3(pipe):
+    """The tiny SD3 pipeline's image for :data:`PROMPT` (seeded; classifier-free guidance on)."""
+    return pipe(PROMPT, generator=torch.Generator().manual_seed(0), height=16, width=16, num_inference_steps=2,
+                max_sequence_length=8, output_type="pt").images
+
+
+def reload_sd3(pipe, folder: Path):
+    """StableDiffusion3Pipeline.from_pretrained of a saved folder (the word-level T5 tokenizer passed, see
+    :func:`reload`)."""
+    back = type(pipe).from_pretrained(str(folder), tokenizer_3=pipe.tokenizer_3)
+    back.set_progress_bar_config(disable=True)
+    return back
