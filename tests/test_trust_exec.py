@@ -489,17 +489,23 @@ def dit_inputs():
 
 
 def test_block_submodule_called_outside_its_block_names_the_block():
+    """DiT calls transformer_blocks[0].norm1.emb after its loop: discovery keeps that block resident
+    (tests/test_discovery_diffusers.py); a plan that streams it anyway gets the named error."""
     model, x = tiny_dit(), dit_inputs()
     ref = copy.deepcopy(model)
-    wrapped = OffloadedTransformer(model, None, device=DEV)
+    wrapped = OffloadedTransformer(model, None, device=DEV, plan=OffloadPlan(["transformer_blocks"]))
     with torch.no_grad(), pytest.raises(StreamedModuleAccessError,
                                         match=r"transformer_blocks\.0\.norm1\.emb.*'transformer_blocks\.0'.*resident_layers"):
         wrapped(**x)
-    # the advice works: keep block 0 resident
+    # the advice works: keep block 0 resident; and so does the default (discovery keeps it resident)
     model2 = tiny_dit()
-    w2 = OffloadedTransformer(model2, OffloadConfig.layerwise(resident_layers=1), device=DEV)
+    w2 = OffloadedTransformer(model2, OffloadConfig.layerwise(resident_layers=1), device=DEV,
+                              plan=OffloadPlan(["transformer_blocks"]))
+    with pytest.warns(UserWarning, match=r"transformer_blocks\.0 stay resident"):
+        w3 = OffloadedTransformer(tiny_dit(), None, device=DEV)
     with torch.no_grad():
         assert torch.equal(first(w2(**x)), first(ref(**x)))
+        assert torch.equal(first(w3(**x)), first(ref(**x)))
 
 
 def test_ordinary_errors_inside_a_block_are_not_renamed():
