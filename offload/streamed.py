@@ -58,8 +58,8 @@ class StreamedBlocks:
     """The layerwise machinery for one DiT: blocks, schedule, weight source, executor.
 
     ``selection``: its cell of the support matrix. ``source``: a factory ``SourceRequest ->
-    WeightSource`` (default: pinned host images), run before anything is packed, so it may
-    refuse (DLO's setup agreement). ``guard``: DLO failure policy (:mod:`.dlo.guard`).
+    WeightSource`` (:func:`~.build.streamed_blocks` passes pinned host images by default), run
+    before anything is packed, so it may refuse (DLO's setup agreement). ``guard``: DLO failure policy (:mod:`.dlo.guard`).
     """
 
     # graph_boundary_loads='auto' picks 'next-step' (Schedule.defer_last) when True
