@@ -33,13 +33,13 @@ PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
     r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8)|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
-    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*"
+    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*|encode(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
 _MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], default[-<N>gb] (the planned default), "
-               "copy[-variant...], triton[-variant...] (kernel benchmarks), "
+               "copy[-variant...], triton[-variant...], encode[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")
 
 _REQUIRED_TOP = {
