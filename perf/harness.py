@@ -22,7 +22,7 @@ from pathlib import Path
 
 from perf.common import git_commit
 from perf.modes import CODED_FILL, parse_mode
-from perf.results import load_prior, markdown_table, result_filename, summarise, validate_result
+from perf.results import load_prior, lora_yardstick, markdown_table, result_filename, summarise, validate_result
 from perf.scenarios import checkpoint_dir, existing_checkpoint, get_scenario, scenario_label, warm_page_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ MODE_KEYS = (
     "device_weight_gb", "budget_gb", "predicted_ms", "resident_blocks", "planned_slots",
     "coded_bytes", "coded_blocks", "codec_plan", "coding_step_ms_all", "coding_s", "bits_per_weight", "encode_s", "coded_sidecar", "sidecar_loaded", "sidecar_load_s",
     "sidecar_write_s", "sidecar_bytes", "sidecar_s_per_gb",
-    "setup_s_per_gb", "checkpoint_fs", "staging_after_steps", "staging_pack_gbps",
+    "setup_s_per_gb", "checkpoint_fs", "staging_after_steps", "staging_pack_gbps", "adapter_bytes",
     "plan", "block_gb",  # the planned default: its plan, and every block's raw bytes (the uncoded floor)
 )
 RATIOS_OF_THE_RUN = ("floor_ms", "ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer")
@@ -103,6 +103,8 @@ def _yardstick(mode: str) -> str | None:
         spec = parse_mode(mode)
     except ValueError:
         return None
+    if spec.lora:  # the same LoRA on the resident model (a resident-lora mode is its own); none for other weights
+        return f"resident-{spec.lora}" if spec.weight_fill == "normal" and spec.quantize is None else None
     if spec.quantize is not None:  # the same quantized model resident (perf/quantized.py)
         return None if spec.kind == "resident" else f"resident-{spec.quantize}"
     if spec.compile:
@@ -288,6 +290,10 @@ def run(scenario: str, modes: list[str], *, steps: int = 5, warmup: int = 2, out
         modes = ["resident"] + list(modes)
     else:
         modes = ["resident"] + [m for m in modes if m != "resident"]
+    for want in dict.fromkeys(lora_yardstick(m) for m in modes if lora_yardstick(m)):
+        if want not in modes:  # a LoRA mode's floor and ratio_to_resident_lora come from it
+            clock.log(f"adding mode {want!r}: the LoRA modes' floor and ratio_to_resident_lora come from it")
+            modes.insert(1, want)
     commit, dirty = git_commit()
     clock.log(f"scenario {label}: modes {','.join(modes)}; {warmup} warm-up + {steps} timed steps; "
               f"commit {commit[:12]}{' (dirty)' if dirty else ''}")

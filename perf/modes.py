@@ -43,6 +43,17 @@
   `layerwise` too; the staged copy rate is `stats.staging_pack_gbps`) and
   `layerwise-pageable-half` (the same budget, unpinned blocks copied with a
   pageable `copy_`: the path before the bounce buffers, measured beside it).
+- LoRA (issue 36): `-lora<R>` after `layerwise` / `graphs` (e.g. `layerwise-lora64`,
+  `graphs-lora64`) adds a rank-R peft LoRA (`LoraConfig(r=R, lora_alpha=R)` on the
+  linears diffusers' Flux LoRA trainers target, `LORA_TARGETS`, through the diffusers
+  model's `add_adapter`; A and B drawn from a seeded generator, B not zero) before the
+  model is wrapped, and runs it unfused; `-lora<R>fused` fuses it after wrapping
+  (`fuse_lora`: the fused weights go into the host images). Their yardsticks are
+  `resident-lora<R>` / `resident-lora<R>fused` (the same LoRA on the resident model):
+  the floor of a LoRA mode is max(that step, streamed bytes / best H2D) and
+  `ratio_to_resident_lora` its step over that step; `adapter_bytes` (device bytes of the
+  adapter tensors) is in the figures. Adapters stay resident, so `streamed_bytes` is the
+  base weights' either way.
 - peers: `diffusers-block` (group offload, block level, 1 block per group,
   stream + record_stream), `diffusers-leaf` (leaf level, stream),
   `diffusers-model` (model-level offload as `enable_model_cpu_offload` does it,
@@ -76,6 +87,13 @@ _LAYERWISE_VARIANT = re.compile(
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 _DEFAULT_MODE = re.compile(r"^default(?:-(\d+)gb)?$")  # the planned default, optionally capped
+_LORA_VARIANT = re.compile(r"^lora([1-9]\d*)(fused)?$")  # -lora<R>, -lora<R>fused
+# the linears diffusers' Flux LoRA trainers target (examples/dreambooth/train_dreambooth_lora_flux.py):
+# the attention projections of both streams and both feed-forwards (the single blocks' attention matches too)
+LORA_TARGETS = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2")
+LORA_SEED = 1234  # the adapter's values: the same on every mode of a run (bit-exact against resident-lora<R>)
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,13 @@ class ModeSpec:
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
     default: bool = False                           # the planned default: no resident_layers / weight_codec given
     quantize: str | None = None                     # perf.quantized variant (-qfp8, -qgguf8, -qint8)
+    lora_rank: int = 0                              # -lora<R>: a rank-R LoRA added before wrapping (0: none)
+    lora_fused: bool = False                        # -lora<R>fused: fused after wrapping (fuse_lora)
+
+    @property
+    def lora(self) -> str | None:
+        """The LoRA variant (``lora64`` / ``lora64fused``), None without one: names its yardstick."""
+        return f"lora{self.lora_rank}{'fused' if self.lora_fused else ''}" if self.lora_rank else None
 
     @property
     def builds_on_device(self) -> bool:  # quantized models are built and quantized on the host
@@ -124,6 +149,11 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
     if m:  # the planned default: OffloadConfig.layerwise() (with a device budget cap: default-<N>gb)
         kw = {} if m.group(1) is None else {"device_memory_budget_gb": float(m.group(1))}
         return ModeSpec(name, "weightstream", config_kw=kw, weight_fill=CODED_FILL, default=True)
+    if name.startswith("resident-lora"):  # the LoRA modes' yardsticks: the same LoRA, resident
+        m = _LORA_VARIANT.match(name[len("resident-"):])
+        if not m:
+            raise ValueError(f"mode {name!r}: a resident LoRA yardstick is resident-lora<R> or resident-lora<R>fused")
+        return ModeSpec(name, "resident", lora_rank=int(m.group(1)), lora_fused=bool(m.group(2)))
     if name in HALF_PINNED_MODES:
         return ModeSpec(name, "weightstream", half_pinned=True, stage=HALF_PINNED_MODES[name])
     if name.startswith(("layerwise", "graphs")):
@@ -135,7 +165,14 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         sidecar = "off"
         encode_on = "cpu"
         copy_path, threads = "auto", None
+        lora = None
         for v in variants:
+            lm = _LORA_VARIANT.match(v)
+            if lm:
+                if lora is not None:
+                    raise ValueError(f"mode {name!r}: one lora variant at most")
+                lora = (int(lm.group(1)), bool(lm.group(2)))
+                continue
             m = _LAYERWISE_VARIANT.match(v)
             if not m:
                 raise ValueError(f"mode {name!r}: unknown variant {v!r}; allowed: r<N> (resident layers), auto "
@@ -147,7 +184,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
                                  "encgpu (with coded: encode the blocks on the GPU), "
                                  "staging (with mmap: the two-buffer staging copy path), "
-                                 "t<N> (with mmap-staging: N packing threads, N >= 1)")
+                                 "t<N> (with mmap-staging: N packing threads, N >= 1), "
+                                 "lora<R> / lora<R>fused (a rank-R LoRA, unfused / fused)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
             elif v == "auto":
@@ -188,9 +226,13 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             raise ValueError(f"mode {name!r}: the staging variant needs -mmap (the checkpoint source's copy path)")
         if threads is not None and copy_path != "staging":
             raise ValueError(f"mode {name!r}: the t<N> variant needs -mmap-staging (it sets the staging threads)")
+        if lora is not None and source != "memory":
+            raise ValueError(f"mode {name!r}: the lora variant needs the blocks in host memory (not -mmap: the "
+                             "model is built on the meta device there, and peft adds the adapter to a built model)")
+        rank, fused = lora or (0, False)
         return ModeSpec(name, "weightstream", config_kw=kw, source=source, compile=compiled,
                         weight_fill=weight_fill, coded_sidecar=sidecar, encode_on=encode_on,
-                        copy_path=copy_path, staging_threads=threads)
+                        copy_path=copy_path, staging_threads=threads, lora_rank=rank, lora_fused=fused)
     if name == "diffusers-block":
         return ModeSpec(name, "diffusers-group", peer_kw=dict(
             offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True))
@@ -258,9 +300,39 @@ def _need_accelerate(what: str):
     return accelerate
 
 
+def add_lora(model: nn.Module, rank: int, device: torch.device, *, seed: int = LORA_SEED) -> int:
+    """A rank-``rank`` peft LoRA on ``model``'s LORA_TARGETS through diffusers' ``add_adapter``
+    (``lora_alpha=rank``: scaling 1), its tensors on ``device``; A ~ N(0, 1/in_features) and
+    B ~ N(0, 0.01^2) from a CPU generator seeded ``seed`` (the same values on every mode; peft
+    starts B at zero, a no-op). Returns the adapter's bytes."""
+    from peft import LoraConfig
+
+    from weightstream.offload.adapters import adapter_tensors, tuner_layers
+
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(LORA_TARGETS)), adapter_name="perf")
+    g = torch.Generator().manual_seed(seed)
+    total = 0
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                std = p.shape[1] ** -0.5 if ".lora_A." in name else 0.01
+                p.data = (torch.randn(p.shape, generator=g) * std).to(device=device, dtype=p.dtype)
+        for layer in tuner_layers(model):
+            for t in adapter_tensors(layer):
+                t.data = t.data.to(device)  # where a LoRA loaded for this device lives (never streamed)
+                total += t.numel() * t.element_size()
+    return total
+
+
 def prepare(spec: ModeSpec, model: nn.Module, scenario: Scenario, device: torch.device,
             *, record_events: bool = False) -> Prepared:
+    adapter_bytes = add_lora(model, spec.lora_rank, device) if spec.lora_rank else None
     prepared = _prepare(spec, model, scenario, device, record_events=record_events)
+    if spec.lora_rank:
+        if spec.lora_fused:
+            model.fuse_lora()  # after wrapping: peft's merge writes the fused weights into the host images
+        prepared.notes["lora"] = {"rank": spec.lora_rank, "alpha": spec.lora_rank, "targets": list(LORA_TARGETS),
+                                  "fused": spec.lora_fused, "adapter_bytes": adapter_bytes}
     if spec.compile:
         # diffusers' regional compile: each repeated block class compiled once (inductor)
         model.compile_repeated_blocks()  # the streamed model's hooks sit on this module too

@@ -18,7 +18,8 @@ GB = 1e9
 # Figures the regression check compares: ratios, which survive a change of
 # clock, driver or machine load better than times.
 RATIO_FIGURES = ("ratio_to_floor", "ratio_to_resident", "ratio_to_best_peer", "ratio_to_resident_graph",
-                 "ratio_to_resident_tfill", "ratio_to_resident_compile", "ratio_to_pinned", "ratio_to_copy")
+                 "ratio_to_resident_tfill", "ratio_to_resident_compile", "ratio_to_pinned", "ratio_to_copy",
+                 "ratio_to_resident_lora")
 # Ratios where higher is better (a kernel's bandwidth against a plain copy);
 # every other ratio is a time against a yardstick, lower is better.
 HIGHER_IS_BETTER = ("ratio_to_copy",)
@@ -26,17 +27,20 @@ HIGHER_IS_BETTER = ("ratio_to_copy",)
 # Yardsticks: the whole model on the device, plain / as one CUDA graph / with
 # diffusers' regional compile (compile_repeated_blocks).
 RESIDENT_MODES = ("resident", "resident-graph", "resident-compile", "resident-tfill",
-                  "resident-qfp8", "resident-qgguf8", "resident-qint8")  # the last: perf/quantized.py
+                  "resident-qfp8", "resident-qgguf8", "resident-qint8",  # perf/quantized.py
+                  "resident-lora64", "resident-lora64fused")  # the LoRA modes' (any rank: is_resident)
+_LORA_PART = re.compile(r"^lora[1-9]\d*(fused)?$")  # a LoRA variant of a mode (perf/modes.py -lora<R>[fused])
 
 # Peers are other libraries' offloading, named by library prefix.
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8)|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
+    r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8)|resident-lora[1-9][0-9]*(fused)?"
+    r"|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
     r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*|encode(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8, module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8, resident-lora<R>[fused], module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
                "layerwise[-variant...], graphs[-variant...], default[-<N>gb] (the planned default), "
                "copy[-variant...], triton[-variant...], encode[-variant...] (kernel benchmarks), "
@@ -54,6 +58,7 @@ _MODE_NUMBERS = (
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
     "predicted_ms", "ratio_to_predicted", "ratio_to_best_fixed", "budget_gb", "device_weight_gb",
     "uncoded_floor_ms", "ratio_to_uncoded_floor", "setup_ratio_to_uncoded",
+    "ratio_to_resident_lora", "adapter_bytes",
 )
 _FIXED_COUNT = re.compile(r"^layerwise(-r\d+)?$")  # the fixed placements an auto mode is compared with
 
@@ -69,7 +74,21 @@ def is_weightstream(mode: str) -> bool:
 
 def is_offloaded(mode: str) -> bool:
     """A mode that streams weights (and so carries a streaming floor)."""
-    return mode not in RESIDENT_MODES and not mode.startswith(("copy", "triton"))
+    return not is_resident(mode) and not mode.startswith(("copy", "triton"))
+
+
+def is_resident(mode: str) -> bool:
+    """A yardstick: the whole model on the device (resident-lora<R>[fused] of any rank too)."""
+    return mode in RESIDENT_MODES or (mode.startswith("resident-") and bool(_LORA_PART.match(mode[9:])))
+
+
+def lora_yardstick(mode: str) -> str | None:
+    """The resident mode carrying the same LoRA as ``mode`` (``layerwise-lora64`` ->
+    ``resident-lora64``), None when ``mode`` has no LoRA variant or is that yardstick."""
+    if is_resident(mode):
+        return None
+    parts = [p for p in mode.split("-") if _LORA_PART.match(p)]
+    return f"resident-{parts[0]}" if parts else None
 
 
 def _is_number(x: Any) -> bool:
@@ -175,13 +194,19 @@ def summarise(modes: dict[str, dict], h2d_gbps: float | None,
         streamed = f.get("streamed_bytes")
         if streamed is None and f.get("streamed_gb") is not None:
             streamed = f["streamed_gb"] * GB
-        if own_ms is None:
+        # a LoRA mode's compute term is the resident step with the same LoRA (unfused: its matmuls too)
+        lora = lora_yardstick(mode)
+        compute_ms = out[lora]["step_ms"] if lora in out else own_ms
+        if lora in out:
+            f["ratio_to_resident_lora"] = _sig(f["step_ms"] / compute_ms)
+        if compute_ms is None:
             # no resident step (it failed, e.g. out of memory): the transfer term alone
             if streamed is None or not h2d_gbps:
                 continue
             f["floor_ms"] = round(floor_ms(0.0, streamed, h2d_gbps), 3)
         else:
-            f["floor_ms"] = round(floor_ms(own_ms, streamed, h2d_gbps), 3)
+            f["floor_ms"] = round(floor_ms(compute_ms, streamed, h2d_gbps), 3)
+        if own_ms is not None:
             f["ratio_to_resident"] = _sig(f["step_ms"] / own_ms)
         f["ratio_to_floor"] = _sig(f["step_ms"] / f["floor_ms"])
         if best_peer is not None and is_weightstream(mode):

@@ -267,6 +267,8 @@ def run_mode(args, prefix: str) -> dict:
                     **staging_figures(prepared.stats))
     if prepared.notes:
         figs["notes"] = prepared.notes
+    if "lora" in prepared.notes:  # -lora<R> modes and their resident yardsticks: the adapter's device bytes
+        figs["adapter_bytes"] = prepared.notes["lora"]["adapter_bytes"]
     if device.type == "cuda":
         figs["peak_device_gb"] = round(torch.cuda.max_memory_allocated(device) / GB, 3)
         figs["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GB, 3)
