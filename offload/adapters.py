@@ -77,6 +77,12 @@ def streamable_tensors(block: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     return [entry for entry in tensors if id(entry[2]) not in skip] if skip else tensors
 
 
+def merge_state(module: nn.Module) -> tuple:
+    """The merged adapters of every tuner layer in ``module``: a peft merge writes
+    ``base_layer.weight.data`` (which moves no version counter of the weight), this moves."""
+    return tuple((id(layer), tuple(layer.merged_adapters)) for layer in tuner_layers(module))
+
+
 def adapter_state(layer: nn.Module) -> tuple:
     """What a captured step bakes in of one tuner layer: merged adapters, active ones,
     enabled or not, LoRA scaling, and each adapter tensor's identity and address."""

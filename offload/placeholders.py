@@ -70,9 +70,11 @@ class Placeholders:
     writes them (both from :class:`~.streamed.StreamedBlocks`). ``names[id(t)]`` names a
     tensor in messages."""
 
-    def __init__(self, device: torch.device, read, write):
+    def __init__(self, device: torch.device, read, write, *, access_hint: str | None = None):
         self.device = device
         self._read, self._write = read, write
+        # the StreamedModuleAccessError's advice (None: a streamed block's, layer mode)
+        self.access_hint = access_hint
         self.names: dict[int, str] = {}
         self.blocks: dict[int, str] = {}
         self._meta: dict[int, torch.Tensor] = {}
@@ -101,6 +103,10 @@ class Placeholders:
         return sub
 
     # -- the executor's bind (the tensor is about to get its view) -----------------------------------
+    def unbound(self, t: torch.Tensor) -> None:
+        """``t`` no longer holds its weights (module mode: its component left the device)."""
+        t.__class__ = self.placeholder_class(self._base[id(t)])
+
     def bound(self, t: torch.Tensor) -> None:
         t.__class__ = self._base[id(t)]
 
@@ -197,6 +203,9 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             "update_weights({key: value}) / load_state_dict, in place on the tensor state_dict() returns, "
             "or on its .data (a device copy whose edits take effect at the next forward)")
     block = ph.blocks.get(id(t), "?")
+    if ph.access_hint is not None:
+        raise StreamedModuleAccessError(f"{what} read the offloaded tensor {ph.name(t)!r} of {block!r} while its "
+                                        f"weights are not on the device: {ph.access_hint}")
     raise StreamedModuleAccessError(
         f"{what} read the streamed tensor {ph.name(t)!r} (part of the streamed block {block!r}) outside "
         f"{block!r}'s own forward, when its weights are not on the device: a submodule of the block called on "

@@ -311,6 +311,8 @@ class StreamedBlocks:
             return self._apply(self._plan_update(state_dict, strict))
 
     def _apply(self, plan: list) -> list[str]:
+        if self.placement is not None:
+            self.placement.sync()  # device edits of resident blocks first: the snapshot below would hide them
         self.executor.synchronize()
         try:
             with torch.no_grad():

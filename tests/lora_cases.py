@@ -34,14 +34,23 @@ def pipeline(kind: str, transformer):
     return WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None, scheduler=None)
 
 
-def model_and_inputs(kind: str, device="cpu", dtype=torch.float32):
+# the CPU tests' models: smaller still than weightstream.models' tiny ones (1 double + 2 single Flux
+# blocks, 2 Wan blocks, head dim 8): seconds per cell on two shared cores
+SMALL = {"flux": dict(num_layers=1, num_single_layers=2, attention_head_dim=8, axes_dims_rope=(2, 2, 4),
+                      joint_attention_dim=16, pooled_projection_dim=8, in_channels=8),
+         "wan": dict(num_layers=2, attention_head_dim=12, ffn_dim=32, text_dim=16, freq_dim=16)}
+
+
+def model_and_inputs(kind: str, device="cpu", dtype=torch.float32, small: bool = False):
     from weightstream.models import flux_inputs, tiny_flux, tiny_wan, wan_inputs
 
+    over = SMALL[kind] if small else {}
     if kind == "flux":
-        model = tiny_flux(dtype=dtype)
-        return model, flux_inputs(model, device=device)
-    model = tiny_wan(dtype=dtype)
-    return model, wan_inputs(model, device=device)
+        model = tiny_flux(dtype=dtype, **over)
+        return model, flux_inputs(model, device=device, image_tokens=4 if small else 16, text_tokens=4 if small else 8)
+    model = tiny_wan(dtype=dtype, **over)
+    return model, wan_inputs(model, device=device, height=4 if small else 8, width=4 if small else 8,
+                             text_tokens=4 if small else 8)
 
 
 def lora_layers(model, rank: int, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -65,8 +74,9 @@ def write_lora(kind: str, folder: Path, model, rank: int, seed: int, dtype=torch
     return folder / "pytorch_lora_weights.safetensors"
 
 
-def offload(entry: str, pipe, codec: str = "none", device="cpu", graphs: str = "off"):
-    """Offload ``pipe.transformer`` through ``entry``; returns the handle (or the wrapper)."""
+def offload(entry: str, pipe, codec: str = "none", device="cpu", graphs: str = "off", parallel=None, **extra):
+    """Offload ``pipe.transformer`` through ``entry``; returns the handle (or the wrapper).
+    ``extra``: more OffloadConfig.layerwise keys (resident_layers, ...); ``parallel``: DLO."""
     from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline
 
     keys = dict(progress=False, weight_codec=codec, cuda_graphs=graphs)
@@ -74,8 +84,10 @@ def offload(entry: str, pipe, codec: str = "none", device="cpu", graphs: str = "
         keys["resident_layers"] = 0
     elif entry == "layer":
         keys["layer_options"] = {"dit": {"resident_layers": 0}}
+    keys.update(extra)
     if entry == "wrapper":
-        pipe.transformer = OffloadedTransformer(pipe.transformer, OffloadConfig.layerwise(**keys), device=device)
+        pipe.transformer = OffloadedTransformer(pipe.transformer, OffloadConfig.layerwise(**keys), device=device,
+                                                parallel=parallel)
         return pipe.transformer
     if entry == "inplace":
         return apply_layerwise_offload(pipe.transformer, OffloadConfig.layerwise(**keys), device=device)
@@ -92,9 +104,9 @@ class Twins:
     """A resident pipeline and an offloaded one, driven by the same calls."""
 
     def __init__(self, kind: str, entry: str, codec: str, folder: Path, *, before: bool, device="cpu",
-                 dtype=torch.float32, graphs: str = "off"):
+                 dtype=torch.float32, graphs: str = "off", small: bool = False, parallel=None, **extra):
         quiet()
-        model, self.inputs = model_and_inputs(kind, device, dtype)
+        model, self.inputs = model_and_inputs(kind, device, dtype, small)
         self.files = [write_lora(kind, folder / f"lora{i}", model, rank=4 + 4 * i, seed=i + 1, dtype=dtype)
                       for i in range(2)]
         self.ref = pipeline(kind, copy.deepcopy(model).to(device))
@@ -102,14 +114,8 @@ class Twins:
         self.entry, self.before = entry, before
         if before:
             self.both("load_lora_weights", str(self.files[0]), adapter_name="a")
-        self.handle = offload(entry, self.pipe, codec, device, graphs)
-        if entry == "module" and not before:
-            # module mode: a swapped component holds empty tensors between its forwards; diffusers'
-            # Flux loader reads the base weights' shapes, so load while the component is on the device
-            with self.handle.using("transformer"):
-                self.pipe.load_lora_weights(str(self.files[0]), adapter_name="a")
-            self.ref.load_lora_weights(str(self.files[0]), adapter_name="a")
-        elif not before:
+        self.handle = offload(entry, self.pipe, codec, device, graphs, parallel, **extra)
+        if not before:  # module mode: while the component is offloaded (its tensors keep their shapes)
             self.both("load_lora_weights", str(self.files[0]), adapter_name="a")
 
     def both(self, method: str, *args, **kwargs) -> None:
@@ -130,9 +136,45 @@ class Twins:
         assert not bad, (what, bad[:5])
 
 
-def user_sequence(t: Twins, steps: int = 1) -> None:
-    """The LoRA calls of a user's session, each checked against the resident twin."""
+HOST_KEYS = ("host_bytes", "pinned_bytes", "slot_bytes", "streamed_bytes_per_step")
+
+
+def host_figures(t: Twins) -> dict:
+    """What adapters must not change: the host images' and slots' sizes (layer-mode entries)."""
+    if t.entry == "module":
+        return {k: t.handle.stats()[k] for k in ("host_bytes", "pinned_bytes")}
+    s = (t.handle.wrapped["transformer"] if t.entry == "layer" else t.handle).stats()
+    return {k: s[k] for k in HOST_KEYS if k in s}
+
+
+def offload_all(t: Twins) -> None:
+    """Module mode, a LoRA loaded after offloading (resident on the device): the component leaves
+    the device, so a fuse writes its host master through the offloaded weights' .data."""
+    if t.entry == "module" and not t.before:
+        t.handle.offload_all()
+
+
+def short_sequence(t: Twins, steps: int = 1) -> None:
+    """The calls that write weights (coded cells: every fuse re-encodes): a second adapter with
+    weights, fuse, unfuse, fuse one and unload."""
     t.check("loaded", steps)
+    t.both("load_lora_weights", str(t.files[1]), adapter_name="b")
+    t.both("set_adapters", ["a", "b"], adapter_weights=[0.5, 1.0])
+    offload_all(t)
+    t.both("fuse_lora", lora_scale=0.8)
+    t.check("fuse_lora", steps)
+    t.both("unfuse_lora")
+    t.check("unfuse_lora", steps)
+    t.both("fuse_lora", adapter_names=["a"])
+    t.both("unload_lora_weights")
+    t.check("fused then unloaded", steps)
+
+
+def user_sequence(t: Twins, steps: int = 1) -> None:
+    """The LoRA calls of a user's session, each checked against the resident twin; loading and
+    switching adapters change no host image."""
+    t.check("loaded", steps)
+    host = host_figures(t)
     t.both("load_lora_weights", str(t.files[1]), adapter_name="b")
     t.check("second adapter", steps)
     t.both("set_adapters", ["a", "b"], adapter_weights=[0.7, 0.4])
@@ -143,7 +185,9 @@ def user_sequence(t: Twins, steps: int = 1) -> None:
     t.check("disable_lora", steps)
     t.both("enable_lora")
     t.check("enable_lora", steps)
+    assert host_figures(t) == host, (host_figures(t), host)
     t.both("set_adapters", ["a", "b"], adapter_weights=[0.5, 1.0])
+    offload_all(t)
     t.both("fuse_lora", lora_scale=0.8)
     t.check("fuse_lora", steps)
     t.both("unfuse_lora")

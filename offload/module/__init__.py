@@ -74,6 +74,7 @@ from ..progress import format_bytes
 from ..host.quantized import host_form, quantized_format, rehome, streams
 from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits
+from ..placeholders import Placeholders
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
 from .hooks import ModuleHook, casting_rebinds, forward_running, unit_hooks
@@ -138,7 +139,11 @@ class ModuleOffload:
                 self, components, set(config.components), self._split)
             self._setup_images()
             self._install_hooks()
+            self._install_placeholders()
         except BaseException:
+            for u in self.units.values():
+                if u.placeholders is not None:
+                    u.placeholders.release_all(u.tensors)
             self._remove_hooks()
             undo_split(self._split)
             raise
@@ -189,6 +194,39 @@ class ModuleOffload:
         # a cast or move of a unit would reach its device copy only, not its host master: refused by name
         self.cast_guards = [CastGuard(u.module, self.device, "offload_pipeline (mode='module')", "handle.disable()")
                             for u in self.units.values()]
+
+    def _install_placeholders(self) -> None:
+        """Between arrivals a unit's tensors keep their shape, dtype and device with no storage
+        (:mod:`..placeholders`): what reads only metadata (diffusers' LoRA loader reads the base
+        weights' shapes, peft places adapters on the weights' device) works on a component that
+        is not on the device; ``.data`` is a device copy of the host master and an assignment
+        (peft's merge, ``fuse_lora``) writes the host master; a read of the values raises
+        StreamedModuleAccessError."""
+        where = {id(t): (u, i) for u in self.units.values() for i, t in enumerate(u.tensors)}
+        views = self.host_views
+
+        def read(t: torch.Tensor) -> torch.Tensor:
+            return views[id(t)].to(self.device, copy=True)
+
+        def write(t: torch.Tensor, value) -> None:
+            u, i = where[id(t)]
+            spec = u.layout.tensors[i]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
+                got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f".data of {ph.name(t)!r} (offloaded with {u.name!r}) must keep its shape and dtype "
+                                 f"{(tuple(spec.shape), spec.dtype)}, got {got}")
+            self.images.write(u, i, value.detach())
+
+        ph = Placeholders(self.device, read, write, access_hint=(
+            "the component is offloaded between its forwards. Read its weights with state_dict() or .data (a "
+            "device copy), or call the code inside handle.using(name), which keeps it on the device"))
+        for u in self.units.values():
+            for t, spec in zip(u.tensors, u.layout.tensors):
+                ph.register(t, u.name, spec.name, spec.shape, spec.stride, spec.dtype)
+            u.placeholders = ph
+            if not u.on_device:
+                for t in u.tensors:
+                    ph.unbound(t)
 
     @property
     def store(self):

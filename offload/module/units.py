@@ -53,6 +53,8 @@ class Unit:
         self.arrivals = 0
         self.departures = 0
         self.host_version: int | None = None  # the host images' version its device copy was made from
+        # what the tensors are between arrivals (shape kept, no storage; ..placeholders), once set up
+        self.placeholders = None
 
     @property
     def on_device(self) -> bool:
@@ -69,6 +71,8 @@ class Unit:
         """Every tensor to its view of ``buffer`` (runs on the host while the copy is in flight);
         on only once all are rebound, so an interrupted bind is redone by the next arrival."""
         for t, v in zip(self.tensors, typed_views(buffer, self.layout)):
+            if self.placeholders is not None:
+                self.placeholders.bound(t)  # its own class first: a placeholder's .data = v is a write
             t.data = v
         self.buffer = buffer
 
@@ -78,6 +82,9 @@ class Unit:
         so its next use rebinds every tensor again."""
         self.buffer = None
         drop_storage(self.tensors, device)
+        if self.placeholders is not None:
+            for t in self.tensors:
+                self.placeholders.unbound(t)
 
 
 def typed_views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
@@ -189,6 +196,8 @@ class UnitImages:
     def give_back(self, u: Unit) -> None:
         """Every tensor of ``u`` gets its own device allocation, filled from the host image."""
         image = self.store.image(u.index) if self.coded is None else self.coded.image(u.index)
+        if u.placeholders is not None:
+            u.placeholders.release_all(u.tensors)
         for t, spec in zip(u.tensors, u.layout.tensors):
             raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=self.device)
             copy_from_image(raw, image, spec.offset)

@@ -9,7 +9,8 @@ applied between steps:
 - a block that becomes resident gets a device copy of its image (its tensors
   are views of it); the host image stays its master: ``state_dict()`` keeps
   returning host views, and at every forward start (:meth:`Residency.sync`)
-  an edit of a resident tensor on the device is written to the host image and an
+  an edit of a resident tensor on the device (in place, an assignment, a peft merge)
+  is written to the host image and an
   edit of the host views (a ``state_dict()`` taken before the plan, say) is
   copied to the device copies, so neither is ever ignored;
 - a block that streams again first syncs, then streams as before;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from weightstream.offload.adapters import merge_state
 from weightstream.offload.config import AUTO_DEVICE_MARGIN_GB
 from weightstream.offload.plan import placement as planner
 from weightstream.offload.plan.measure import auto_budget_bytes
@@ -135,7 +137,15 @@ class Residency:
             for (_, _, t), spec in zip(sb.tensors[k], sb.source.layouts[k].tensors):
                 t.data = spec.view_of(image)
         self._device_images[k] = image
-        self._dev_versions[k] = [t._version for _, _, t in sb.tensors[k]]
+        self._dev_versions[k] = self._seen(k)
+
+    def _seen(self, k: int) -> tuple:
+        """What an edit of resident block ``k`` on the device moves: each tensor's version and
+        address (an assignment), and its peft layers' merged adapters (a merge's ``.data +=``
+        moves neither; :func:`..adapters.merge_state`)."""
+        sb = self.streamed
+        ts = [t for _, _, t in sb.tensors[k]]
+        return [(t._version, t.data_ptr()) for t in ts], merge_state(sb.blocks[sb.source.layouts[k].index].module)
 
     def _demote(self, k: int) -> None:
         """Block ``k`` streams again (synced first: its host image holds every edit)."""
@@ -155,11 +165,11 @@ class Residency:
         host_edited = src.host_version() != self._host_version
         for k in self._device_images:
             ts = [t for _, _, t in sb.tensors[k]]
-            seen = [t._version for t in ts]
-            if seen != self._dev_versions[k]:
+            (seen, merged), (was, was_merged) = self._seen(k), self._dev_versions[k]
+            if seen != was or merged != was_merged:
                 sb.executor.synchronize()
-                for i, (t, a, b) in enumerate(zip(ts, seen, self._dev_versions[k])):
-                    if a != b:
+                for i, (t, a, b) in enumerate(zip(ts, seen, was)):
+                    if a != b or merged != was_merged:  # a merge: every tensor of the block (not the hot path)
                         src.write(k, i, t.data)
                 sb.executor.reload_pending()  # a coded source re-encodes what was just written
         if host_edited:
@@ -173,7 +183,7 @@ class Residency:
         sb = self.streamed
         self._host_version = sb.source.host_version()
         for k in self._device_images:
-            self._dev_versions[k] = [t._version for _, _, t in sb.tensors[k]]
+            self._dev_versions[k] = self._seen(k)
 
     def resident_tensors(self) -> set[int]:
         """ids of the tensors of blocks the current plan keeps resident."""
