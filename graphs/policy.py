@@ -133,6 +133,8 @@ class GraphPolicy:
     warmed: set = field(default_factory=set)
     failed: dict = field(default_factory=dict)  # signature -> cause
     live: OrderedDict = field(default_factory=OrderedDict)  # (signature, phase) -> None (LRU order)
+    # the peft adapter state the live graphs bake in (offload/adapters.py AdapterWatch.key); None: not seen yet
+    adapter_state: tuple | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
@@ -168,6 +170,16 @@ class GraphPolicy:
         first = not self.failed
         self.failed[sig] = cause
         return first
+
+    def adapters_changed(self, state: tuple) -> bool:
+        """Note the adapters' state before a step; True when it differs from the one the live
+        graphs were captured under and there are graphs to drop (the caller drops them, which
+        :meth:`clear` s this policy, and tells the source its captures are gone: a coded block
+        that outgrew the captured copies is then no longer stale, the next steps warm up and
+        capture again)."""
+        changed = self.adapter_state is not None and state != self.adapter_state
+        self.adapter_state = state
+        return changed and bool(self.live or self.warmed)
 
     def clear(self) -> None:
         self.warmed.clear()

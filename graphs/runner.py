@@ -78,7 +78,7 @@ class GraphRunner:
         self.module, self.executor, self.config = module, executor, config
         # () -> the peft adapter state a capture bakes in (offload/adapters.py AdapterWatch.key):
         # when it changes (set_adapters, disable_lora, fuse_lora, a load) every graph is dropped
-        self.adapters, self._adapter_state = adapters, None
+        self.adapters = adapters
         self.adapter_drops = 0  # times the graphs were dropped for a changed adapter state
         self.policy = GraphPolicy(max_graphs=max_graphs)
         self.graphs: dict = {}
@@ -93,6 +93,10 @@ class GraphRunner:
 
     def __call__(self, args: tuple, kwargs: dict):
         ex = self.executor
+        # first: a fuse that made coded blocks outgrow the captured copies left them stale, and
+        # dropping the graphs it changed clears that (check_replay would refuse them)
+        if self.adapters is not None and self.policy.adapters_changed(self.adapters()):
+            self._drop_graphs()
         ex.check_usable()  # DLO: a failed backend raises before any collective; mmap: a changed file
         if ex.mid_step:
             # an earlier eager step stopped part-way: a replay runs no hooks that could
@@ -102,12 +106,6 @@ class GraphRunner:
                 ex.reset()
             else:
                 ex.finish_step()
-        if self.adapters is not None:
-            state = self.adapters()
-            if state != self._adapter_state:
-                if self.graphs:
-                    self._drop_graphs()
-                self._adapter_state = state
         try:
             sig = signature(args, kwargs)
         except UnsupportedInput as e:
@@ -117,6 +115,7 @@ class GraphRunner:
             return self._eager(args, kwargs, Action.EAGER_FALLBACK, cause=problem)
         action = self.policy.decide(sig, self._phase(), settling=ex.capture_deferred())
         if action is Action.REPLAY:
+            ex.check_replay()  # coded blocks re-encoded past the captured copies (not by an adapter change)
             return self._replay(self.graphs[(sig, self._phase())], args, kwargs)
         if action is Action.CAPTURE:
             return self._capture(sig, args, kwargs)
@@ -216,10 +215,12 @@ class GraphRunner:
         return _fresh(g.static_out)
 
     def _drop_graphs(self) -> None:
-        """Every graph out (their replays finished first); the next steps warm up and capture again."""
+        """Every graph out (their replays finished first); the next steps warm up and capture again
+        (the source forgets what it kept for them: :meth:`~..offload.executor.LayerwiseExecutor.captures_dropped`)."""
         torch.cuda.current_stream(self.executor.device).synchronize()
         self.graphs.clear()
         self.policy.clear()
+        self.executor.captures_dropped()
         self.adapter_drops += 1
 
     def release(self) -> None:

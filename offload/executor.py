@@ -411,6 +411,16 @@ class LayerwiseExecutor:
         self.copies.tag = None
         return self.position
 
+    def check_replay(self) -> None:
+        """Before a graph replay: the source's refusal of captures gone stale (a named error)."""
+        self.source.check_replay()
+
+    def captures_dropped(self) -> None:
+        """The graph runner dropped every graph captured over this ring (an adapter change): the
+        source forgets the state it kept for them (a coded block grown past the captured copies
+        is no longer stale)."""
+        self.source.captures_dropped()
+
     def replayed_step(self) -> None:
         """A replay ran one whole step without running any hook: advance the ring."""
         self.position += self.schedule.n

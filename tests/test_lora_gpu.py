@@ -69,6 +69,45 @@ def case_adapters_on_the_device():
     print("ok")
 
 
+def case_fuse_growing_coded_blocks_under_graphs():
+    """A fuse whose re-encode outgrows the captured copies: every write applies, the adapter change
+    drops the graphs and the staleness, the next steps warm up, capture and replay the fused weights."""
+    import copy
+
+    import torch
+
+    from test_lora_graphs import growing_lora_model
+    from weightstream import OffloadConfig, OffloadedTransformer
+
+    model, x = growing_lora_model()
+    x = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    ref = copy.deepcopy(model).cuda()
+    om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, weight_codec="exp-k", cuda_graphs="on"),
+                              device="cuda")
+
+    def steps(what):
+        with torch.no_grad():
+            want = ref(**x)[0]
+            for i in range(3):  # warm-up, capture, replay
+                got = om(**x)[0]
+                assert torch.equal(got, want), (what, i, float((got.float() - want.float()).abs().max()))
+
+    steps("unfused")
+    src = om._streamed.source
+    before, replays = list(src.images.copy_bytes), om.graphs.counts["replay"]
+    assert src.stage.captured and replays >= 1
+    for m in (ref, model):
+        m.fuse_lora()
+    assert all(a > b for a, b in zip(src.images.copy_bytes, before)), (src.images.copy_bytes, before)
+    assert src.stage.stale is not None  # the old graphs are stale until they are dropped
+    steps("fused")
+    assert om.graphs.adapter_drops >= 1 and om.graphs.counts["replay"] > replays and src.stage.stale is None
+    for m in (ref, model):
+        m.unfuse_lora()
+    steps("unfused again")
+    print("ok")
+
+
 # -- the tests ------------------------------------------------------------------------------
 
 GRAPH_CELLS = [
@@ -93,3 +132,7 @@ def test_lora_eager_coded_on_the_device_matches_the_resident_model():
 
 def test_lora_adapters_live_on_the_device_and_switching_repins_nothing():
     run_isolated("case_adapters_on_the_device")
+
+
+def test_lora_fuse_growing_coded_blocks_under_cuda_graphs():
+    run_isolated("case_fuse_growing_coded_blocks_under_graphs")

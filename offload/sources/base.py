@@ -118,6 +118,15 @@ class WeightSource(Protocol):
         """Why a capture should wait: the loads are about to change (None: capture now)."""
         return None
 
+    def check_replay(self) -> None:
+        """Raise a named error when the captured CUDA graphs cannot be replayed any more (their
+        copies are too small for blocks re-encoded since: CodedCaptureStaleError); before every
+        replay. Eager steps are served (the loads copy the current sizes)."""
+
+    def captures_dropped(self) -> None:
+        """Every CUDA graph captured over this source's loads was dropped: forget what was kept for
+        them (a decode stage's stale flag); the next capture starts afresh."""
+
     def remove(self) -> None:
         """Executor teardown: stop threads (close() releases host memory)."""
 

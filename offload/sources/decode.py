@@ -265,6 +265,12 @@ class DecodeStage:
                           "those graphs would read it truncated. disable() the model and wrap it again (or use "
                           "cuda_graphs='off')")
 
+    def forget_captures(self) -> None:
+        """Every graph captured over these buffers was dropped: nothing is stale, and a later growth
+        stales only graphs captured after it."""
+        self.captured = False
+        self.stale = None
+
     def stats(self) -> dict:
         return {"coded_buffer_bytes": sum(b.numel() for b in self._buffers),
                 "decode": f"at {self.decode_at}, on the " + ("decode" if self.decode_stream else

@@ -304,8 +304,12 @@ class ShardSource(WeightSource):
         """A coded buffer holds a gathered coded image (raw blocks are gathered into the slot)."""
         return max([self.world * sb for sb, r in zip(self.store.shard_bytes, self.raw) if not r], default=0)
 
-    def check(self) -> None:
-        """Step start / before a replay: refuse graphs captured before a re-shard."""
+    def captures_dropped(self) -> None:
+        if self.stage is not None:
+            self.stage.forget_captures()
+
+    def check_replay(self) -> None:
+        """Before a replay: refuse graphs captured before a re-shard."""
         if self.stage is not None:
             self.stage.check()
 

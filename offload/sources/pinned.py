@@ -449,11 +449,16 @@ class CodedSource(WeightSource, DeviceSide):
             return
         self.stage.before_use(k, slot, stream, self.images.copy_bytes[k], self.images.tables[k], tag)
 
+    def captures_dropped(self) -> None:
+        self.stage.forget_captures()
+
+    def check_replay(self) -> None:
+        self.stage.check()  # a block re-encoded larger than the captured copies: those graphs are stale
+
     def check(self) -> None:
-        """Step start / before a replay: refuse stale captures; re-encode decoded host copies
-        edited in place (then :meth:`host_version` moves and the executor re-copies the slots
-        already loaded); swap in blocks coded in the background."""
-        self.stage.check()
+        """Step start / before a replay: re-encode decoded host copies edited in place (then
+        :meth:`host_version` moves and the executor re-copies the slots already loaded); swap in
+        blocks coded in the background. Stale captures are refused by :meth:`check_replay`."""
         self.images.check()
 
     def slot_bytes_of(self, ks) -> int:
