@@ -163,3 +163,45 @@ def test_lora_with_automatic_placement_matches_the_resident_model(tmp_path):
     placed = t.handle.stats()["placement"]
     assert placed["resident_blocks"], placed  # the budget holds blocks: some were promoted
     lc.short_sequence(t)
+
+
+def _rank_lora(rank, world):
+    """One rank of DLO AllGather: a LoRA loaded before offloading runs (switching, weights, disable),
+    bit-exact against its resident twin; calls that read a base weight whole (a load after
+    offloading, a fuse) are refused by name and change nothing."""
+    import tempfile
+    from pathlib import Path
+
+    from weightstream.offload.dlo.topology import ParallelConfig
+    from weightstream.offload.misuse import ShardedWeightError
+
+    t = lc.Twins("flux", "wrapper", "none", Path(tempfile.mkdtemp()), before=True, small=True,
+                 parallel=ParallelConfig(dp=world))
+    stats = t.handle.stats()
+    t.check("loaded before offloading")
+    refused = []
+    for call, args, kw in (("load_lora_weights", (str(t.files[1]),), {"adapter_name": "b"}), ("fuse_lora", (), {})):
+        try:
+            getattr(t.pipe, call)(*args, **kw)
+        except ShardedWeightError:
+            refused.append(call)
+    t.both("set_adapters", "a", adapter_weights=[0.6])
+    t.check("set_adapters with a weight")
+    t.both("disable_lora")
+    t.check("disable_lora")
+    return {"transfer": stats["transfer"], "shard_group_size": stats["shard_group_size"], "refused": refused}
+
+
+def scenario_dlo_lora(rank, world):
+    from test_distributed import Checks
+
+    c = Checks()
+    c.run("lora", _rank_lora, rank, world)
+    return c.report
+
+
+def test_lora_over_dlo_allgather_on_two_ranks_matches_the_resident_model(tmp_path):
+    from test_distributed import get, run_ranks
+
+    for r in get(run_ranks(2, tmp_path, "test_lora:scenario_dlo_lora"), "lora"):
+        assert r == {"transfer": "allgather", "shard_group_size": 2, "refused": ["load_lora_weights", "fuse_lora"]}, r

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.offload.codecs import AUTO, CodedCaptureStaleError, codec_levels
+from weightstream.offload.misuse import ShardedWeightError
 from weightstream.offload.dlo.control import bounded_wait
 from weightstream.offload.host.arena import copy_from_image
 from weightstream.offload.host.encode import encode_image, encoded_in_order
@@ -74,10 +75,13 @@ class ShardedHostViews(Mapping):
 
     def __getitem__(self, key):
         if key in self._ids:
-            raise RuntimeError(
+            raise ShardedWeightError(
                 f"this rank holds only 1/{self._world} of each streamed tensor (DLO AllGather); "
                 "call .gather_state_dict() on every rank of the sharding group (a collective), "
-                "local_state_dict() (this rank's share, no collective), or disable() first"
+                "local_state_dict() (this rank's share, no collective), or disable() first. A streamed "
+                "weight's .data reads it too: LoRA calls that read base weights (diffusers' load_lora_weights "
+                "after offloading, fuse_lora, peft's merge) are not supported here; load the LoRA before "
+                "offloading (it runs unfused) or use layer_options.dit.weight_transfer='rank-local'"
             )
         raise KeyError(key)
 
