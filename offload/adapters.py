@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .layout import block_tensors, tensor_bytes
+from .misuse import AdapterMergeUnsupportedError
 
 # peft's tuner module: when it was never imported, no model can hold a tuner layer
 _PEFT_TUNERS = "peft.tuners.tuners_utils"
@@ -93,6 +94,21 @@ def adapter_state(layer: nn.Module) -> tuple:
                                for k, v in layer.scaling.items()))
     return (id(layer), tuple(layer.merged_adapters), tuple(layer.active_adapters), bool(layer.disable_adapters),
             scaling, tuple((id(t), t.data_ptr()) for t in adapter_tensors(layer)))
+
+
+def dora_read_error(root: nn.Module, t: torch.Tensor, what: str, name: str):
+    """The named error for a read of offloaded base weight ``t`` (``name``) that a peft DoRA layer of
+    ``root`` makes outside its forward (its merge computes the magnitude from the base weight's
+    values), None when no DoRA layer holds ``t`` (the caller raises its own error)."""
+    lora = sys.modules.get(_PEFT_LORA)
+    for layer in tuner_layers(root) if lora is not None else ():
+        if isinstance(layer, lora.LoraLayer) and layer.get_base_layer().weight is t and any(layer.use_dora.values()):
+            return AdapterMergeUnsupportedError(
+                f"{what} read the offloaded base weight {name!r} of a peft DoRA layer outside its forward: a DoRA "
+                "merge (merge(), fuse_lora()) computes the magnitude from the base weight's values, which are in "
+                "the host store between forwards, so DoRA merges are not supported on offloaded weights (a plain "
+                "LoRA merge is). Run the DoRA adapter unfused, or merge it before offloading")
+    return None
 
 
 class AdapterWatch:

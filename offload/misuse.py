@@ -48,6 +48,11 @@ class StreamedModuleAccessError(OffloadMisuseError, RuntimeError):
     """A submodule of a streamed block ran outside its block's forward (its weights were not loaded)."""
 
 
+class AdapterMergeUnsupportedError(StreamedModuleAccessError):
+    """A peft DoRA merge read an offloaded base weight's values (DoRA's magnitude is computed from
+    them); plain LoRA merges go through ``.data`` and work, unfused DoRA runs."""
+
+
 class ShardedWeightError(OffloadMisuseError, RuntimeError):
     """A rank of DLO AllGather was asked for a whole streamed tensor (its host view, ``.data``) while
     it holds only its share: a gather is a collective, so no single rank's read can be one."""

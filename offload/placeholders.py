@@ -25,6 +25,7 @@ tensors have their own class, so compute pays nothing.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -70,11 +71,15 @@ class Placeholders:
     writes them (both from :class:`~.streamed.StreamedBlocks`). ``names[id(t)]`` names a
     tensor in messages."""
 
-    def __init__(self, device: torch.device, read, write, *, access_hint: str | None = None):
+    def __init__(self, device: torch.device, read, write, *, access_hint: str | None = None, explain=None):
         self.device = device
         self._read, self._write = read, write
         # the StreamedModuleAccessError's advice (None: a streamed block's, layer mode)
         self.access_hint = access_hint
+        # explain(t, what) -> an error to raise instead of StreamedModuleAccessError, or None (the slow
+        # path of a refused read; offload/adapters.py names a peft DoRA layer's reads)
+        self.explain = explain
+        self._origin: dict[int, torch.Tensor] = {}  # id(detached alias) -> the streamed tensor
         self.names: dict[int, str] = {}
         self.blocks: dict[int, str] = {}
         self._meta: dict[int, torch.Tensor] = {}
@@ -110,6 +115,28 @@ class Placeholders:
     def bound(self, t: torch.Tensor) -> None:
         t.__class__ = self._base[id(t)]
 
+    def detached(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``t.detach()`` between forwards: ``out`` (a plain alias of the empty stand-in) speaks for ``t``
+        too (shape, dtype, named errors on a read of its values), so no caller computes with an empty
+        tensor; torch's ``state_dict()`` detaches every tensor, and its hook replaces these entries."""
+        t = self.origin(t)
+        key = id(out)
+        self._origin[key] = t
+        for table in (self.names, self.blocks, self._meta):
+            table[key] = table[id(t)]
+        self._base[key] = type(out)
+        weakref.finalize(out, self._forget, key)
+        out.__class__ = self.placeholder_class(type(out))
+        return out
+
+    def _forget(self, key: int) -> None:
+        for table in (self._origin, self.names, self.blocks, self._meta, self._base):
+            table.pop(key, None)
+
+    def origin(self, t: torch.Tensor) -> torch.Tensor:
+        """The streamed tensor ``t`` speaks for (itself, or the tensor a detached alias came from)."""
+        return self._origin.get(id(t), t)
+
     def release_all(self, tensors) -> None:
         """Every tensor back to its own class (teardown, or a block made resident)."""
         for t in tensors:
@@ -122,13 +149,14 @@ class Placeholders:
     # ``t.data.add_(x)``, whose copy the caller drops at once, still takes effect.
     def data_of(self, t: torch.Tensor) -> torch.Tensor:
         self.flush()  # copies handed out before: written, and let go of once only we hold them
+        t = self.origin(t)
         copy = self._read(t)
         self._handed.append([copy, t, copy._version])
         return copy
 
     def set_data(self, t: torch.Tensor, value) -> None:
         self._handed = [h for h in self._handed if h[0] is not value]
-        self._write(t, value)
+        self._write(self.origin(t), value)
 
     @property
     def handed(self) -> bool:
@@ -188,6 +216,9 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         return ph.data_of(t)
     if name == "data" and prop == "set":
         return ph.set_data(t, args[1])
+    if name == "detach" and args[0] is t:
+        with torch._C.DisableTorchFunctionSubclass():
+            return ph.detached(t, func(*args, **kwargs))
     if name in _OWN:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -203,6 +234,9 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             "update_weights({key: value}) / load_state_dict, in place on the tensor state_dict() returns, "
             "or on its .data (a device copy whose edits take effect at the next forward)")
     block = ph.blocks.get(id(t), "?")
+    named = ph.explain(ph.origin(t), what) if ph.explain is not None else None
+    if named is not None:
+        raise named
     if ph.access_hint is not None:
         raise StreamedModuleAccessError(f"{what} read the offloaded tensor {ph.name(t)!r} of {block!r} while its "
                                         f"weights are not on the device: {ph.access_hint}")

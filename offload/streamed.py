@@ -22,7 +22,7 @@ from .executor import LayerwiseExecutor
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest
 from .sources.select import Selection, check_quantized
-from .adapters import AdapterWatch, streamable_tensors
+from .adapters import AdapterWatch, dora_read_error, streamable_tensors
 from .host.quantized import (
     check_update, host_form, parts_of, quantized_format, rehome, split_update, streams, unhome,
 )
@@ -135,7 +135,8 @@ class StreamedBlocks:
         self.guard = guard
         self.ownership = Ownership()  # one thread at a time, across executor rebuilds (auto placement)
         self.ownership.add_entries(self, module)
-        self.placeholders = Placeholders(device, self._read_tensor, self._write_tensor)
+        self.placeholders = Placeholders(device, self._read_tensor, self._write_tensor, explain=lambda t, what:
+                                         dora_read_error(module, t, what, self.placeholders.name(t)))
         for k, ts in enumerate(tensors):
             for (_, _, t), spec in zip(ts, self.layouts[k].tensors):
                 self.placeholders.register(t, self.layouts[k].name, spec.name, spec.shape, spec.stride, spec.dtype)

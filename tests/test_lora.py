@@ -130,15 +130,17 @@ def test_module_mode_fuse_of_a_lora_offloaded_with_its_component_is_refused_by_n
     t.check("fused inside using()")
 
 
-def test_dora_runs_unfused_and_adding_it_after_offloading_is_refused_by_name():
-    """DoRA added before offloading runs unfused, bit-exact; added after offloading, peft reads the base
-    weight's values to size its magnitude: a named error."""
+def test_dora_runs_unfused_and_its_merge_is_refused_by_name():
+    """DoRA added before offloading runs unfused, bit-exact; its merge reads the base weight's values
+    (AdapterMergeUnsupportedError, nothing merged); added after offloading, peft reads them to size
+    its magnitude: a named error too."""
     import copy
 
     from peft import LoraConfig
 
     from weightstream import OffloadConfig, OffloadedTransformer
-    from weightstream.offload.misuse import StreamedModuleAccessError
+    from weightstream.offload.adapters import tuner_layers
+    from weightstream.offload.misuse import AdapterMergeUnsupportedError, StreamedModuleAccessError
 
     model, x = lc.model_and_inputs("flux", small=True)
     model.add_adapter(LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q", "to_v"]), adapter_name="d")
@@ -149,6 +151,12 @@ def test_dora_runs_unfused_and_adding_it_after_offloading_is_refused_by_name():
                 w.copy_(torch.randn(w.shape, generator=g) * 0.2)
     ref = copy.deepcopy(model)
     om = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(om(**x)[0], ref(**x)[0])
+    for safe in (False, True):
+        with pytest.raises(AdapterMergeUnsupportedError, match="DoRA merges are not supported"):
+            model.fuse_lora(safe_fusing=safe)
+    assert not any(layer.merged_adapters for layer in tuner_layers(model))
     with torch.no_grad():
         assert torch.equal(om(**x)[0], ref(**x)[0])
     with pytest.raises(StreamedModuleAccessError, match="to_k.weight"):

@@ -73,7 +73,7 @@ from ..config import OffloadConfig
 from ..progress import format_bytes
 from ..host.quantized import host_form, quantized_format, rehome, streams
 from ..sources.select import Topology, check_quantized, select
-from ..adapters import UnitEdits
+from ..adapters import UnitEdits, dora_read_error
 from ..placeholders import Placeholders
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
@@ -219,7 +219,8 @@ class ModuleOffload:
 
         ph = Placeholders(self.device, read, write, access_hint=(
             "the component is offloaded between its forwards. Read its weights with state_dict() or .data (a "
-            "device copy), or call the code inside handle.using(name), which keeps it on the device"))
+            "device copy), or call the code inside handle.using(name), which keeps it on the device"),
+            explain=lambda t, what: dora_read_error(where[id(t)][0].module, t, what, ph.name(t)))
         for u in self.units.values():
             for t, spec in zip(u.tensors, u.layout.tensors):
                 ph.register(t, u.name, spec.name, spec.shape, spec.stride, spec.dtype)
