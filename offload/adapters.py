@@ -39,6 +39,7 @@ import sys
 import torch
 from torch import nn
 
+from .hooks import RemovableHooks
 from .layout import block_tensors, tensor_bytes
 from .misuse import AdapterMergeUnsupportedError
 
@@ -111,7 +112,7 @@ def dora_read_error(root: nn.Module, t: torch.Tensor, what: str, name: str):
     return None
 
 
-class AdapterWatch:
+class AdapterWatch(RemovableHooks):
     """Named, removable step hook on the DiT: at every step start, the tensors of peft
     adapters anywhere in it are placed on the compute device (adapters loaded after
     offloading). ``key()``: the adapter state a CUDA graph bakes in (the graph runner's
@@ -147,17 +148,8 @@ class AdapterWatch:
         return {"adapter_layers": len(layers), "adapter_bytes": sum(map(tensor_bytes, tensors.values())),
                 "adapters_placed": self.placed}
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    @property
-    def removed(self) -> bool:
-        return not self._handles
-
     def __repr__(self) -> str:
-        return f"AdapterWatch({self.name}, {'removed' if self.removed else 'active'})"
+        return f"AdapterWatch({self.name}, {self.state})"
 
 
 class UnitEdits:

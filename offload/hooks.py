@@ -32,8 +32,12 @@ class RemovableHooks:
         self._handles.clear()
 
     @property
+    def removed(self) -> bool:
+        return not self._handles
+
+    @property
     def state(self) -> str:
-        return "active" if self._handles else "removed"
+        return "removed" if self.removed else "active"
 
 
 class BlockHook(RemovableHooks):

@@ -19,6 +19,7 @@ from torch import nn
 from .config import OffloadConfig
 from .discovery import Block, OffloadPlan, discover_blocks
 from .executor import LayerwiseExecutor
+from .hooks import RemovableHooks
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest
 from .sources.select import Selection, check_quantized
@@ -488,7 +489,7 @@ class _Held:
         self.ownership.release_to(self.depth)
 
 
-class ForwardEndHook:
+class ForwardEndHook(RemovableHooks):
     """Named, removable ``always_call`` forward hook on the DiT: ``fn(exc)`` at the end of
     every forward (``exc``: the exception it raised, or None); see
     :meth:`StreamedBlocks.add_forward_end`."""
@@ -511,17 +512,8 @@ class ForwardEndHook:
             self.armed = False
             self.fn(exc)
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    @property
-    def removed(self) -> bool:
-        return not self._handles
-
     def __repr__(self) -> str:
-        return f"ForwardEndHook({self.name}, {'removed' if self.removed else 'active'})"
+        return f"ForwardEndHook({self.name}, {self.state})"
 
 
 class HostStateDictHook:

@@ -12,6 +12,7 @@ from typing import Callable
 from torch import nn
 
 from ..host.quantized import casting_leaves
+from ..hooks import RemovableHooks
 from ..layout import block_tensors
 from ..tracing import not_traced
 from .units import Unit
@@ -20,7 +21,7 @@ from .units import Unit
 Enter = Callable[..., None]
 
 
-class ModuleHook:
+class ModuleHook(RemovableHooks):
     """Named, removable pre-forward hook that makes a unit resident.
 
     ``root`` hooks sit on the component's own module: they also count running
@@ -49,20 +50,10 @@ class ModuleHook:
     def post_forward(self, module, args, output):
         self.unit.active -= 1
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    @property
-    def removed(self) -> bool:
-        return not self._handles
-
     def __repr__(self) -> str:
         u = self.unit
         where = "on device" if u.on_device else "on host"
-        state = "removed" if self.removed else "active"
-        return f"ModuleHook({self.name}, {u.kind}, {where}, {state})"
+        return f"ModuleHook({self.name}, {u.kind}, {where}, {self.state})"
 
 
 def unit_hooks(enter: Enter, unit: Unit) -> list[ModuleHook]:
