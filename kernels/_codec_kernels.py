@@ -13,7 +13,10 @@ of TILE-element tiles over all segments of a `DecodeTable`, and each program
    escape's k2-bit level-2 code at bit rank * k2 of the level-2 code stream,
    rank the level-2 escapes with a second prefix sum plus the tile's level-2
    base and read those from the exception stream (`_level2`),
-5. joins symbol and raw byte into the 16-bit element and stores it.
+5. joins symbol and raw byte into the 16-bit element and stores it (float8 tensors, split 2:
+   the symbol is the element, stored as a byte through `dst8_ptr`, a uint8 view of the same
+   destination; their raw stream is empty and never read; compiled only when the table holds
+   one, BYTES).
 6. Version-3 tensors (record field 13 >= 0; that code is compiled only when the
    table holds one, PATCHED) skip 4's ranks and loads: an escape is stored with
    whatever its code gives, then, after a barrier, the tile's patch list (its
@@ -115,8 +118,8 @@ def _level2(src_ptr, rec, is_esc, esc_index, k, k2, first2):
 
 
 @triton.jit
-def _patch(src_ptr, dst_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, split, t,
-           TILE: tl.constexpr, DST_ALIGN: tl.constexpr):
+def _patch(src_ptr, dst_ptr, dst8_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, split, t,
+           TILE: tl.constexpr, DST_ALIGN: tl.constexpr, BYTES: tl.constexpr):
     """Version 3: rewrite the tile's escaped elements from its patch list (entries base[t] to
     base[t + 1]: a uint16 position in the tile and the symbol; the raw byte is re-read). The
     barrier orders these stores after the tile's own (same program, same addresses). Byte
@@ -132,17 +135,24 @@ def _patch(src_ptr, dst_ptr, raw_abs, base_abs, pos_abs, sym_abs, dst_elem, spli
             hi = tl.load(src_ptr + pos_abs + 2 * j + 1, mask=m, other=0).to(tl.int32)
             p = lo | (hi << 8)
             sym = tl.load(src_ptr + sym_abs + j, mask=m, other=0).to(tl.int32)
-            raw = tl.load(src_ptr + (raw_abs // 16) * 16 + t * TILE + p, mask=m, other=0).to(tl.int32)
+            if BYTES:
+                m16 = m & ((p * 0 + split) != 2)  # 8-bit elements have no raw stream
+            else:
+                m16 = m
+            raw = tl.load(src_ptr + (raw_abs // 16) * 16 + t * TILE + p, mask=m16, other=0).to(tl.int32)
             bf16 = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
             val = tl.where((p * 0 + split) == 0, bf16, (sym << 8) | raw).to(tl.int16)
-            tl.store(dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE + p, val, mask=m)
+            tl.store(dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE + p, val, mask=m16)
+            if BYTES:
+                tl.store(dst8_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE + p, sym.to(tl.uint8),
+                         mask=m & ((p * 0 + split) == 2))
 
 
 @triton.jit
 def _decode_tile(
-    src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
+    src_ptr, dst_ptr, dst8_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k, split, t, rec,
     TILE: tl.constexpr, DST_ALIGN: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr,
-    LEVEL2: tl.constexpr, PATCHED: tl.constexpr, RANKED: tl.constexpr, CHUNK: tl.constexpr,
+    LEVEL2: tl.constexpr, PATCHED: tl.constexpr, RANKED: tl.constexpr, CHUNK: tl.constexpr, BYTES: tl.constexpr,
 ):
     """One tile element by element, CHUNK elements at a time (fewer live registers: the kernel's
     word path, compiled beside this one, runs at the occupancy the larger of the two allows).
@@ -162,7 +172,9 @@ def _decode_tile(
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < numel - e0
         raw_ptr = src_ptr + (raw_abs // 16) * 16 + e0 + offs
-        if MASKED:
+        if BYTES:  # 8-bit elements (split 2) have no raw stream: nothing is read for them
+            raw = tl.load(raw_ptr, mask=mask & ((offs * 0 + split) != 2), other=0).to(tl.int32)
+        elif MASKED:
             raw = tl.load(raw_ptr, mask=mask, other=0).to(tl.int32)
         else:
             raw = tl.load(raw_ptr).to(tl.int32)
@@ -205,13 +217,18 @@ def _decode_tile(
         high = (sym << 8) | raw
         val = tl.where((kv * 0 + split) == 0, bf16, high).to(tl.int16)
         dst = dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + e0 + offs
-        if MASKED:
+        if BYTES:
+            byte = (kv * 0 + split) == 2
+            tl.store(dst, val, mask=mask & (~byte))
+            tl.store(dst8_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + e0 + offs, sym.to(tl.uint8), mask=mask & byte)
+        elif MASKED:
             tl.store(dst, val, mask=mask)
         else:
             tl.store(dst, val)
     if PATCHED:
         if patch_sym >= 0:
-            _patch(src_ptr, dst_ptr, raw_abs, base_abs, exc_abs, patch_sym, dst_elem, split, t, TILE, DST_ALIGN)
+            _patch(src_ptr, dst_ptr, dst8_ptr, raw_abs, base_abs, exc_abs, patch_sym, dst_elem, split, t, TILE,
+                   DST_ALIGN, BYTES)
 
 
 @triton.jit
@@ -352,8 +369,9 @@ def _decode_tile_words(
     out = tl.reshape(tl.join(_join16(raw, sym, split, False), _join16(raw, sym, split, True)), [2 * NW])
     dst = (dst_ptr + (dst_elem // DST_ALIGN) * DST_ALIGN + t * TILE).to(tl.pointer_type(tl.uint32))
     tl.store(dst + tl.arange(0, 2 * NW), out)
-    if V3:
-        _patch(src_ptr, dst_ptr, raw_abs, base_abs, exc_abs, tl.load(rec + 13), dst_elem, split, t, TILE, DST_ALIGN)
+    if V3:  # (never an 8-bit tensor: those do not take the word path)
+        _patch(src_ptr, dst_ptr, dst_ptr, raw_abs, base_abs, exc_abs, tl.load(rec + 13), dst_elem, split, t, TILE,
+               DST_ALIGN, False)
 
 
 @triton.jit
@@ -394,6 +412,7 @@ def _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_ab
 def _decode_kernel(
     src_ptr,
     dst_ptr,
+    dst8_ptr,
     table_ptr,
     num_segments,
     TILE: tl.constexpr,
@@ -405,6 +424,7 @@ def _decode_kernel(
     PATCHED: tl.constexpr,
     RANKED: tl.constexpr,
     CHUNK: tl.constexpr,
+    BYTES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     # table_ptr[0 : num_segments + 1]: tile prefix sums; find seg with start[seg] <= pid < start[seg + 1]
@@ -440,8 +460,8 @@ def _decode_kernel(
         _words(src_ptr, dst_ptr, rec, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, split, window, t,
                4, TILE, DST_ALIGN, LEVEL2, PATCHED, RANKED)
     elif full:
-        _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED, RANKED, CHUNK)
+        _decode_tile(src_ptr, dst_ptr, dst8_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
+                     split, t, rec, TILE, DST_ALIGN, False, GATHER, LEVEL2, PATCHED, RANKED, CHUNK, BYTES)
     else:
-        _decode_tile(src_ptr, dst_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
-                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED, RANKED, CHUNK)
+        _decode_tile(src_ptr, dst_ptr, dst8_ptr, raw_abs, code_abs, base_abs, exc_abs, table_abs, dst_elem, numel, k,
+                     split, t, rec, TILE, DST_ALIGN, True, GATHER, LEVEL2, PATCHED, RANKED, CHUNK, BYTES)

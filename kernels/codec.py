@@ -1,4 +1,4 @@
-"""Lossless codec for 16-bit weights: the one-launch Triton decoder and its torch references.
+"""Lossless codec for 16-bit and float8 weights: the one-launch Triton decoder and its torch references.
 
 Block images can be stored coded in host memory; the coded bytes are copied
 H2D and `decode` writes the raw 16-bit weights into the device slot in ONE
@@ -19,7 +19,9 @@ exception stream (version 2: the level-2 codes, and a second prefix sum of
 the level-2 escapes plus the tile's base2 for theirs; compiled in only for a
 table that holds a version-2 tensor, `DecodeTable.two_level`: with it, exp-k
 decoded 306 instead of 509 GB/s on the H200), looks up the table,
-and stores 16-bit elements. Full tiles of tensors whose level-1 table is a window of
+and stores 16-bit elements (float8 tensors: the symbol is the element, stored as a byte through
+a uint8 view of the destination; compiled in only for a table that holds one, `DecodeTable.bytes8`;
+they never take the word path). Full tiles of tensors whose level-1 table is a window of
 consecutive symbols (weights' exponents nearly always are; 2 <= k <= 4, k2 <= 3, no carry
 past 255; `codec_format._word_window`) take a four-elements-per-word path instead (`DecodeTable.words`):
 code bytes plus the window's first symbol in one add, escapes flagged, counted and ranked
@@ -45,7 +47,8 @@ from typing import Sequence
 import torch
 
 from ._buffers import check_byte_buffers, device_table
-from .codec_format import _PLANES, VERSION3, CodedHeader, DecodeTable, _as_bytes, _code2_bytes, read_header
+from .codec_format import (_PLANES, BYTE_DTYPES, VERSION3, CodedHeader, DecodeTable, _as_bytes, _code2_bytes,
+                           read_header)
 
 __all__ = ["decode", "decode_torch", "decode_tensor", "bytes_moved"]
 
@@ -95,7 +98,8 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
 
     _decode_kernel[(table.num_tiles,)](
         src,
-        dst[: table.dst_nbytes].view(torch.int16),
+        dst[: table.dst_nbytes - table.dst_nbytes % 2].view(torch.int16),
+        dst[: table.dst_nbytes],
         tab,
         table.num_segments,
         TILE=table.tile,
@@ -106,6 +110,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, table: DecodeTable) -> int:
         PATCHED=table.patched,
         RANKED=table.ranked,
         CHUNK=_elem_chunk(table),
+        BYTES=table.bytes8,
         WORDS=_words_for(src, dst, table),
         num_warps=table.num_warps,
     )
@@ -144,9 +149,10 @@ def _unpack_codes(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:
 
 
 def _decode_one(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:
-    """Reference decode of one coded tensor (`buf` starts at its header) -> int16 elements."""
+    """Reference decode of one coded tensor (`buf` starts at its header) -> int16 elements
+    (8-bit elements: uint8)."""
     n = head.numel
-    raw = buf[head.raw_off : head.raw_off + n].to(torch.int32)
+    raw = buf[head.raw_off : head.raw_off + head.raw_bytes].to(torch.int32)
     if head.k == 0:
         sym = torch.full((n,), head.table[0], dtype=torch.int32, device=buf.device)
     elif head.k == 8:
@@ -167,6 +173,8 @@ def _decode_one(buf: torch.Tensor, head: CodedHeader) -> torch.Tensor:
             exc = _exceptions(buf, head, int(esc.sum()))
         if esc is not None:
             sym[esc] = exc  # element order
+    if head.dtype in BYTE_DTYPES:
+        return sym.to(torch.uint8)
     if head.dtype == torch.bfloat16:
         val = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     else:

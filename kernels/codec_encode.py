@@ -1,4 +1,4 @@
-"""CPU encoder of the lossless 16-bit weight codec (format: `kernels/codec_format.py`).
+"""CPU encoder of the lossless weight codec, 16-bit and float8 (format: `kernels/codec_format.py`).
 
 `encode` codes one tensor, `encode_block` several into one buffer with the `DecodeTable`
 that decodes them in one launch (`kernels/codec.py`), `symbol_entropy` is the bound the
@@ -46,6 +46,7 @@ from .codec_format import (
     _round_up,
     _table_len,
     read_header,
+    split_of,
 )
 
 __all__ = ["encode", "encode_block", "symbol_entropy"]
@@ -59,14 +60,18 @@ _CODE_CHUNK = 1 << 21  # elements coded per step: any multiple of the tile gives
 _DEVICE_CODE_CHUNK = 1 << 26  # elements per step when coding on a GPU (launch-bound, not memory-bound)
 
 
-def _split_chunk(v: torch.Tensor, bf16: bool, scratch: _Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(symbol, raw) bytes of contiguous int16 elements `v` (narrowing casts keep the low byte).
-    With `scratch`, the int16 intermediates and the symbols live in its buffers (the symbols
-    are overwritten by the next call); raw is always a new tensor."""
+def _split_chunk(v: torch.Tensor, split: int, scratch: _Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(symbol, raw) bytes of contiguous int16 elements `v` (narrowing casts keep the low byte;
+    `split`: `codec_format.split_of` of the dtype), or of uint8 elements (split 2: the byte is the
+    symbol, raw is empty). With `scratch`, the int16 intermediates and the symbols live in its
+    buffers (the symbols are overwritten by the next call); raw is always a new tensor."""
     if scratch is None:
         scratch = _Scratch(v.numel())
     n = v.numel()
     a, b, sym = scratch.a[:n], scratch.b[:n], scratch.sym[:n]
+    if split == 2:
+        return sym.copy_(v), v.new_empty(0)
+    bf16 = split == 0
     torch.bitwise_right_shift(v, 7 if bf16 else 8, out=a)
     sym.copy_(a)
     if not bf16:
@@ -220,7 +225,7 @@ class _Coder:
     table: tuple[int, ...]
     window: int | None
     tile: int
-    bf16: bool
+    split: int  # codec_format.split_of(dtype)
     raw: list
     codes: list
     exc: list
@@ -246,7 +251,7 @@ class _Coder:
 
     def add(self, v: torch.Tensor, lut: torch.Tensor | None) -> None:
         """Code one chunk of int16 elements (a whole number of tiles, except the last chunk)."""
-        sym, raw = _split_chunk(v, self.bf16, self.scratch)
+        sym, raw = _split_chunk(v, self.split, self.scratch)
         self.raw.append(raw)
         k, tile = self.k, self.tile
         if k == 0:
@@ -309,11 +314,11 @@ class _Coder:
         self.num_exc += symbols.numel()
 
 
-def _histogram(elems: torch.Tensor, bf16: bool, step: int, sample: int, scratch: _Scratch) -> torch.Tensor:
+def _histogram(elems: torch.Tensor, split: int, step: int, sample: int, scratch: _Scratch) -> torch.Tensor:
     """Symbol counts over every `sample`-th chunk of `step` elements."""
     hist = torch.zeros(256, dtype=torch.int64, device=elems.device)
     for a in range(0, elems.numel(), step * sample):
-        sym, _ = _split_chunk(elems[a : a + step], bf16, scratch)
+        sym, _ = _split_chunk(elems[a : a + step], split, scratch)
         hist += torch.bincount(sym, minlength=256)
     return hist.cpu()
 
@@ -322,7 +327,7 @@ def encode(
     tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, table: Sequence[int] | None = None,
     out: torch.Tensor | None = None, levels: int = 1, k2: int | None = None, _torch_index: bool | None = None,
 ) -> torch.Tensor:
-    """Code a bfloat16 / float16 / int16 tensor into a new flat uint8 CPU buffer
+    """Code a bfloat16 / float16 / int16 / float8_e4m3fn / float8_e5m2 tensor into a new flat uint8 CPU buffer
     (or, with `out`, at the start of `out` when it fits: the result is then a view of it).
 
     levels: 1 (the one-level code, version 1, codec "exp-k") or 2 (codec "exp-k2": the
@@ -363,15 +368,16 @@ def encode(
         raise TypeError(f"out must be a 1-D contiguous uint8 CPU tensor or None, got "
                         f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
     dev = tensor.device if tensor.device.type == "cuda" else torch.device("cpu")
-    elems = tensor.detach().to(dev).contiguous().reshape(-1).view(torch.int16)
-    bf16, step = tensor.dtype == torch.bfloat16, _round_up(_CHUNK, tile)
+    split = split_of(tensor.dtype)
+    elems = tensor.detach().to(dev).contiguous().reshape(-1).view(torch.uint8 if split == 2 else torch.int16)
+    step = _round_up(_CHUNK, tile)
     # on a GPU, fewer launches per byte: chunks as large as the whole tensor up to 64 Mi elements
     code_step = _round_up(max(_CODE_CHUNK if dev.type == "cpu" else _DEVICE_CODE_CHUNK, tile), tile)
     scratch = _Scratch(min(max(code_step, step), _round_up(elems.numel(), tile)), dev)  # >= any chunk
     sample = 4 if elems.numel() > 4 * step and table is None else 1
 
     def choose(sample: int, table):
-        hist = _histogram(elems, bf16, step, sample, scratch)
+        hist = _histogram(elems, split, step, sample, scratch)
         if levels == PATCHED:
             return _choose(hist, k, table, esc_bytes=3) + (0,)
         return _choose(hist, k, table) + (0,) if levels == 1 or table is not None else _choose2(hist, k, k2, tile)
@@ -379,7 +385,7 @@ def encode(
     kk, table, window, kk2 = choose(sample, table)
     if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor
         kk, table, window, kk2 = choose(1, None)
-    coder = _Coder(kk, table, window, tile, bf16, [], [], [], [], scratch,
+    coder = _Coder(kk, table, window, tile, split, [], [], [], [], scratch,
                    torch_index=dev.type != "cpu" if _torch_index is None else bool(_torch_index), k2=kk2,
                    patched=levels == PATCHED and 0 < kk < 8)
     if kk2:
@@ -463,9 +469,10 @@ def _assemble(c: _Coder, dtype: torch.dtype, n: int, into: torch.Tensor | None =
     hdr = head.pack()
     out[: len(hdr)] = torch.frombuffer(bytearray(hdr), dtype=torch.uint8).to(dev)
     out[len(hdr) : head.raw_off].zero_()
-    if c.raw:
-        torch.cat(c.raw, out=out[head.raw_off : head.raw_off + n])
-    out[head.raw_off + n : head.code_off].zero_()
+    nraw = head.raw_bytes
+    if c.raw and nraw:
+        torch.cat(c.raw, out=out[head.raw_off : head.raw_off + nraw])
+    out[head.raw_off + nraw : head.code_off].zero_()
     codes = out[head.code_off : head.base_off]
     if c.codes:
         torch.cat([x.reshape(-1) for x in c.codes], out=codes)
@@ -511,7 +518,7 @@ def encode_block(
         for t in tensors:
             at = _round_up(at, align)
             dst_offsets.append(at)
-            at += 2 * t.numel()
+            at += t.numel() * t.element_size()
     if len(dst_offsets) != len(tensors):
         raise ValueError(f"dst_offsets has {len(dst_offsets)} entries for {len(tensors)} tensors")
     blobs = [encode(t, k=k, tile=tile, levels=levels, k2=k2) for t in tensors]
@@ -525,14 +532,15 @@ def encode_block(
 
 
 def symbol_entropy(tensor: torch.Tensor) -> float:
-    """Shannon entropy (bits) of the coded symbol (bf16: exponent; else high byte)."""
+    """Shannon entropy (bits) of the coded symbol (bf16: exponent; float8: the byte; else high byte)."""
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_CODES:
         raise TypeError(f"tensor must be a torch.Tensor of dtype in {list(DTYPE_CODES)}")
-    elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.int16)
+    split = split_of(tensor.dtype)
+    elems = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8 if split == 2 else torch.int16)
     hist = torch.zeros(256, dtype=torch.float64)
     scratch = _Scratch(min(_CHUNK, elems.numel()))
     for a in range(0, elems.numel(), _CHUNK):
-        sym, _ = _split_chunk(elems[a : a + _CHUNK], tensor.dtype == torch.bfloat16, scratch)
+        sym, _ = _split_chunk(elems[a : a + _CHUNK], split, scratch)
         hist += torch.bincount(sym, minlength=256)
     p = hist[hist > 0] / hist.sum().clamp(min=1)
     return float(-(p * p.log2()).sum())

@@ -1,4 +1,4 @@
-"""The coded tensor format of the lossless 16-bit weight codec: header, stream layout, decode table.
+"""The coded tensor format of the lossless weight codec (16-bit and float8): header, stream layout, decode table.
 
 `kernels/codec_encode.py` writes this format (on the CPU, or on a GPU with the same bytes),
 `kernels/codec.py` decodes it (one Triton launch per `DecodeTable`, and its plain-torch
@@ -25,7 +25,19 @@ encoder to minimise the coded size, or given):
 - k = 8: the code is the symbol itself (no table, no escapes).
 - k = 0: no code stream; every symbol is `table[0]` (one symbol value only).
 
-So a coded element costs 8 + k bits plus 8 bits per escape. On bf16 weights
+- float8_e4m3fn / float8_e5m2 (8-bit elements): symbol = the whole byte, no raw
+  byte (the raw stream is empty: raw_off = code_off). Everything else (the k-bit
+  table code, escapes, two levels, patches, tiles) is as for 16-bit elements,
+  and a coded element costs k bits plus 8 per escape. Coding the byte beats
+  splitting it into a coded sign/exponent and raw mantissa bits on fp8-cast
+  weights (measured on the CPU, 4 Mi elements, `encode` / `levels=2`, 2026-12-03):
+  Gaussian std 0.02 e4m3fn 0.750 / 0.700 of the bytes (byte entropy 0.665;
+  exponent coded, sign and mantissa raw: 0.753), e5m2 0.763 / 0.732 (0.685);
+  Student-t df=4 std 0.02 e4m3fn 0.754 / 0.754, e5m2 0.773 / 0.769; Gaussian
+  std 1.0 e4m3fn 0.884 / 0.867 (its exponents fill the range). int8 / uint8
+  (GGUF, torchao int8) are not a coded dtype: they stay raw.
+
+So a coded 16-bit element costs 8 + k bits plus 8 bits per escape. On bf16 weights
 k = 3 wins: 0.69 (uniform init), 0.70 (Gaussian), 0.71 (Student-t df=4) of
 the raw bytes, against an exponent-entropy bound of 0.64 / 0.66 / 0.67.
 
@@ -49,7 +61,8 @@ Header, `HEADER_BYTES` = 80 bytes, then the table:
     offset size field
      0      4   magic b"WSC1"
      4      1   version (1)
-     5      1   dtype code (0 bfloat16, 1 float16, 2 int16; `DTYPE_CODES`)
+     5      1   dtype code (0 bfloat16, 1 float16, 2 int16, 3 float8_e4m3fn,
+                4 float8_e5m2; `DTYPE_CODES`)
      6      1   k
      7      1   table_len (2^k - 1 for 1 <= k <= 7, 1 for k = 0, 0 for k = 8)
      8      8   numel
@@ -66,7 +79,7 @@ Header, `HEADER_BYTES` = 80 bytes, then the table:
 
 Streams (each starts 16-byte aligned):
 
-raw  (numel bytes): the raw byte of every element.
+raw  (numel bytes; 0 for 8-bit elements): the raw byte of every element.
 code (num_tiles * tile * k / 8 bytes): per tile, `k` bits per element as
      bit planes of width 8, 4, 2 and 1 (the binary digits of k, widest
      first); plane w holds the code bits [k mod w, k mod w + w) -- i.e. the
@@ -152,6 +165,7 @@ __all__ = [
     "CodedHeader",
     "CodecSegment",
     "DecodeTable",
+    "BYTE_DTYPES",
     "DTYPE_CODES",
     "DEFAULT_TILE",
     "DEFAULT_NUM_WARPS",
@@ -178,7 +192,8 @@ DEFAULT_NUM_WARPS = 4  # H200, Student-t Flux blocks, chunked element path (2097
 # GB/s decoded (exp-k / exp-k2 / exp-kp) against 1035 / 541 / 1528 at 8
 MIN_TILE, MAX_TILE = 128, 65536  # tile * k / 8 stays a multiple of 16 bytes
 STREAM_ALIGN = 16
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2}
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.int16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # 8-bit elements: the byte is the symbol, no raw stream
 _DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _PLANES = (8, 4, 2, 1)
 _HEADER = struct.Struct("<4sBBBBQIIQQQQQQQ")  # 80 bytes, see the module docstring
@@ -198,6 +213,17 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value > hi):
         allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def split_of(dtype: torch.dtype) -> int:
+    """How an element of ``dtype`` splits (the decoder's and the GPU encoder's record field): 0
+    bfloat16 (symbol the exponent), 1 other 16-bit (symbol the high byte), 2 8-bit (symbol the byte)."""
+    return 0 if dtype == torch.bfloat16 else (2 if dtype in BYTE_DTYPES else 1)
+
+
+def elem_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of a coded dtype (1 for float8, else 2)."""
+    return 1 if dtype in BYTE_DTYPES else 2
 
 
 def _check_tile(tile) -> None:
@@ -257,12 +283,17 @@ class CodedHeader:
         return self.num_tiles + (self.version == VERSION3)
 
     @property
+    def raw_bytes(self) -> int:
+        """Bytes of the raw stream: one per element, none for 8-bit elements."""
+        return 0 if self.dtype in BYTE_DTYPES else self.numel
+
+    @property
     def coded_bytes(self) -> int:
         return self.nbytes
 
     @property
     def decoded_bytes(self) -> int:
-        return 2 * self.numel
+        return elem_bytes(self.dtype) * self.numel
 
     @property
     def bits_per_weight(self) -> float:
@@ -290,7 +321,7 @@ def _layout(dtype, k: int, table: Sequence[int], numel: int, tile: int, num_exc:
     exceptions of `num_esc` level-1 escapes; version 3 when `patched`: `num_exc` patches)."""
     raw_off = _round_up((HEADER2_BYTES if k2 else HEADER_BYTES) + len(table), STREAM_ALIGN)
     tiles = -(-numel // tile)
-    code_off = _round_up(raw_off + numel, STREAM_ALIGN)
+    code_off = _round_up(raw_off + (0 if dtype in BYTE_DTYPES else numel), STREAM_ALIGN)
     base_off = code_off + tiles * tile * k // 8  # a multiple of 16 (tile >= 128)
     if patched:
         exc_off = _round_up(base_off + 8 * (tiles + 1), STREAM_ALIGN)
@@ -389,7 +420,8 @@ def _table_len(k: int) -> int:
 @dataclass(frozen=True)
 class CodecSegment:
     """One coded tensor at byte `src_offset` of the coded buffer, decoded to
-    `[dst_offset, dst_offset + 2 * header.numel)` of the destination."""
+    `[dst_offset, dst_offset + header.decoded_bytes)` of the destination (`dst_offset` even,
+    8-bit elements too)."""
 
     src_offset: int
     dst_offset: int
@@ -403,7 +435,7 @@ class CodecSegment:
         if self.src_offset % STREAM_ALIGN:
             raise ValueError(f"src_offset must be a multiple of {STREAM_ALIGN}, got {self.src_offset}")
         if self.dst_offset % 2:
-            raise ValueError(f"dst_offset must be even (16-bit elements), got {self.dst_offset}")
+            raise ValueError(f"dst_offset must be even (16-bit elements; 8-bit ones too), got {self.dst_offset}")
 
     @property
     def src_end(self) -> int:
@@ -420,6 +452,8 @@ def _word_window(h: CodedHeader) -> int:
     (so adding w to every code byte, the escape code included, never carries) and, for two
     levels, k2 <= 3 (a level-2 table of at most 7 symbols, held in registers); -1 otherwise."""
     n = (1 << h.k) - 1
+    if h.dtype in BYTE_DTYPES:  # the word path joins raw and symbol bytes into 16-bit elements
+        return -1
     if not 2 <= h.k <= 4 or h.k2 > 3 or len(h.table) < n:
         return -1
     w = h.table[0]
@@ -433,9 +467,10 @@ def _pack_records(segs: Sequence[CodecSegment], tile: int) -> tuple[torch.Tensor
     for s in segs:
         h, o = s.header, s.src_offset
         starts.append(starts[-1] + -(-h.numel // tile))
-        split = 0 if h.dtype == torch.bfloat16 else 1
+        split = split_of(h.dtype)
         records += [o + h.raw_off, o + h.code_off, o + h.base_off, o + h.exc_off, o + h.table_off]
-        records += [s.dst_offset // 2, h.numel, h.k, split]
+        # the destination in elements (8-bit: bytes; a multiple of the table's dst_align either way)
+        records += [s.dst_offset // elem_bytes(h.dtype), h.numel, h.k, split]
         records += [h.k2, o + h.code2_off if h.k2 else 0, o + h.base2_off if h.k2 else 0]  # version 2
         records += [_word_window(h)]
         records += [o + h.patch_sym_off if h.version == VERSION3 else -1]  # version 3: patch symbols
@@ -456,7 +491,8 @@ class DecodeTable(PackedTable):
     Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
-    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1),
+    (code2, base2) absolute source byte offsets (version 2; 0, 0, 0 for version 1); split is
+    `split_of(dtype)` (2: 8-bit elements, whose destination offset is in bytes),
     the word window (-1: none), the patch symbols' absolute offset (version 3; -1)].
     """
 
@@ -503,6 +539,9 @@ class DecodeTable(PackedTable):
         self.dst_nbytes = max((s.dst_end for s in live), default=0)
         self.coded_nbytes = sum(s.header.nbytes for s in live)
         self.decoded_nbytes = sum(s.header.decoded_bytes for s in live)
+        self.numel = sum(s.header.numel for s in live)
+        # the kernel's 8-bit stores are compiled only for a table holding a float8 tensor
+        self.bytes8 = any(s.header.dtype in BYTE_DTYPES for s in live)
         self.dst_align = math.gcd(16, *(s.dst_offset for s in live)) // 2 if live else 8  # in elements
         self._host, self.num_tiles = _pack_records(live, self.tile)
         self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))
@@ -531,7 +570,7 @@ class DecodeTable(PackedTable):
 
     @property
     def bits_per_weight(self) -> float:
-        n = self.decoded_nbytes // 2
+        n = self.numel
         return 8.0 * self.coded_nbytes / n if n else 0.0
 
     def __repr__(self) -> str:
