@@ -36,12 +36,15 @@ def _symbols(src_ptr, rec, idx):
     nbytes = tl.load(rec + 2)
     split = tl.load(rec + 3)
     m = idx < numel
-    v = tl.load((src_ptr + src_off).to(tl.pointer_type(tl.int16)) + idx, mask=m, other=0).to(tl.int32) & 0xFFFF
+    byte = (idx * 0 + split) == 2  # 8-bit elements (float8): the byte is the symbol, no raw byte
+    v = tl.load((src_ptr + src_off).to(tl.pointer_type(tl.int16)) + idx, mask=m & (~byte), other=0).to(tl.int32)
+    v = v & 0xFFFF
     v = tl.where(2 * idx + 1 < nbytes, v, v & 0xFF)  # an odd byte count: the last element's high byte is 0
     bf16 = (idx * 0 + split) == 0  # a vector: the interpreter cannot AND a scalar bool into a mask
     sym = tl.where(bf16, (v >> 7) & 0xFF, v >> 8)
     raw = tl.where(bf16, (v & 0x7F) | ((v >> 8) & 0x80), v & 0xFF)
-    return sym, raw, m
+    b8 = tl.load(src_ptr + src_off + idx, mask=m & byte, other=0).to(tl.int32)
+    return tl.where(byte, b8, sym), raw, m
 
 
 @triton.jit
@@ -88,7 +91,7 @@ def _code_kernel(src_ptr, out_ptr, rec_ptr, tile_job_ptr, lut_ptr, count_ptr, co
     idx = local * TILE + tl.arange(0, 8)[:, None] * (TILE // 8) + tl.arange(0, TILE // 8)[None, :]
     sym, raw, m = _symbols(src_ptr, rec, idx)
     code = tl.load(lut + sym, mask=m, other=0).to(tl.int32)  # padding: code 0
-    tl.store(out_ptr + out + tl.load(rec + 6) + idx, raw.to(tl.uint8), mask=m)
+    tl.store(out_ptr + out + tl.load(rec + 6) + idx, raw.to(tl.uint8), mask=m & ((idx * 0 + tl.load(rec + 3)) != 2))
     code_at = out + tl.load(rec + 7) + local * (TILE * k // 8)
     _plane(code, out_ptr, code_at, k, 8, TILE)
     _plane(code, out_ptr, code_at, k, 4, TILE)

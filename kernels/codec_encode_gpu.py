@@ -1,4 +1,4 @@
-"""GPU encoder of the lossless 16-bit weight codec: the CPU encoder's bytes, coded on the device.
+"""GPU encoder of the lossless weight codec (16-bit and float8): the CPU encoder's bytes, coded on the device.
 
 `encode_jobs(src, jobs, out)` codes any number of tensors ("jobs": byte ranges of one device
 buffer, such as a block image in a staging buffer) into `out`, back to back, with the bytes
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from .codec_encode import _CHUNK
-from .codec_format import (DEFAULT_TILE, DTYPE_CODES, LEVELS, PATCHED, STREAM_ALIGN, CodedHeader, _check_int,
-                           _check_tile, _layout, _round_up)
+from .codec_format import (BYTE_DTYPES, DEFAULT_TILE, DTYPE_CODES, LEVELS, PATCHED, STREAM_ALIGN, CodedHeader,
+                           _check_int, _check_tile, _layout, _round_up, split_of)
 
 __all__ = ["EncodeJob", "encode_jobs", "encode_gpu", "bytes_moved"]
 
@@ -47,8 +47,10 @@ _MAX_NUMEL = (1 << 31) - 1  # int32 histograms and counts
 class EncodeJob:
     """One tensor to code: `nbytes` bytes at byte `src_offset` (even) of the source, read as
     16-bit elements of `dtype` (bfloat16, float16 or int16; an odd byte count reads a zero high
-    byte last: the source must hold that byte, its value is not used). `k`: None chooses it (as `encode`), or the bits per code. `max_coded`: a coded
-    tensor of more bytes is coded as its raw int16 bits at k = 8 instead (the host store's bound)."""
+    byte last: the source must hold that byte, its value is not used), or as 8-bit elements
+    (float8_e4m3fn / float8_e5m2). `k`: None chooses it (as `encode`), or the bits per code.
+    `max_coded`: a coded tensor of more bytes is coded as its raw int16 bits at k = 8 instead
+    (the host store's bound; a float8 tensor too, as `offload/host/encode.py` does)."""
 
     src_offset: int
     nbytes: int
@@ -70,7 +72,7 @@ class EncodeJob:
 
     @property
     def numel(self) -> int:
-        return -(-self.nbytes // 2)
+        return self.nbytes if self.dtype in BYTE_DTYPES else -(-self.nbytes // 2)
 
 
 def bytes_moved(heads: Sequence[CodedHeader]) -> int:
@@ -188,14 +190,15 @@ def _choose_head(job: EncodeJob, hist: torch.Tensor, levels: int, tile: int) -> 
         exc = numel - sum(counts[s] for s in table) if k2 else esc
     head = _layout(dtype, k, table, numel, tile, exc, k2, esc, levels == PATCHED and 0 < k < 8)
     if job.max_coded is not None and head.nbytes > job.max_coded:
-        return _layout(torch.int16, 8, (), numel, tile, 0)
+        return _layout(torch.int16, 8, (), -(-job.nbytes // 2), tile, 0)
     return head
 
 
 def _record(job: EncodeJob, head: CodedHeader | None, tile_start: int, out_off: int, tmp2_off: int) -> list[int]:
     sample = 4 if job.numel > 4 * _CHUNK else 1
-    split = 0 if (head.dtype if head is not None else job.dtype) == torch.bfloat16 else 1
-    rec = [job.src_offset, job.numel, job.nbytes, split, tile_start]
+    split = split_of(head.dtype if head is not None else job.dtype)
+    numel = head.numel if head is not None else job.numel  # a float8 job coded raw: int16 elements
+    rec = [job.src_offset, numel, job.nbytes, split, tile_start]
     if head is None:  # the histogram pass reads fields 0-4 and 15 only
         return rec + [0] * 10 + [sample]
     patched = head.version == 3
@@ -222,9 +225,20 @@ def _check_src(src: torch.Tensor, jobs) -> None:
     for i, job in enumerate(jobs):
         if not isinstance(job, EncodeJob):
             raise TypeError(f"jobs[{i}] must be an EncodeJob, got {type(job).__name__}")
-        if job.src_offset + 2 * job.numel > src.numel():  # an odd byte count loads the next byte too
-            raise ValueError(f"jobs[{i}] reads bytes [{job.src_offset}, {job.src_offset + 2 * job.numel}) but src "
+        end = job.src_offset + job.nbytes + job.nbytes % 2  # an odd byte count loads the next byte too
+        if end > src.numel():
+            raise ValueError(f"jobs[{i}] reads bytes [{job.src_offset}, {end}) but src "
                              f"has {src.numel()}")
+
+
+def _tiles(tiles: list[int], dev: torch.device) -> tuple[list[int], int, torch.Tensor]:
+    """Each job's first tile, the total, and the job of every tile (on ``dev``)."""
+    starts = [0]
+    for n in tiles:
+        starts.append(starts[-1] + n)
+    tile_job = _up(torch.repeat_interleave(torch.arange(len(tiles), dtype=torch.int32),
+                                           torch.tensor(tiles, dtype=torch.int64)), dev)
+    return starts, starts[-1], tile_job
 
 
 def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor | None = None, *,
@@ -245,13 +259,7 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
     from ._codec_encode_kernels import _code_kernel, _escape_kernel, _histogram_kernel, _pack2_kernel
 
     jobs = list(jobs)
-    tiles = [-(-j.numel // tile) for j in jobs]
-    starts = [0]
-    for n in tiles:
-        starts.append(starts[-1] + n)
-    total_tiles = starts[-1]
-    tile_job = _up(torch.repeat_interleave(torch.arange(len(jobs), dtype=torch.int32),
-                                           torch.tensor(tiles, dtype=torch.int64)), dev)
+    starts, total_tiles, tile_job = _tiles([-(-j.numel // tile) for j in jobs], dev)
     hist = torch.zeros(len(jobs), 512, dtype=torch.int32, device=dev)
     if total_tiles:
         recs = _up(torch.tensor([_record(j, None, s, 0, 0) for j, s in zip(jobs, starts)], dtype=torch.int64), dev)
@@ -282,6 +290,8 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
             where.append(torch.arange(at_, at_ + len(b), dtype=torch.int64))
     if heads:
         coded[_up(torch.cat(where), dev)] = _up(torch.cat(prefix), dev)
+    if any(h.numel != j.numel for h, j in zip(heads, jobs)):  # float8 jobs coded raw: int16 elements
+        starts, total_tiles, tile_job = _tiles([h.num_tiles for h in heads], dev)
     if not total_tiles:
         return coded, heads, offsets
     recs = _up(torch.tensor([_record(j, h, s, o, t2) for j, h, s, o, t2 in zip(jobs, heads, starts, offsets, tmp2)],
@@ -309,7 +319,7 @@ def encode_jobs(src: torch.Tensor, jobs: Sequence[EncodeJob], out: torch.Tensor 
 
 def encode_gpu(tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAULT_TILE, levels: int = 1,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """One bfloat16 / float16 / int16 tensor on a CUDA device coded there: the bytes of
+    """One bfloat16 / float16 / int16 / float8 tensor on a CUDA device coded there: the bytes of
     `encode(tensor, k=k, tile=tile, levels=levels)` (kernels/codec_encode.py), as a uint8 buffer
     on its device (a view of the start of `out` when given)."""
     if not isinstance(tensor, torch.Tensor):

@@ -20,7 +20,9 @@ from weightstream.offload.host.arena import PAGE
 from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, TensorSpec, align_up
 
-CODED_DTYPES = (torch.bfloat16, torch.float16)  # coded; every other dtype is stored raw (k = 8)
+# coded (float8: the byte is the symbol); every other dtype (int8 / uint8 of GGUF and torchao, fp32, ...) is
+# stored raw (k = 8), and a coded tensor larger than its raw bound (:func:`_raw_bound`) too
+CODED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # coded tensors start 16-byte aligned (codec format)
 
 

@@ -37,8 +37,8 @@ PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger 
 
 def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
     """The encode jobs of ``specs`` (non-empty tensors of one block) in an image that starts at
-    byte ``base`` of the block's: :func:`.encode._encode_tensor`'s rule (16-bit floats coded,
-    raw at k = 8 past their raw bound; every other dtype raw at k = 8, its bytes as int16)."""
+    byte ``base`` of the block's: :func:`.encode._encode_tensor`'s rule (16-bit and float8
+    floats coded, raw at k = 8 past their raw bound; every other dtype raw at k = 8, its bytes as int16)."""
     jobs = []
     for s in specs:
         if s.dtype in CODED_DTYPES:
