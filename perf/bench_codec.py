@@ -4,6 +4,10 @@ Per weight fill (uniform init, Gaussian, Student-t df=4; `weightstream.fills`)
 and per size (one 3072x12288 bf16 tensor = a Flux MLP weight, a Flux.1
 single-stream block of ~283 MB, a double-stream block of ~680 MB):
 
+- per dtype (``--dtypes``, default bf16; ``fp16``, and ``fp8`` / ``fp8-e5m2``: the fill made in
+  bf16 and cast to float8_e4m3fn / float8_e5m2, as diffusers' layerwise casting stores weights;
+  the codec's 8-bit path codes the whole byte, mode names end in ``-fp8`` / ``-fp8-e5m2``; their
+  entropy bound is H / 8 of the bytes, H the byte entropy);
 - per codec (``--codec``, default both: ``exp-k`` one level, ``exp-k2`` two levels,
   mode names of exp-k2 end in ``-k2``): coded ratio (coded / raw bytes), bits per
   weight, chosen k (and k2) per tensor, exponent entropy (the bound for this code:
@@ -44,6 +48,8 @@ with the metadata keys of perf/results.py.
                                                     # GPU encode GB/s next to CPU encode and decode, identity check
     python perf/bench_codec.py --sizes tensor single --fills student-t --codec exp-k exp-k2 --no-build
                                                     # one level vs two: bits/weight and decode GB/s
+    python perf/bench_codec.py --sizes tensor single --dtypes fp8 fp8-e5m2 --no-build
+                                                    # the 8-bit path: ratio, CPU / GPU encode and decode GB/s
     python perf/bench_codec.py --cpu --sizes single --fills gaussian --no-threaded-encode --build-blocks 32
                                                     # the setup figure: build-path GB/s at 1..cores workers
 """
@@ -76,15 +82,17 @@ def _shapes(size: str) -> list[tuple[int, ...]]:
     return [shape for _, shape, _ in _flux_block(size)]
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def make_tensors(size: str, kind: str, device: str, seed: int = 0, dtype=torch.bfloat16) -> list[torch.Tensor]:
-    """CPU tensors of `size` filled with `kind` (sampled on `device`)."""
+    """CPU tensors of `size` filled with `kind` (sampled on `device`); float8: the bf16 fill cast."""
     from weightstream.fills import fill
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [fill(kind, s, generator=gen, device=device, dtype=dtype).cpu() for s in _shapes(size)]
+    make = torch.bfloat16 if dtype in FP8 else dtype
+    return [fill(kind, s, generator=gen, device=device, dtype=make).to(dtype).cpu() for s in _shapes(size)]
 
 
 def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k") -> tuple[torch.Tensor, object, dict]:
@@ -107,21 +115,24 @@ def encode_stats(tensors, tile: int, threaded: bool = True, codec: str = "exp-k"
         t0 = time.perf_counter()
         encode_block(tensors, tile=tile, levels=levels)  # torch's default intra-op threads
         all_s = time.perf_counter() - t0
-    raw = sum(2 * t.numel() for t in tensors)
+    raw = sum(t.numel() * t.element_size() for t in tensors)
+    numel = sum(t.numel() for t in tensors)
     heads = [read_header(buf, s.src_offset) for s in table.segments]
-    entropy = sum(symbol_entropy(t) * t.numel() for t in tensors) / sum(t.numel() for t in tensors)
+    entropy = sum(symbol_entropy(t) * t.numel() for t in tensors) / numel
+    byte = tensors[0].dtype in FP8  # the symbol is the whole byte: the bound is H / 8
     figs = {
         "raw_bytes": raw,
         "coded_bytes": table.coded_nbytes,
         "coded_ratio": round(table.coded_nbytes / raw, 5),
         "bits_per_weight": round(table.bits_per_weight, 4),
         "exponent_entropy_bits": round(entropy, 4),
-        "entropy_bound_ratio": round((8 + entropy) / 16, 5),
+        "entropy_bound_ratio": round(entropy / 8 if byte else (8 + entropy) / 16, 5),
+        "dtype": str(tensors[0].dtype).removeprefix("torch."),
         "codec": codec,
         "k": sorted({h.k for h in heads}),
         "k2": sorted({h.k2 for h in heads}),  # 0: a one-level tensor
-        "escape_fraction": round(sum(h.num_escapes if h.k2 else h.num_exceptions for h in heads) / (raw // 2), 5),
-        "exception_fraction": round(sum(h.num_exceptions for h in heads) / (raw // 2), 5),  # raw bytes escaped
+        "escape_fraction": round(sum(h.num_escapes if h.k2 else h.num_exceptions for h in heads) / numel, 5),
+        "exception_fraction": round(sum(h.num_exceptions for h in heads) / numel, 5),  # raw bytes escaped
         "encode_s_one_core": round(enc_s, 4),
         "encode_gbps_one_core": round(raw / enc_s / 1e9, 4),
         "encode_gbps_one_core_cpu_time": round(raw / cpu_s / 1e9, 4),  # robust to a busy machine
@@ -242,8 +253,8 @@ def gpu_encode_figures(tensors, buf, codec: str, tile: int) -> dict:
 
     levels, jobs, at = codec_levels(codec), [], 0
     for t in tensors:
-        jobs.append(EncodeJob(at, 2 * t.numel(), t.dtype))
-        at = -(-(at + 2 * t.numel()) // 512) * 512
+        jobs.append(EncodeJob(at, t.numel() * t.element_size(), t.dtype))
+        at = -(-(at + t.numel() * t.element_size()) // 512) * 512
     src = torch.zeros(at, dtype=torch.uint8, device="cuda")
     for j, t in zip(jobs, tensors):
         src[j.src_offset : j.src_offset + j.nbytes].copy_(t.reshape(-1).view(torch.uint8))
@@ -257,9 +268,10 @@ def gpu_encode_figures(tensors, buf, codec: str, tile: int) -> dict:
     return {"gpu_encode_ms": ms, "gpu_encode_gbps": raw / ms / 1e6, "gpu_encode_identical": True}
 
 
-def identity_figures(codecs, mb: int = 64) -> dict:
-    """A realistic tensor (``mb`` MB of bf16 random-normal * 0.02) coded on the GPU and on the CPU
-    (one core) with every codec: byte-identical, raw GB/s of both; then decoded (GB/s decoded)."""
+def identity_figures(codecs, mb: int = 64, dt: str = "bf16") -> dict:
+    """A realistic tensor (``mb`` MB of bf16 random-normal * 0.02; ``dt`` fp8 / fp8-e5m2: cast to
+    float8, ``mb`` MB of it) coded on the GPU and on the CPU (one core) with every codec:
+    byte-identical, raw GB/s of both; then decoded (GB/s decoded)."""
     from weightstream.kernels.codec import decode
     from weightstream.kernels.codec_encode import encode
     from weightstream.kernels.codec_encode_gpu import encode_gpu
@@ -267,7 +279,8 @@ def identity_figures(codecs, mb: int = 64) -> dict:
     from weightstream.offload.codecs import codec_levels
 
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(mb << 19, generator=gen) * 0.02).to(torch.bfloat16)
+    dtype = DTYPES[dt]
+    x = (torch.randn((mb << 20) // dtype.itemsize, generator=gen) * 0.02).to(torch.bfloat16).to(dtype)
     xd, modes = x.cuda(), {}
     for codec in codecs:
         levels = codec_levels(codec)
@@ -285,15 +298,17 @@ def identity_figures(codecs, mb: int = 64) -> dict:
             raise SystemExit(f"identity check failed: the GPU encoder's {codec} bytes differ from the CPU encoder's")
         ms = _median_ms(lambda: encode_gpu(xd, levels=levels))
         table = DecodeTable([CodecSegment(0, 0, read_header(want))])
-        dst = torch.empty(2 * x.numel(), dtype=torch.uint8, device="cuda")
+        raw = x.numel() * x.element_size()
+        dst = torch.empty(raw, dtype=torch.uint8, device="cuda")
         dms = _median_ms(lambda: decode(got, dst, table))
-        if not torch.equal(dst.view(torch.bfloat16).cpu(), x):
+        if not torch.equal(dst.cpu(), x.view(torch.uint8)):
             raise SystemExit(f"identity check failed: {codec} decode differs from the tensor")
-        raw = 2 * x.numel()
-        modes[f"encode-identity-{mb}mb{CODEC_SUFFIX[codec]}"] = {
+        suffix = "" if dt == "bf16" else f"-{dt}"
+        modes[f"encode-identity-{mb}mb{suffix}{CODEC_SUFFIX[codec]}"] = {
             "step_ms": ms, "gpu_encode_ms": ms, "gpu_encode_gbps": raw / ms / 1e6,
             "cpu_encode_gbps_one_core": raw / cpu_s / 1e9, "decode_gbps": raw / dms / 1e6, "identical": same,
-            "raw_bytes": raw, "coded_bytes": want.numel(), "codec": codec}
+            "raw_bytes": raw, "coded_bytes": want.numel(), "coded_ratio": want.numel() / raw, "codec": codec,
+            "dtype": dt}
     return modes
 
 
@@ -357,11 +372,13 @@ def run(args) -> dict:
             del tensors
         if gpu:
             torch.cuda.empty_cache()
-    if gpu and args.identity:
-        for mode, f in identity_figures(args.codec).items():
-            print(f"[{mode}] {f['raw_bytes'] / 1e6:.0f} MB bf16 randn * 0.02: GPU encode {f['gpu_encode_gbps']:.1f} GB/s, "
-                  f"CPU encode {f['cpu_encode_gbps_one_core']:.2f} GB/s on one core, decode {f['decode_gbps']:.1f} "
-                  f"GB/s; bytes identical: {f['identical']}", flush=True)
+    idents = ["bf16"] + [d for d in args.dtypes if DTYPES[d] in FP8] if gpu and args.identity else []
+    for dt in idents:
+        for mode, f in identity_figures(args.codec, dt=dt).items():
+            print(f"[{mode}] {f['raw_bytes'] / 1e6:.0f} MB randn * 0.02 ({dt}): GPU encode {f['gpu_encode_gbps']:.1f} "
+                  f"GB/s, CPU encode {f['cpu_encode_gbps_one_core']:.2f} GB/s on one core, decode "
+                  f"{f['decode_gbps']:.1f} GB/s, ratio {f['coded_ratio']:.4f}; bytes identical: {f['identical']}",
+                  flush=True)
             modes[mode] = f
     if args.build:
         modes.update(run_build(args))
@@ -388,7 +405,8 @@ def main(argv=None) -> int:
                    help="tensor = one 3072x12288 weight, single = ~283 MB Flux block, double = ~680 MB block")
     p.add_argument("--fills", nargs="+", choices=FILLS, default=list(FILLS))
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"],
-                   help="weight dtypes (fp16 codes the high byte; mode names get a -fp16 suffix)")
+                   help="weight dtypes (fp16 codes the high byte, fp8 / fp8-e5m2 the whole byte of the bf16 fill "
+                        "cast to float8; mode names get a -<dtype> suffix)")
     p.add_argument("--tiles", type=int, nargs="+", default=[DEFAULT_TILE], help="elements per tile (first = default)")
     p.add_argument("--codec", nargs="+", choices=sorted(CODEC_SUFFIX), default=sorted(CODEC_SUFFIX),
                    help="codecs to code with (exp-k: one level; exp-k2: two levels, modes suffixed -k2)")

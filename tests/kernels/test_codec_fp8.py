@@ -268,3 +268,39 @@ def test_gpu_large_fp8_tensor_through_the_compiled_kernels():
             table = DecodeTable.from_buffer(blob, [0], [0])
             assert table.bytes8 and read_header(blob).ratio < 0.8
             _gpu_decode_eager_and_graph(blob, table, _u8(x).clone())
+
+
+_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from weightstream.kernels._codec_kernels import _decode_kernel
+from weightstream.kernels._codec_encode_kernels import _code_kernel, _escape_kernel
+target = GPUTarget("cuda", 90, 32)
+
+def build(fn, sig, const):
+    names = list(sig) + list(const)
+    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}}, constexprs={(names.index(k),): v for k, v in const.items()})
+    return len(triton.compile(src, target=target, options={"num_warps": 4}).asm["ttir"])
+
+sig = {"src_ptr": "*u8", "dst_ptr": "*i16", "dst8_ptr": "*u8", "table_ptr": "*i64", "num_segments": "i64"}
+build(_decode_kernel, sig, dict(TILE=4096, SEARCH_STEPS=4, DST_ALIGN=8, GATHER=True, LEVEL2=True, WORDS=True,
+                                PATCHED=True, RANKED=True, CHUNK=512, BYTES=True))  # every path
+enc = {"src_ptr": "*u8", "out_ptr": "*u8", "rec_ptr": "*i64", "tile_job_ptr": "*i32", "lut_ptr": "*u8"}
+build(_code_kernel, {**enc, "count_ptr": "*i32", "count2_ptr": "*i32"}, dict(TILE=4096))
+build(_escape_kernel, {**enc, "excl_ptr": "*i64", "excl2_ptr": "*i64", "tmp2_ptr": "*u8"}, dict(TILE=4096))
+print("compiled")
+"""
+
+
+def test_kernels_with_the_8_bit_path_compile_for_sm90():
+    """The decoder with its 8-bit stores (BYTES, every other path on) and the encoder's code and
+    escape kernels (their 8-bit symbol loads) compile for sm_90 without a
+    GPU (a subprocess: the interpreter is on in this one): what the interpreter runs is what compiles."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

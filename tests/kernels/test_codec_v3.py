@@ -344,10 +344,10 @@ import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from weightstream.kernels._codec_kernels import _decode_kernel
-sig = {"src_ptr": "*u8", "dst_ptr": "*i16", "table_ptr": "*i64", "num_segments": "i64"}
+sig = {"src_ptr": "*u8", "dst_ptr": "*i16", "dst8_ptr": "*u8", "table_ptr": "*i64", "num_segments": "i64"}
 for chunk in map(int, sys.argv[1:]):
     const = dict(TILE=4096, SEARCH_STEPS=4, DST_ALIGN=8, GATHER=True, LEVEL2=False, WORDS=False, PATCHED=False,
-                 RANKED=True, CHUNK=chunk)
+                 RANKED=True, CHUNK=chunk, BYTES=False)
     names = list(sig) + list(const)
     src = ASTSource(_decode_kernel, {**sig, **{k: "constexpr" for k in const}},
                     constexprs={(names.index(k),): v for k, v in const.items()})
