@@ -150,6 +150,14 @@ def test_fp8_tensors_code_below_their_bytes_bit_exact(storage, codec, monkeypatc
     assert s["coded_bytes"] < 0.8 * s["raw_bytes"], s  # ~0.72 (exp-k) / ~0.70 (exp-k2) of the fp8 bytes
     tables = wrapped.executor.source.images.tables  # the coded images: float8 tensors coded, not raw
     assert any(g.header.dtype == storage and g.header.k < 8 for t in tables for g in t.segments)
+    if codec == "exp-k":  # an update of an fp8 tensor re-encodes its block: exact
+        key = "single_transformer_blocks.1.proj_out.weight"
+        new = (torch.randn(ref.state_dict()[key].shape, generator=torch.Generator().manual_seed(3)) * 0.05
+               ).to(storage)
+        assert wrapped.update_weights({key: new}) == [key]
+        ref.load_state_dict({key: new}, strict=False)
+        assert torch.equal(_run(wrapped, x)[0], _run(ref, x)[0])
+        assert torch.equal(wrapped.state_dict()[key].view(torch.uint8), new.view(torch.uint8))
 
 
 def test_update_weights_of_fp8_tensors(case):
