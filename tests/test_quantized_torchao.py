@@ -110,7 +110,7 @@ def test_auto_placement_and_coding(ao_case, monkeypatch):
     assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
     assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the quantized bytes
     assert torch.equal(_run(wrapped.disable(), x)[0], want)
-    for codec in ("exp-k", "auto"):  # int8 / fp8 bytes stay raw, bf16 scales may code; never a wrong output
+    for codec in ("exp-k", "auto"):  # int8 bytes stay raw, fp8 qdata and bf16 scales may code; never a wrong output
         coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
         assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
 

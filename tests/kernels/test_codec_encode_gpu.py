@@ -150,7 +150,7 @@ def test_validation():
 
 def _block(gen, scale: int = 1):
     """A block of every kind of tensor the host store meets: bf16 / fp16 weights, a strided
-    (transposed) bf16 one, fp32 and fp8 ones (raw at k = 8; fp8 of an odd byte count), an
+    (transposed) bf16 one, fp32 (raw at k = 8) and fp8 (coded; an odd byte count) ones, an
     incompressible bf16 one (past its raw bound: raw int16), an empty one."""
     ts = [("w", "param", (torch.randn(48 * scale, 64, generator=gen) * 0.02).bfloat16()),
           ("t", "param", (torch.randn(64, 40 * scale, generator=gen) * 0.02).bfloat16().t()),
