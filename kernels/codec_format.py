@@ -483,11 +483,12 @@ class DecodeTable(PackedTable):
     All non-empty segments must share one tile size; destination ranges must
     not overlap. num_warps and gather_planes (each element loads its own code
     plane bytes instead of a load-once-and-reshape) are launch options that do
-    not change the result. level2 / patch / ranked: compile the kernel's level-2
-    code / patch loop / ranked exceptions even if no segment needs them
-    (`two_level` / `patched` / `ranked` hold what is compiled): a table re-encoded
-    in place under a captured CUDA graph may gain such tensors, and the captured
-    kernel must decode them.
+    not change the result. level2 / patch / ranked / bytes8: compile the kernel's
+    level-2 code / patch loop / ranked exceptions / 8-bit stores even if no segment
+    needs them (`two_level` / `patched` / `ranked` / `bytes8` hold what is compiled):
+    a table re-encoded in place under a captured CUDA graph may gain such tensors
+    (a float8 tensor stored raw, as int16, may code after an update), and the
+    captured kernel must decode them.
     Packed (int64): [tile_start_0 = 0, ..., tile_start_S =
     num_tiles, then per segment (raw, code, base, exc, table) absolute source
     byte offsets, destination element offset, numel, k, split, then k2 and the
@@ -498,7 +499,7 @@ class DecodeTable(PackedTable):
 
     def __init__(
         self, segments: Sequence[CodecSegment], *, num_warps: int = DEFAULT_NUM_WARPS, gather_planes: bool = True,
-        words: bool = True, level2: bool = False, patch: bool = False, ranked: bool = False,
+        words: bool = True, level2: bool = False, patch: bool = False, ranked: bool = False, bytes8: bool = False,
     ) -> None:
         self.segments: tuple[CodecSegment, ...] = tuple(segments)
         for i, seg in enumerate(self.segments):
@@ -511,7 +512,8 @@ class DecodeTable(PackedTable):
         if not isinstance(gather_planes, bool):
             raise TypeError(f"gather_planes must be a bool, got {gather_planes!r}")
         self.gather_planes = gather_planes
-        for name, v in (("words", words), ("level2", level2), ("patch", patch), ("ranked", ranked)):
+        for name, v in (("words", words), ("level2", level2), ("patch", patch), ("ranked", ranked),
+                        ("bytes8", bytes8)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {v!r}")
         live = sorted((s for s in self.segments if s.header.numel), key=lambda s: s.dst_offset)
@@ -534,14 +536,14 @@ class DecodeTable(PackedTable):
         # (or ranked=True): without them, tables of version-3 and escape-free tensors run a leaner kernel
         self.ranked = ranked or self.two_level or any(s.header.version != VERSION3 and 0 < s.header.k < 8
                                                       for s in live)
-        self._paths = {"level2": level2, "patch": patch, "ranked": ranked}
+        self._paths = {"level2": level2, "patch": patch, "ranked": ranked, "bytes8": bytes8}
         self.src_nbytes = max((s.src_end for s in live), default=0)
         self.dst_nbytes = max((s.dst_end for s in live), default=0)
         self.coded_nbytes = sum(s.header.nbytes for s in live)
         self.decoded_nbytes = sum(s.header.decoded_bytes for s in live)
         self.numel = sum(s.header.numel for s in live)
-        # the kernel's 8-bit stores are compiled only for a table holding a float8 tensor
-        self.bytes8 = any(s.header.dtype in BYTE_DTYPES for s in live)
+        # the kernel's 8-bit stores are compiled only for a table holding a float8 tensor (or bytes8=True)
+        self.bytes8 = bytes8 or any(s.header.dtype in BYTE_DTYPES for s in live)
         self.dst_align = math.gcd(16, *(s.dst_offset for s in live)) // 2 if live else 8  # in elements
         self._host, self.num_tiles = _pack_records(live, self.tile)
         self.search_steps = max(1, math.ceil(math.log2(max(1, len(live)))))

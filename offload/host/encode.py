@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weightstream.kernels.codec_encode import encode
-from weightstream.kernels.codec_format import DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment, DecodeTable, read_header
+from weightstream.kernels.codec_format import (BYTE_DTYPES, DEFAULT_TILE, HEADER_BYTES, PATCHED, CodecSegment,
+                                               DecodeTable, read_header)
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, TensorSpec, align_up
@@ -45,12 +46,19 @@ def _raw_bound(spec: TensorSpec) -> int:
     return align_up(align_up(HEADER_BYTES, _ALIGN) + align_up(n, _ALIGN) + tiles * DEFAULT_TILE + 8 * tiles, _ALIGN)
 
 
-def decode_paths(levels: int) -> dict:
+def decode_paths(levels: int, fp8: bool = False) -> dict:
     """The kernel paths every table of a source coding with ``levels`` compiles (DecodeTable's
-    level2 / patch / ranked): a block re-encoded under a captured graph may hold a version its
-    first table did not (a small tensor whose best code had no escapes), so they never depend on
-    it. "exp-kp" writes no ranked escapes (version 3, or version 1 with k 0 or 8): not ranked."""
-    return {"level2": levels == 2, "patch": levels == PATCHED, "ranked": levels != PATCHED}
+    level2 / patch / ranked / bytes8): a block re-encoded under a captured graph may hold a version
+    its first table did not (a small tensor whose best code had no escapes), so they never depend
+    on it. "exp-kp" writes no ranked escapes (version 3, or version 1 with k 0 or 8): not ranked.
+    ``fp8``: the block holds a float8 tensor (:func:`has_fp8`; coded now, or raw now and coded
+    after an update): the 8-bit stores are compiled whatever its first table holds."""
+    return {"level2": levels == 2, "patch": levels == PATCHED, "ranked": levels != PATCHED, "bytes8": bool(fp8)}
+
+
+def has_fp8(specs) -> bool:
+    """Whether any of ``specs`` (a block's :class:`TensorSpec` s) is a non-empty float8 tensor."""
+    return any(s.dtype in BYTE_DTYPES and s.nbytes for s in specs)
 
 
 def _encode_tensor(t: torch.Tensor, spec: TensorSpec, out: torch.Tensor | None = None,
@@ -85,7 +93,7 @@ def encode_image(layout: BlockLayout, tensors, region: torch.Tensor | None = Non
         blobs.append(blob)
         segs.append(CodecSegment(at, spec.offset, read_header(blob)))
         at += blob.numel()
-    return blobs, DecodeTable(segs, **decode_paths(levels))
+    return blobs, DecodeTable(segs, **decode_paths(levels, has_fp8(layout.tensors)))
 
 
 def encode_into(region: torch.Tensor, layout: BlockLayout, tensors, *, levels: int = 1) -> tuple[int, DecodeTable]:
@@ -110,7 +118,7 @@ def encode_tensors_into(region: torch.Tensor, layout: BlockLayout, tensors, *,
             region[at : at + blob.numel()].copy_(blob)  # (raises if the region is too small)
             segs.append(CodecSegment(at, spec.offset, read_header(blob)))
             at += blob.numel()
-    return at, DecodeTable(segs, **decode_paths(levels))
+    return at, DecodeTable(segs, **decode_paths(levels, has_fp8(layout.tensors)))
 
 
 def _write(region: torch.Tensor, blobs: list[torch.Tensor]) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from weightstream.kernels.codec_encode_gpu import EncodeJob, encode_jobs
 from weightstream.kernels.codec_format import CodecSegment, DecodeTable
-from weightstream.offload.host.encode import CODED_DTYPES, _raw_bound, decode_paths
+from weightstream.offload.host.encode import CODED_DTYPES, _raw_bound, decode_paths, has_fp8
 from weightstream.offload.layout import BlockLayout, TensorSpec
 from weightstream.offload.streams import CudaStreams, RecordingStreams
 
@@ -146,7 +146,7 @@ class DeviceEncoder:
     def _downloads(self, work: queue.Queue, free: threading.Semaphore, dest, done, failed: list) -> None:
         """The download thread: each coded piece back to its block's host bytes, in order; ``done``
         per block once its bytes arrived."""
-        s_, segs, at = self.streams, [], 0
+        s_, segs, at, fp8 = self.streams, [], 0, False
         try:
             while (item := work.get()) is not None:
                 i, piece, coded, heads, offs = item
@@ -164,10 +164,11 @@ class DeviceEncoder:
                 free.release()
                 segs += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
                 at += coded.numel()
+                fp8 = fp8 or has_fp8(piece.specs)
                 if piece.last:
                     self.down_done[s].synchronize()
-                    done(piece.k, at, DecodeTable(segs, **decode_paths(self.levels)))
-                    segs, at = [], 0
+                    done(piece.k, at, DecodeTable(segs, **decode_paths(self.levels, fp8)))
+                    segs, at, fp8 = [], 0, False
         except BaseException as e:  # handed to the calling thread
             failed.append(e)
 

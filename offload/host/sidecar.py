@@ -70,7 +70,7 @@ from weightstream.offload.codecs import CODECS, codec_levels
 from weightstream.offload.host.arena import PAGE
 from weightstream.offload.host.binding import TensorBinding
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, FileWatch, changed_message
-from weightstream.offload.host.encode import _capacity, decode_paths
+from weightstream.offload.host.encode import _capacity, decode_paths, has_fp8
 from weightstream.offload.host.images import BlockImages, CodedRegion
 from weightstream.offload.host.packing import usable_cpus
 from weightstream.offload.layout import BlockLayout, align_up
@@ -254,7 +254,7 @@ def _region(path: Path, u8: torch.Tensor, lay: BlockLayout, rec: dict, paths: di
     data = u8[off : off + n]
     try:
         table = DecodeTable.from_buffer(data, [s for s, _ in rec["segments"]], [d for _, d in rec["segments"]],
-                                              **paths)
+                                              **{**paths, "bytes8": has_fp8(lay.tensors)})
     except (ValueError, TypeError) as e:
         raise _corrupt(path, f"block {lay.name!r}: {e}") from None
     want = sorted((s.offset, s.nbytes) for s in lay.tensors if s.nbytes)

@@ -168,7 +168,8 @@ def _concat(tensors):
 def test_gpu_encoder_gives_the_cpu_bytes(levels):
     from codec_cases import _skewed_bits
 
-    xs = [_fp8_bits(1), _fp8_bits(TILE - 1), _fp8_bits(3 * TILE + 1, torch.float8_e5m2), _every_pattern(torch.float8_e5m2),
+    xs = [_fp8_bits(1), _fp8_bits(TILE - 1), _fp8_bits(3 * TILE + 1, torch.float8_e5m2),
+          _every_pattern(torch.float8_e5m2),
           torch.full((300,), 0x41, dtype=torch.uint8).view(torch.float8_e4m3fn), _skewed_bits(TILE + 1),
           torch.zeros(0, dtype=torch.float8_e4m3fn)]
     src, jobs = _concat(xs)
@@ -217,7 +218,33 @@ def test_block_with_fp8_through_the_staging_pair():
         blobs, table = encode_image(lay, objs, levels=levels)
         want = torch.cat(blobs)
         assert got[0][0] == want.numel() and torch.equal(region[: want.numel()], want)
-        assert got[0][1].segments == table.segments
+        assert got[0][1].segments == table.segments and got[0][1].options() == table.options()
+        assert table.bytes8 and table.options()["bytes8"]  # the block holds fp8 tensors: compiled for them
+
+
+def test_a_block_with_raw_fp8_compiles_the_8_bit_stores():
+    """A block whose fp8 tensor is stored raw (int16 at k = 8: incompressible) may code it after an
+    update; a CUDA graph captured over its first table replays the kernel compiled for that table, so
+    the table compiles the 8-bit stores already (bytes8), and decodes the re-encoded block."""
+    from weightstream.kernels.codec import decode
+
+    gen = torch.Generator().manual_seed(4)
+    n = 4097  # two tiles of fp8 bytes at k = 8 pass the raw bound of one tile of int16 elements
+    noise = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ts = [("q", "param", noise), ("b", "param", (torch.randn(64, generator=gen) * 0.02).bfloat16())]
+    lay = build_layout(0, "b0", ts)
+    blobs, first = encode_image(lay, [t for _, _, t in ts])
+    assert read_header(blobs[0]).dtype == torch.int16 and first.bytes8  # raw now, compiled for fp8 anyway
+    i = torch.arange(n)
+    new = torch.where(i % 97 == 0, 0x45, torch.tensor([0x30, 0x31, 0xB0])[i % 3]).to(torch.uint8).view(
+        torch.float8_e4m3fn)  # three bytes and escapes: k = 2
+    blobs2, second = encode_image(lay, [new, ts[1][2]])
+    assert read_header(blobs2[0]).dtype == torch.float8_e4m3fn and read_header(blobs2[0]).k < 8
+    replay = DecodeTable(second.segments, **first.options())  # the new records, the first table's paths
+    assert replay.bytes8 == first.bytes8
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    decode(torch.cat(blobs2), out, replay)
+    assert torch.equal(out[:n], _u8(new))
 
 
 # sha256 of the coded bytes of _fp8_bits as the 8-bit path first shipped them (2026-12-03)
@@ -280,7 +307,8 @@ target = GPUTarget("cuda", 90, 32)
 
 def build(fn, sig, const):
     names = list(sig) + list(const)
-    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}}, constexprs={(names.index(k),): v for k, v in const.items()})
+    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}},
+                    constexprs={(names.index(k),): v for k, v in const.items()})
     return len(triton.compile(src, target=target, options={"num_warps": 4}).asm["ttir"])
 
 sig = {"src_ptr": "*u8", "dst_ptr": "*i16", "dst8_ptr": "*u8", "table_ptr": "*i64", "num_segments": "i64"}
