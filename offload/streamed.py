@@ -25,7 +25,7 @@ from .sources.pinned import SourceRequest
 from .sources.select import Selection, check_quantized
 from .adapters import AdapterWatch, dora_read_error, streamable_tensors
 from .host.quantized import (
-    check_update, host_form, parts_of, quantized_format, rehome, split_update, streams, unhome,
+    check_update, host_form, parts_of, prepare, quantized_format, rehome, split_update, streams, unhome,
 )
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
@@ -80,6 +80,7 @@ class StreamedBlocks:
         self.supports_next_step = self.supports_next_step and next_step
         self.quantized = quantized_format(module)  # streamed as it is (host/quantized.py)
         check_quantized(self.quantized, self.selection.transport)
+        prepare(module, self.quantized, device)  # a format's own state before the layouts (host/bnb.py)
         self.blocks: list[Block] = discover_blocks(module, plan)
         resident = config.resident_layers
         self.auto = self.selection.residency == "auto"  # given or the planned default: plan/auto.py plans it

@@ -146,3 +146,46 @@ def layerwise_fp8(model: nn.Module, storage=torch.float8_e4m3fn, compute=torch.b
     """diffusers' ``enable_layerwise_casting``: float8 storage, ``compute`` per forward."""
     model.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
     return model
+
+
+BNB_KINDS = ("nf4", "fp4", "int8")
+
+
+def bnb_quantize(model: nn.Module, kind: str = "nf4", *, compute_dtype=torch.bfloat16, double_quant: bool = True,
+                 skip: tuple[str, ...] = (), device="cpu", quantize_on=None, portable_cpu: bool = True) -> nn.Module:
+    """``model`` quantized with bitsandbytes the way diffusers' ``BitsAndBytesConfig`` loader does
+    (``replace_with_bnb_linear``, then each weight as a ``Params4bit`` / ``Int8Params`` moved to
+    the device, which quantizes it): ``kind`` "nf4" / "fp4" (``load_in_4bit``, ``compute_dtype``,
+    ``double_quant``: ``bnb_4bit_use_double_quant``) or "int8" (``load_in_8bit``). Every
+    ``nn.Linear`` but the names in ``skip`` (``llm_int8_skip_modules``). Quantized on
+    ``quantize_on`` (default ``device``), then held on ``device``. ``portable_cpu``: 4-bit linears
+    take bitsandbytes' portable CPU path (``support_avx512bf16_for_cpu=False``: no repack of the
+    weight at its first CPU forward, docs/quantized.md)."""
+    import bitsandbytes as bnb  # noqa: PLC0415
+    from diffusers import BitsAndBytesConfig  # noqa: PLC0415
+    from diffusers.quantizers.bitsandbytes.utils import replace_with_bnb_linear  # noqa: PLC0415
+
+    if kind not in BNB_KINDS:
+        raise ValueError(f"kind={kind!r} is not allowed; choose from: {', '.join(BNB_KINDS)}")
+    if kind == "int8":
+        cfg = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=compute_dtype,
+                                 bnb_4bit_use_double_quant=double_quant)
+    device = torch.device(device)
+    where = torch.device(quantize_on) if quantize_on is not None else device
+    sd = model.state_dict()
+    model = replace_with_bnb_linear(model, modules_to_not_convert=list(skip), quantization_config=cfg)
+    for name, m in model.named_modules():
+        four = isinstance(m, bnb.nn.Linear4bit)
+        if not (four or isinstance(m, bnb.nn.Linear8bitLt)):
+            continue
+        cls = bnb.nn.Params4bit if four else bnb.nn.Int8Params
+        w = sd.pop(f"{name}.weight")
+        m._parameters["weight"] = cls(w.to("cpu"), requires_grad=False, **m.weight.__dict__).to(where).to(device)
+        if m.bias is not None:
+            m._parameters["bias"] = nn.Parameter(sd.pop(f"{name}.bias").to(device), requires_grad=False)
+        if four and portable_cpu:
+            m.support_avx512bf16_for_cpu = False
+        del w
+    return model.eval()

@@ -7,11 +7,36 @@ this module (one table, :data:`FORMATS`).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..misuse import UnsupportedOperationError, WeightUpdateError
+from . import bnb
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """One quantized tensor format: which classes are its own, and what it adds to streaming
+    (each None where the format needs nothing more than a plain tensor or tensor subclass)."""
+    name: str
+    owns: Callable[[type], bool]  # a class of a tensor's MRO is the format's
+    parts: Callable | None = None  # (name, kind, t) -> [(name, kind, tensor)] the image holds for t, or None
+    prepare: Callable | None = None  # (module, device): before the layouts are built (may refuse)
+    rehome: Callable | None = None  # (module, device) -> undo callables: resident state onto the device
+    check_update: Callable | None = None  # (key, obj, new): refuse an update its bytes would not mean
+
+
+# the quantized tensor formats, in detection order (layerwise casting is a diffusers hook, not a tensor class)
+FORMATS = (
+    QuantFormat("bitsandbytes", bnb.owns, parts=bnb.parts, prepare=bnb.prepare, rehome=bnb.rehome,
+                check_update=bnb.check_update),
+    QuantFormat("torchao", lambda c: c.__module__.startswith("torchao.")),
+    QuantFormat("gguf", lambda c: c.__name__ == "GGUFParameter" and c.__module__.startswith("diffusers.")),
+)
 
 # diffusers hooks that keep streaming exact (layerwise casting: fp8 storage, upcast per forward
 # on the device from the bound slot view; docs/quantized.md)
@@ -37,13 +62,9 @@ def casting_leaves(module: nn.Module) -> list[nn.Module]:
 def tensor_format(t) -> str:
     """The quantized format of one tensor object by its class (:data:`FORMATS` order), else "none"."""
     for cls in type(t).__mro__:
-        mod, name = cls.__module__, cls.__name__
-        if mod.startswith("bitsandbytes."):
-            return "bitsandbytes"
-        if mod.startswith("torchao."):
-            return "torchao"
-        if name == "GGUFParameter" and mod.startswith("diffusers."):
-            return "gguf"
+        for f in FORMATS:
+            if f.owns(cls):
+                return f.name
     data = t.data if isinstance(t, torch.nn.Parameter) else None
     if data is not None and type(data) is not torch.Tensor:
         return tensor_format(data)
@@ -102,9 +123,25 @@ def expand(name: str, kind: str, t: torch.Tensor) -> list[tuple[str, str, torch.
     """``(name, kind, t)`` of a block's tensor as the image holds it: itself, or its inner
     tensors as ``name[inner]`` for a tensor subclass (:func:`inner_tensors`)."""
     inner = inner_tensors(t)
-    if inner is None:
-        return [(name, kind, t)]
-    return [(f"{name}[{n}]", kind, v) for n, v in inner]
+    if inner is not None:
+        return [(f"{name}[{n}]", kind, v) for n, v in inner]
+    for f in FORMATS:
+        got = f.parts(name, kind, t) if f.parts is not None else None
+        if got is not None:  # a weight with tensors beside it (bitsandbytes' quant state)
+            return got
+    return [(name, kind, t)]
+
+
+def _entry(fmt: str) -> QuantFormat | None:
+    return next((f for f in FORMATS if f.name == fmt), None)
+
+
+def prepare(module: nn.Module, fmt: str, device: torch.device) -> None:
+    """Before the layouts of ``module`` (quantized as ``fmt``) are built: its format's own
+    preparation (bitsandbytes: offload/host/bnb.py), which may refuse by name."""
+    f = _entry(fmt)
+    if f is not None and f.prepare is not None:
+        f.prepare(module, device)
 
 
 def rehome(module: nn.Module, device: torch.device) -> list[tuple[torch.Tensor, torch.device]]:
@@ -188,7 +225,11 @@ def split_update(key: str, obj, new) -> list[tuple[str, torch.Tensor, torch.Tens
 
 def check_update(key: str, obj, new) -> None:
     """Refuse an update of a quantized tensor by one its bytes would not mean the same in:
-    a GGUF weight takes a ``GGUFParameter`` of its own ``quant_type`` (same byte shape)."""
+    a GGUF weight takes a ``GGUFParameter`` of its own ``quant_type`` (same byte shape); a
+    format's own rule (bitsandbytes' serialised quant state) first."""
+    for f in FORMATS:
+        if f.check_update is not None:
+            f.check_update(key, obj, new)
     if _gguf_class(obj) is None:
         return
     want = obj.quant_type

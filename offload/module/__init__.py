@@ -71,7 +71,7 @@ from ..casts import CastGuard
 from ..components import Component, Components
 from ..config import OffloadConfig
 from ..progress import format_bytes
-from ..host.quantized import host_form, quantized_format, rehome, streams
+from ..host.quantized import host_form, prepare, quantized_format, rehome, streams
 from ..sources.select import Topology, check_quantized, select
 from ..adapters import UnitEdits, dora_read_error
 from ..placeholders import Placeholders
@@ -115,7 +115,9 @@ class ModuleOffload:
         self.selection = select(config, Topology(device_type=device.type))  # the support matrix's cell
         self.components = components
         for c in components.items:  # quantized components: the quantized support matrix (sources/select.py)
-            check_quantized(quantized_format(c.module), "module")
+            fmt = quantized_format(c.module)
+            check_quantized(fmt, "module")
+            prepare(c.module, fmt, device)  # a format's own state before the layouts (host/bnb.py)
         for c in components.items:  # tensor subclasses claim the device their inner tensors move to
             rehome(c.module, device)
         self.cuda = device.type == "cuda"

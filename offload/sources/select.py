@@ -252,10 +252,6 @@ _MMAP_QUANTIZED = (
     "(pinned host images of the quantized bytes)")
 # (rule, key, why) over (format, transport); the first rule that matches refuses the pair
 _QUANTIZED_RULES = (
-    (lambda f, t: f == "bitsandbytes", "quantization_config",
-     "bitsandbytes tensors (Params4bit / Int8Params) are not streamed: their quantization state lives outside "
-     "the tensor and moves with module.to(); use GGUF, torchao int8/float8 weight-only or layerwise casting, "
-     "or keep the bitsandbytes model resident"),
     (lambda f, t: f != "none" and t == "mmap", "checkpoint", _MMAP_QUANTIZED),
 )
 
