@@ -25,7 +25,7 @@ from .sources.pinned import SourceRequest
 from .sources.select import Selection, check_quantized
 from .adapters import AdapterWatch, dora_read_error, streamable_tensors
 from .host.quantized import (
-    check_update, host_form, parts_of, prepare, quantized_format, rehome, split_update, streams, unhome,
+    check_update, expand, host_form, parts_of, prepare, quantized_format, rehome, split_update, streams, unhome,
 )
 from .layout import all_tensors, build_layout, check_not_shared, tensor_bytes
 from .misuse import (
@@ -287,8 +287,8 @@ class StreamedBlocks:
             return [(key, dst, v) for name, inner, value in parts for _, dst, v in self._plan_one(name, inner, value)]
         loc = self._where.get(id(obj))
         if loc is None:
+            check_update(key, obj, new)  # first: bitsandbytes' serialised quant state names itself (host/bnb.py)
             check_update_value(key, new, tuple(obj.shape), obj.dtype)
-            check_update(key, obj, new)
             return [(key, obj.data, new)]
         spec = self.layouts[loc[0]].tensors[loc[1]]
         check_update_value(key, new, spec.shape, spec.dtype)
@@ -542,7 +542,10 @@ class HostStateDictHook:
     def _keys(self) -> dict:  # key -> offloaded tensor (tied ones under each key); per call: peft renames keys
         m = self._module
         named = list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False))
-        return {k: t for k, t in named if t is not None and self._offloaded(t)}
+        out = {k: t for k, t in named if t is not None and self._offloaded(t)}
+        for k, t in named:  # a format's tensors beside a weight, under the keys it serialises them (host/bnb.py)
+            out.update((n, p) for n, _, p in expand(k, "", t) if n not in out and p is not t and self._offloaded(p))
+        return out
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
         if self._before is not None:

@@ -62,7 +62,8 @@ def prepare(module: nn.Module, device: torch.device) -> None:
     """Before the layouts are built: every ``Linear8bitLt`` in the state of its first forward
     (bitsandbytes' own ``init_8bit_state``), with ``state.CB`` the weight object itself and the
     weight holding its ``SCB`` again, so its forward neither moves the scales nor rebinds the
-    weight's ``.data`` (what it does resident, per forward). Refuses a ``Linear4bit`` that
+    weight's ``.data`` (what it does resident, per forward); every ``Linear4bit`` bias in its
+    ``compute_dtype`` (its first forward casts it, resident). Refuses a ``Linear4bit`` that
     bitsandbytes repacks for the CPU (AVX512-BF16 kernels) when it computes there."""
     for name, m in module.named_modules():
         if not owns(type(m)):
@@ -77,6 +78,9 @@ def prepare(module: nn.Module, device: torch.device) -> None:
                     "inverse in state_dict() rewrite the weight's bytes, which streaming keeps in the host store. "
                     "Stream to a CUDA device, or set support_avx512bf16_for_cpu=False on its Linear4bit modules "
                     "before the first forward (bitsandbytes' portable CPU path), then wrap")
+            bias = m._parameters.get("bias")
+            if bias is not None and m.compute_dtype is not None and bias.dtype != m.compute_dtype:
+                bias.data = bias.data.to(m.compute_dtype)  # what its first forward does, resident
         if _is(w, "Int8Params") and w.dtype == torch.int8:
             if w.CB is not None:
                 m.init_8bit_state()

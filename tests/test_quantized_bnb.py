@@ -1,0 +1,193 @@
+"""bitsandbytes streamed as it is (docs/quantized.md): ``Linear4bit`` nf4 (double quantization,
+bf16 compute) and fp4 (diffusers' defaults: no double quantization, fp32 compute), and
+``Linear8bitLt`` int8, on the CPU (bitsandbytes' portable CPU kernels). The block image holds the
+packed weight and its quant-state tensors (absmax, nested absmax, SCB), the ring binds those very
+tensor objects; bit-exact against the same bitsandbytes model unwrapped. The model is built the
+way diffusers' ``BitsAndBytesConfig`` loader builds it (``weightstream.quant_models.bnb_quantize``)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
+from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
+from weightstream.offload.misuse import (  # noqa: E402
+    StreamedModuleAccessError, UnsupportedCombinationError, UnsupportedOperationError, WeightUpdateError,
+)
+from weightstream.quant_models import bnb_quantize  # noqa: E402
+
+DEV = "cpu"
+LIN = "transformer_blocks.0.attn.to_q"
+KINDS = {"nf4": dict(double_quant=True), "fp4": dict(double_quant=False, compute_dtype=torch.float32),
+         "int8": {}}
+
+
+def _cfg(**kw):
+    return OffloadConfig.layerwise(progress=False, **kw)
+
+
+def _run(model, x, steps=1):
+    with torch.no_grad():
+        return [model(**x)[0] for _ in range(steps)]
+
+
+def _quantize(kind, seed=0):
+    return bnb_quantize(tiny_flux(seed=seed, dtype=torch.bfloat16), kind, **KINDS[kind])
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def case(request):
+    kind = request.param
+    base = _quantize(kind)
+
+    def make():
+        return copy.deepcopy(base)
+
+    ref = make()
+    x = flux_inputs(ref, dtype=torch.bfloat16)
+    return make, x, _run(ref, x)[0], kind, ref
+
+
+def _same_sd(got, want) -> bool:
+    return got.keys() == want.keys() and all(
+        got[k].dtype == want[k].dtype and torch.equal(got[k].detach(), want[k].detach()) for k in want)
+
+
+def test_wrapper_streams_the_packed_bytes(case, tmp_path):
+    make, x, want, kind, ref = case
+    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    s = wrapped.stats()
+    assert s["quantized_format"] == "bitsandbytes"
+    specs = {spec.name: spec for lay in wrapped.executor.source.layouts for spec in lay.tensors}
+    w, lin = specs["attn.to_q.weight"], ref.get_submodule(LIN)
+    if kind == "int8":
+        assert w.dtype == torch.int8 and w.shape == (lin.out_features, lin.in_features) and specs["attn.to_q.SCB"].dtype == torch.float32
+    else:  # two 4-bit values a byte, and the quant state beside them
+        assert w.dtype == torch.uint8 and w.shape == (lin.out_features * lin.in_features // 2, 1)
+        assert ("attn.to_q.weight.nested_absmax" in specs) == (kind == "nf4")
+        assert specs["attn.to_q.weight.absmax"].dtype == (torch.uint8 if kind == "nf4" else torch.float32)
+    linears = {f"{n}.weight" for blk in (ref.transformer_blocks[0], ref.single_transformer_blocks[0])
+               for n, m in blk.named_modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")}
+    assert linears and all(specs[n].dtype in (torch.uint8, torch.int8) for n in linears)  # no bf16 copy
+    sd = wrapped.state_dict()  # bitsandbytes' serialised form, as the model unwrapped gives it
+    assert _same_sd(sd, ref.state_dict())
+    suffix = {"nf4": ".weight.quant_state.bitsandbytes__nf4", "fp4": ".weight.quant_state.bitsandbytes__fp4",
+              "int8": ".SCB"}[kind]
+    assert LIN + suffix in sd
+    wrapped.module.save_pretrained(str(tmp_path / "streamed"))  # what save_pretrained writes
+    from safetensors.torch import load_file
+
+    ref.save_pretrained(str(tmp_path / "resident"))
+    got, exp = (load_file(str(tmp_path / d / "diffusion_pytorch_model.safetensors")) for d in ("streamed", "resident"))
+    assert _same_sd(got, exp) and LIN + suffix in got
+    plain = wrapped.disable()
+    assert type(plain.get_submodule(LIN).weight).__name__ in ("Params4bit", "Int8Params")
+    assert torch.equal(_run(plain, x)[0], want)
+
+
+@pytest.mark.parametrize("case", ["nf4", "int8"], indirect=True)  # fp4 binds as nf4 does (one case keeps it fast)
+def test_in_place_resident_layers_and_pipelines(case):
+    make, x, want, _, _ = case
+    model = make()
+    handle = apply_layerwise_offload(model, _cfg(resident_layers=[0, 3]), device=DEV)
+    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    assert handle.remove() is model
+    assert torch.equal(_run(model, x)[0], want)
+
+    class Pipe:
+        def __init__(self, transformer):
+            self.transformer = transformer
+
+    for mode in ("layer", "module"):
+        pipe = Pipe(make())
+        h = offload_pipeline(pipe, {"mode": mode, "components": ["dit"], "progress": False}, device=DEV)
+        assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2)), mode
+        sd = pipe.transformer.state_dict()
+        assert sd[LIN + ".weight"].dtype in (torch.uint8, torch.int8), mode
+        h.disable()
+        assert torch.equal(_run(pipe.transformer, x)[0], want), mode
+
+
+@pytest.mark.parametrize("case", ["nf4"], indirect=True)
+def test_auto_placement_and_coding(case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
+    make, x, want, _, _ = case
+    probe = OffloadedTransformer(make(), _cfg(), device=DEV)
+    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
+    probe.disable()
+    budget = fixed + 2 * max(sizes) + sum(sizes) // 2
+    wrapped = OffloadedTransformer(make(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
+                                   device=DEV)
+    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound
+    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
+    assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the quantized bytes
+    assert torch.equal(_run(wrapped.disable(), x)[0], want)
+    for codec in ("exp-k", "auto"):  # packed 4-bit / int8 bytes stay raw, bf16 biases may code
+        coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
+        assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
+        specs = [spec for lay in coded.executor.source.layouts for spec in lay.tensors]
+        assert any(spec.dtype in (torch.uint8, torch.int8) for spec in specs)
+
+
+def test_update_weights_in_bnb_form(case):
+    make, x, _, kind, ref = case
+    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
+    _run(wrapped, x)
+    n = ref.get_submodule(LIN).in_features
+    other = _quantize(kind, seed=5)
+    _run(other, x)  # its state after a forward, as the wrapped model's
+    new = other.state_dict()
+    mine = {k: v for k, v in new.items() if k.startswith(LIN + ".")}
+    blob = LIN + f".weight.quant_state.bitsandbytes__{kind}"
+    if kind == "nf4":  # double quantization: the nested offset (in the blob) differs per weight
+        with pytest.raises(WeightUpdateError, match="serialised quant state"):
+            wrapped.update_weights(mine)
+        mine.pop(blob)
+        mine.pop(LIN + ".weight.nested_absmax")
+        mine.pop(LIN + ".weight.absmax")
+        mine.pop(LIN + ".weight")
+    written = wrapped.update_weights(mine)
+    assert set(written) == set(mine)
+    got = wrapped.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in mine.items())
+    if kind != "nf4":  # the whole model's bytes from another seed: its outputs, bit for bit
+        wrapped.update_weights(new, strict=True)
+        assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+        assert _same_sd(wrapped.state_dict(), other.state_dict())
+    key = LIN + (".SCB" if kind == "int8" else ".weight")
+    with pytest.raises(WeightUpdateError):  # a bf16 weight is not this model's bytes
+        wrapped.update_weights({LIN + ".weight": torch.zeros(n, n, dtype=torch.bfloat16)})
+    if kind != "int8":
+        fake = torch.zeros_like(got[blob]) if kind == "fp4" else got[blob]
+        bad = {blob: fake} if kind == "fp4" else {LIN + ".weight.nested_quant_map": got[
+            LIN + ".weight.nested_quant_map"] + 1}
+        with pytest.raises(WeightUpdateError, match="nothing was written"):
+            wrapped.update_weights(bad)
+    assert torch.equal(wrapped.state_dict()[key], got[key])
+
+
+def test_streamed_weight_between_forwards_is_a_named_error(case):
+    make, x, _, _, _ = case
+    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
+    _run(wrapped, x)
+    lin = wrapped.module.get_submodule(LIN)
+    with pytest.raises(StreamedModuleAccessError, match=LIN.replace(".", r"\.")):
+        lin(torch.ones(1, lin.in_features, dtype=torch.bfloat16))
+
+
+def test_cpu_repack_and_mmap_are_refused_by_name(tmp_path):
+    model = _quantize("fp4")
+    model.get_submodule(LIN).support_avx512bf16_for_cpu = True  # bitsandbytes on an AVX512-BF16 CPU
+    with pytest.raises(UnsupportedOperationError, match="AVX512-BF16"):
+        OffloadedTransformer(model, _cfg(), device=DEV)
+    from weightstream import offload_from_safetensors
+
+    model.get_submodule(LIN).support_avx512bf16_for_cpu = False
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedCombinationError, match="format=bitsandbytes, transport=mmap"):
+        offload_from_safetensors(model, str(tmp_path / "diffusion_pytorch_model.safetensors"), _cfg(), device=DEV)
