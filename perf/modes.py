@@ -35,7 +35,9 @@
   `ratio_to_uncoded_floor` (the step over every block's raw bytes at the run's H2D rate: the
   `layerwise` floor) and, with `layerwise` in the run, `setup_ratio_to_uncoded`. Every other
   weightstream mode passes `resident_layers=0` and `weight_codec="none"` unless it names them,
-  so its meaning stays what it was before the default planned.
+  so its meaning stays what it was before the default planned. `default-q<x>` (`default-qnf4`,
+  `default-8gb-qfp8`): the planned default over the quantized model (perf/quantized.py; normal
+  weights, compared with `resident-q<x>`).
 - pinned budget at half the model (issue 15): `layerwise-pinned-half`
   (`pinned_memory_budget_gb` = half the streamed block images; the unpinned
   blocks stage through two pinned bounce buffers filled by a packer thread;
@@ -112,7 +114,7 @@ class ModeSpec:
     copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
     default: bool = False                           # the planned default: no resident_layers / weight_codec given
-    quantize: str | None = None                     # perf.quantized variant (-qfp8, -qgguf8, -qint8)
+    quantize: str | None = None                     # perf.quantized variant (-qfp8, -qgguf8, -qint8, -qnf4)
     lora_rank: int = 0                              # -lora<R>: a rank-R LoRA added before wrapping (0: none)
     lora_fused: bool = False                        # -lora<R>fused: fused after wrapping (fuse_lora)
 

@@ -27,7 +27,7 @@ HIGHER_IS_BETTER = ("ratio_to_copy",)
 # Yardsticks: the whole model on the device, plain / as one CUDA graph / with
 # diffusers' regional compile (compile_repeated_blocks).
 RESIDENT_MODES = ("resident", "resident-graph", "resident-compile", "resident-tfill",
-                  "resident-qfp8", "resident-qgguf8", "resident-qint8",  # perf/quantized.py
+                  "resident-qfp8", "resident-qgguf8", "resident-qint8", "resident-qnf4",  # perf/quantized.py
                   "resident-lora64", "resident-lora64fused")  # the LoRA modes' (any rank: is_resident)
 _LORA_PART = re.compile(r"^lora[1-9]\d*(fused)?$")  # a LoRA variant of a mode (perf/modes.py -lora<R>[fused])
 
@@ -35,14 +35,14 @@ _LORA_PART = re.compile(r"^lora[1-9]\d*(fused)?$")  # a LoRA variant of a mode (
 PEER_PREFIXES = ("diffusers-", "accelerate-")
 
 _MODE_RE = re.compile(
-    r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8)|resident-lora[1-9][0-9]*(fused)?"
+    r"^(resident|resident-graph|resident-compile|resident-tfill|resident-q(fp8|gguf8|int8|nf4)|resident-lora[1-9][0-9]*(fused)?"
     r"|module(-coded[2p]?)?|naive-block|dlo-allgather(-coded(2|p|auto)?)?|dlo-rank-local"
-    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*|encode(-[a-z0-9]+)*"
+    r"|layerwise(-[a-z0-9]+)*|graphs(-[a-z0-9]+)*|default(-[0-9]+gb)?(-q(fp8|gguf8|int8|nf4))?|copy(-[a-z0-9]+)*|triton(-[a-z0-9]+)*|encode(-[a-z0-9]+)*"
     r"|(diffusers|accelerate)-[a-z0-9]+(-[a-z0-9]+)*)$"
 )
-_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8, resident-lora<R>[fused], module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
+_MODE_FORMS = ("resident, resident-graph, resident-compile, resident-tfill, resident-qfp8|qgguf8|qint8|qnf4, resident-lora<R>[fused], module[-coded|-coded2|-codedp], naive-block, dlo-allgather[-coded|-coded2|-codedp|-codedauto], "
                "dlo-rank-local, "
-               "layerwise[-variant...], graphs[-variant...], default[-<N>gb] (the planned default), "
+               "layerwise[-variant...], graphs[-variant...], default[-<N>gb][-q<x>] (the planned default), "
                "copy[-variant...], triton[-variant...], encode[-variant...] (kernel benchmarks), "
                "diffusers-<x>, accelerate-<x>")
 

@@ -191,3 +191,25 @@ def test_cpu_repack_and_mmap_are_refused_by_name(tmp_path):
     model.save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedCombinationError, match="format=bitsandbytes, transport=mmap"):
         offload_from_safetensors(model, str(tmp_path / "diffusion_pytorch_model.safetensors"), _cfg(), device=DEV)
+
+
+def test_perf_nf4_and_default_quantized_modes():
+    """perf: `-qnf4` runs the model bitsandbytes nf4 (its yardstick `resident-qnf4`); the planned
+    default takes a quantization variant (`default-qfp8`, `default-8gb-qnf4`)."""
+    from perf.harness import _yardstick
+    from perf.modes import parse_mode
+    from perf.quantized import quantize
+    from perf.results import summarise, validate_mode_name
+
+    for name in ("layerwise-qnf4", "resident-qnf4", "default-qnf4", "default-8gb-qfp8", "graphs-qnf4"):
+        validate_mode_name(name)
+    spec = parse_mode("default-8gb-qnf4")
+    assert spec.default and spec.quantize == "qnf4" and spec.weight_fill == "normal"
+    assert spec.config_kw == {"device_memory_budget_gb": 8.0}
+    assert parse_mode("default-qfp8").quantize == "qfp8"
+    assert _yardstick("default-qnf4") == "resident-qnf4" and _yardstick("resident-qnf4") is None
+    out = summarise({"resident-qnf4": {"step_ms": 100.0}, "layerwise-qnf4": {"step_ms": 105.0, "streamed_gb": 5.5},
+                     "default-qnf4": {"step_ms": 101.0, "streamed_gb": 1.0}}, h2d_gbps=55.0)
+    assert out["layerwise-qnf4"]["floor_ms"] == 100.0 and out["default-qnf4"]["ratio_to_resident"] == 1.01
+    model = quantize(tiny_flux(dtype=torch.bfloat16), "qnf4")
+    assert type(model.get_submodule(LIN)).__name__ == "Linear4bit"

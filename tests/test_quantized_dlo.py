@@ -1,5 +1,6 @@
 """Quantized blocks under DLO (two gloo ranks on the CPU): layerwise casting (fp8 bytes), GGUF
-Q8_0 (uint8 blocks) and torchao int8 (its inner tensors) are plain bytes to the shares, so
+Q8_0 (uint8 blocks), torchao int8 (its inner tensors) and bitsandbytes nf4 (packed bytes and
+quant-state tensors) are plain bytes to the shares, so
 AllGather gathers the quantized images and rank-local streams them whole; bit-exact against the same quantized model unwrapped on
 every rank, and the host bytes per rank are half the quantized images (docs/quantized.md)."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from weightstream import OffloadConfig, OffloadedTransformer  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
 from weightstream.offload.dlo.topology import ParallelConfig  # noqa: E402
 
-CASES = [(kind, transfer) for kind in ("casting", "gguf", "torchao") for transfer in ("allgather", "rank-local")]
+CASES = [(kind, transfer) for kind in ("casting", "gguf", "torchao", "bitsandbytes")
+         for transfer in ("allgather", "rank-local")]
 
 
 def _make(kind, folder):
@@ -29,6 +31,10 @@ def _make(kind, folder):
         from weightstream.quant_models import torchao_weight_only  # noqa: PLC0415
 
         return torchao_weight_only(tiny_flux(dtype=torch.bfloat16), "int8")
+    if kind == "bitsandbytes":  # nf4 with double quantization: packed bytes, absmax, nested absmax
+        from weightstream.quant_models import bnb_quantize  # noqa: PLC0415
+
+        return bnb_quantize(tiny_flux(dtype=torch.bfloat16), "nf4")
     path = os.path.join(folder, "flux-q8.gguf")
     if not os.path.exists(path):
         write_gguf(tiny_flux(dtype=torch.bfloat16), path, "Q8_0")

@@ -1,5 +1,5 @@
-"""Quantized blocks on CUDA (pytest -m gpu): layerwise casting (fp8), GGUF Q8_0 / Q4_K and torchao
-int8 / float8 weight-only, streamed eager and under CUDA graphs (the graph captures the copies
+"""Quantized blocks on CUDA (pytest -m gpu): layerwise casting (fp8), GGUF Q8_0 / Q4_K, torchao
+int8 / float8 weight-only and bitsandbytes nf4 / fp4 / int8, streamed eager and under CUDA graphs (the graph captures the copies
 into the quantized slots and the modules' own dequantizing compute), resident layers, pinned
 bytes = quantized bytes; each bit-exact against the same quantized model resident on the GPU.
 The graph cases run in a fresh process each (as tests/test_graphs_gpu.py)."""
@@ -11,12 +11,13 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
-FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "torchao-float8"]
+FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "torchao-float8", "bnb-nf4", "bnb-fp4",
+           "bnb-int8"]
 WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24), joint_attention_dim=256)
 
 
-def make(fmt: str, folder: str):
-    """A fresh tiny Flux quantized as ``fmt`` (the same weights every call)."""
+def make(fmt: str, folder: str, device: str = "cpu"):
+    """A fresh tiny Flux quantized as ``fmt`` (the same weights every call), on ``device``."""
     import torch
 
     from weightstream.models import tiny_flux
@@ -24,14 +25,18 @@ def make(fmt: str, folder: str):
 
     kind, _, arg = fmt.partition("-")
     base = tiny_flux(dtype=torch.bfloat16, **WIDE)
+    if kind == "bnb":  # quantized on the GPU (bitsandbytes' CUDA kernels), held on ``device``
+        from weightstream.quant_models import bnb_quantize
+
+        return bnb_quantize(base, arg, double_quant=arg == "nf4", quantize_on="cuda", device=device)
     if kind == "fp8":
-        return layerwise_fp8(base, getattr(torch, f"float8_{arg}"))
+        return layerwise_fp8(base, getattr(torch, f"float8_{arg}")).to(device)
     if kind == "torchao":
-        return torchao_weight_only(base, arg)
+        return torchao_weight_only(base, arg).to(device)
     path = os.path.join(folder, f"flux-{arg}.gguf")
     if not os.path.exists(path):
         write_gguf(tiny_flux(dtype=torch.bfloat16, **WIDE), path, arg)
-    return load_gguf(base, path)
+    return load_gguf(base, path).to(device)
 
 
 def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: int = 5, codec: str = "none") -> None:
@@ -40,7 +45,7 @@ def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: i
     from weightstream import OffloadConfig, OffloadedTransformer
     from weightstream.models import flux_inputs
 
-    ref = make(fmt, folder).to("cuda")
+    ref = make(fmt, folder, "cuda")
     x = flux_inputs(ref, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         want = ref(**x)[0]
@@ -50,7 +55,8 @@ def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: i
     bad = [float((o.float() - want.float()).abs().max()) for o in outs if not torch.equal(o, want)]
     assert not bad, (fmt, graphs, bad)
     s = w.stats()
-    assert s["pinned"] is True and s["quantized_format"] != "none"
+    assert s["pinned"] is True and s["quantized_format"] == {"fp8": "layerwise-casting", "bnb": "bitsandbytes"}.get(
+        fmt.partition("-")[0], fmt.partition("-")[0])
     images = sum(lay.nbytes for lay in w._streamed.layouts)
     if codec == "none":
         assert s["pinned_bytes"] == s["host_bytes"] < images + 4096 * s["blocks_streamed"]  # the quantized bytes
@@ -92,28 +98,34 @@ def test_cuda_graphs_capture_the_quantized_slots(fmt, tmp_path):
     run_isolated(fmt, tmp_path, graphs="on", resident=2)
 
 
-def test_bitsandbytes_is_refused_by_name():
-    """bitsandbytes (CUDA only) is not streamed: the quantized support matrix refuses it for every
-    transport, naming what to use instead; with bitsandbytes installed, a real Params4bit model too."""
+def test_bitsandbytes_from_pretrained_streams(tmp_path):
+    """A tiny Flux loaded the diffusers way, ``from_pretrained(folder, quantization_config=
+    BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))`` (its weights land on the GPU),
+    streamed bit-exact against itself resident; its state_dict() is bitsandbytes' serialised form,
+    and a save_pretrained of the streamed model loads back to the same outputs."""
     import torch
+    from diffusers import BitsAndBytesConfig, FluxTransformer2DModel
 
-    from weightstream import OffloadedTransformer
-    from weightstream.offload.misuse import UnsupportedCombinationError
-    from weightstream.offload.sources.select import TRANSPORTS, check_quantized
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.models import flux_inputs, tiny_flux
 
-    assert torch.cuda.is_available()
-    for t in TRANSPORTS:
-        with pytest.raises(UnsupportedCombinationError, match="bitsandbytes tensors"):
-            check_quantized("bitsandbytes", t)
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return
-    from weightstream.models import ToyDiT
+    tiny_flux(dtype=torch.bfloat16, **WIDE).save_pretrained(str(tmp_path / "bf16"))
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
-    model = ToyDiT(width=64)
-    blk = model.single_blocks[0]
-    lin = bnb.nn.Linear4bit(blk.up.in_features, blk.up.out_features, compute_dtype=torch.bfloat16)
-    blk.up = lin.cuda()
-    with pytest.raises(UnsupportedCombinationError, match="format=bitsandbytes"):
-        OffloadedTransformer(model, None, device="cuda")
+    def load(folder):
+        return FluxTransformer2DModel.from_pretrained(str(folder), quantization_config=q, torch_dtype=torch.bfloat16)
+
+    ref = load(tmp_path / "bf16")
+    x = flux_inputs(ref, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(**x)[0]
+        w = OffloadedTransformer(load(tmp_path / "bf16"), OffloadConfig.layerwise(progress=False), device="cuda")
+        assert all(torch.equal(w(**x)[0], want) for _ in range(3))
+    assert w.stats()["quantized_format"] == "bitsandbytes"
+    sd, rsd = w.state_dict(), ref.state_dict()
+    assert sd.keys() == rsd.keys() and all(torch.equal(sd[k].cpu(), rsd[k].cpu()) for k in rsd)
+    assert "transformer_blocks.0.attn.to_q.weight.quant_state.bitsandbytes__nf4" in sd
+    w.module.save_pretrained(str(tmp_path / "nf4"))  # pre-quantized: loads back without quantizing again
+    again = FluxTransformer2DModel.from_pretrained(str(tmp_path / "nf4"), torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(again(**x)[0], want)

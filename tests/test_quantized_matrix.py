@@ -28,6 +28,10 @@ COVERED = {
     ("torchao", "dlo-allgather"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("torchao", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("torchao", "module"): "test_quantized_torchao::test_in_place_resident_and_layer_pipeline",
+    ("bitsandbytes", "pinned"): "test_quantized_bnb::test_wrapper_streams_the_packed_bytes",
+    ("bitsandbytes", "dlo-allgather"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
+    ("bitsandbytes", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
+    ("bitsandbytes", "module"): "test_quantized_bnb::test_in_place_resident_layers_and_pipelines",
 }
 
 

@@ -174,7 +174,7 @@ def bnb_quantize(model: nn.Module, kind: str = "nf4", *, compute_dtype=torch.bfl
                                  bnb_4bit_use_double_quant=double_quant)
     device = torch.device(device)
     where = torch.device(quantize_on) if quantize_on is not None else device
-    sd = model.state_dict()
+    sd = model.to(device).state_dict()  # what stays unquantized is on ``device`` too
     model = replace_with_bnb_linear(model, modules_to_not_convert=list(skip), quantization_config=cfg)
     for name, m in model.named_modules():
         four = isinstance(m, bnb.nn.Linear4bit)
