@@ -13,6 +13,9 @@ pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "torchao-float8", "bnb-nf4", "bnb-fp4",
            "bnb-int8"]
+# under CUDA graphs bitsandbytes int8 without its outlier decomposition (llm_int8_threshold=0): the outlier
+# columns of the default threshold are data-dependent (argwhere), which no graph (resident either) captures
+GRAPH_FORMATS = [f if f != "bnb-int8" else "bnb-int8t0" for f in FORMATS]
 WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24), joint_attention_dim=256)
 
 
@@ -28,7 +31,9 @@ def make(fmt: str, folder: str, device: str = "cpu"):
     if kind == "bnb":  # quantized on the GPU (bitsandbytes' CUDA kernels), held on ``device``
         from weightstream.quant_models import bnb_quantize
 
-        return bnb_quantize(base, arg, double_quant=arg == "nf4", quantize_on="cuda", device=device)
+        threshold = 0.0 if arg == "int8t0" else 6.0
+        return bnb_quantize(base, arg.removesuffix("t0"), double_quant=arg == "nf4", int8_threshold=threshold,
+                            quantize_on="cuda", device=device)
     if kind == "fp8":
         return layerwise_fp8(base, getattr(torch, f"float8_{arg}")).to(device)
     if kind == "torchao":
@@ -92,7 +97,7 @@ def test_coded_fp8_images_on_cuda(fmt, codec, tmp_path):
     run_isolated(fmt, tmp_path, graphs="on", codec=codec)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", GRAPH_FORMATS)
 def test_cuda_graphs_capture_the_quantized_slots(fmt, tmp_path):
     run_isolated(fmt, tmp_path, graphs="on")
     run_isolated(fmt, tmp_path, graphs="on", resident=2)

@@ -152,11 +152,14 @@ BNB_KINDS = ("nf4", "fp4", "int8")
 
 
 def bnb_quantize(model: nn.Module, kind: str = "nf4", *, compute_dtype=torch.bfloat16, double_quant: bool = True,
-                 skip: tuple[str, ...] = (), device="cpu", quantize_on=None, portable_cpu: bool = True) -> nn.Module:
+                 int8_threshold: float = 6.0, skip: tuple[str, ...] = (), device="cpu", quantize_on=None,
+                 portable_cpu: bool = True) -> nn.Module:
     """``model`` quantized with bitsandbytes the way diffusers' ``BitsAndBytesConfig`` loader does
     (``replace_with_bnb_linear``, then each weight as a ``Params4bit`` / ``Int8Params`` moved to
     the device, which quantizes it): ``kind`` "nf4" / "fp4" (``load_in_4bit``, ``compute_dtype``,
-    ``double_quant``: ``bnb_4bit_use_double_quant``) or "int8" (``load_in_8bit``). Every
+    ``double_quant``: ``bnb_4bit_use_double_quant``) or "int8" (``load_in_8bit``,
+    ``int8_threshold``: ``llm_int8_threshold``, diffusers' 6.0 by default; 0 turns off the outlier
+    decomposition, whose data-dependent outlier columns a CUDA graph cannot capture). Every
     ``nn.Linear`` but the names in ``skip`` (``llm_int8_skip_modules``). Quantized on
     ``quantize_on`` (default ``device``), then held on ``device``. ``portable_cpu``: 4-bit linears
     take bitsandbytes' portable CPU path (``support_avx512bf16_for_cpu=False``: no repack of the
@@ -168,7 +171,7 @@ def bnb_quantize(model: nn.Module, kind: str = "nf4", *, compute_dtype=torch.bfl
     if kind not in BNB_KINDS:
         raise ValueError(f"kind={kind!r} is not allowed; choose from: {', '.join(BNB_KINDS)}")
     if kind == "int8":
-        cfg = BitsAndBytesConfig(load_in_8bit=True)
+        cfg = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=int8_threshold)
     else:
         cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=compute_dtype,
                                  bnb_4bit_use_double_quant=double_quant)

@@ -71,7 +71,8 @@ def prepare(module: nn.Module, device: torch.device) -> None:
         w = m._parameters.get("weight")
         if _is(m, "Linear4bit") and _is(w, "Params4bit") and w.quant_state is not None:
             packed = w.quant_state.__dict__.get("packing_format_for_cpu", False)
-            if packed or (device.type == "cpu" and m.support_avx512bf16_for_cpu):
+            repacks = m.__dict__.get("support_avx512bf16_for_cpu", False)  # set by bitsandbytes >= 0.49 at init
+            if packed or (device.type == "cpu" and repacks):
                 raise UnsupportedOperationError(
                     f"{name!r} is a bitsandbytes Linear4bit that bitsandbytes repacks for the CPU's AVX512-BF16 "
                     f"kernels ({'repacked already' if packed else 'at its first CPU forward'}): the repack and its "
