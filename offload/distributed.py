@@ -231,7 +231,8 @@ def _check_peers(control, config, dlo, req: SourceRequest, module: nn.Module) ->
     try:
         resident = _resident_tensors(module, req)
         weights = WeightDigest.of(req.layouts, req.tensors, resident) if config.dlo_verify_weights else None
-        mine = fit_digest(setup_digest(config, dlo, req.layouts, req.schedule.num_blocks, resident, weights))
+        mine = fit_digest(setup_digest(config, dlo, req.layouts, req.schedule.num_blocks, resident, weights,
+                                         req.codec))
     except Exception as e:  # tell the peers rather than leave them waiting
         mine = {"error": f"{type(e).__name__}: {e}"}
     digests = control.gather_json(mine, "the DLO setup check")

@@ -238,15 +238,16 @@ class WeightDigest:
 
 
 def setup_digest(config: OffloadConfig, dlo: "DLOPlan", layouts: list[BlockLayout], num_blocks: int,
-                 resident: Mapping[str, torch.Tensor], weights: WeightDigest | None) -> dict:
+                 resident: Mapping[str, torch.Tensor], weights: WeightDigest | None, codec: str) -> dict:
     """What every rank of a DLO group must agree on before its first collective; ``weights``
-    (``dlo_verify_weights``): the digests of every byte of the weights."""
+    (``dlo_verify_weights``): the digests of every byte of the weights; ``codec``: the weight codec
+    the builder selected for this rank (:attr:`~..sources.pinned.SourceRequest.codec`)."""
     dtypes = sorted({str(sp.dtype) for lay in layouts for sp in lay.tensors})
     d = {
         "weight_transfer": dlo.transfer, "num_slots": config.num_slots,
         "resident_layers": config.resident_layers, "cuda_graphs": config.cuda_graphs,
         "graph_boundary_loads": config.graph_boundary_loads, "dlo_verify_weights": config.dlo_verify_weights,
-        "weight_codec": getattr(config, "weight_codec", "none"),
+        "weight_codec": codec,
         "blocks": num_blocks, "streamed_blocks": len(layouts), "dtypes": dtypes,
         "block_names": [lay.name for lay in layouts],
         "block_layouts": [_layout_digest(lay) for lay in layouts],
