@@ -13,26 +13,17 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
+from quantized_cases import DEV, cfg, check_auto_placement_and_coding, run  # noqa: E402
+from weightstream import OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
 from weightstream.offload.misuse import (  # noqa: E402
     StreamedModuleAccessError, UnsupportedCombinationError, UnsupportedOperationError, WeightUpdateError,
 )
 from weightstream.quant_models import bnb_quantize  # noqa: E402
 
-DEV = "cpu"
 LIN = "transformer_blocks.0.attn.to_q"
 KINDS = {"nf4": dict(double_quant=True), "fp4": dict(double_quant=False, compute_dtype=torch.float32),
          "int8": {}}
-
-
-def _cfg(**kw):
-    return OffloadConfig.layerwise(progress=False, **kw)
-
-
-def _run(model, x, steps=1):
-    with torch.no_grad():
-        return [model(**x)[0] for _ in range(steps)]
 
 
 def _quantize(kind, seed=0):
@@ -49,7 +40,7 @@ def case(request):
 
     ref = make()
     x = flux_inputs(ref, dtype=torch.bfloat16)
-    return make, x, _run(ref, x)[0], kind, ref
+    return make, x, run(ref, x)[0], kind, ref
 
 
 def _same_sd(got, want) -> bool:
@@ -59,8 +50,8 @@ def _same_sd(got, want) -> bool:
 
 def test_wrapper_streams_the_packed_bytes(case, tmp_path):
     make, x, want, kind, ref = case
-    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    wrapped = OffloadedTransformer(make(), cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in run(wrapped, x, 3))
     s = wrapped.stats()
     assert s["quantized_format"] == "bitsandbytes"
     specs = {spec.name: spec for lay in wrapped.executor.source.layouts for spec in lay.tensors}
@@ -87,17 +78,17 @@ def test_wrapper_streams_the_packed_bytes(case, tmp_path):
     assert _same_sd(got, exp) and LIN + suffix in got
     plain = wrapped.disable()
     assert type(plain.get_submodule(LIN).weight).__name__ in ("Params4bit", "Int8Params")
-    assert torch.equal(_run(plain, x)[0], want)
+    assert torch.equal(run(plain, x)[0], want)
 
 
 @pytest.mark.parametrize("case", ["nf4", "int8"], indirect=True)  # fp4 binds as nf4 does (one case keeps it fast)
 def test_in_place_resident_layers_and_pipelines(case):
     make, x, want, _, ref = case
     model = make()
-    handle = apply_layerwise_offload(model, _cfg(resident_layers=[0, 3]), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    handle = apply_layerwise_offload(model, cfg(resident_layers=[0, 3]), device=DEV)
+    assert all(torch.equal(o, want) for o in run(model, x, 2))
     assert handle.remove() is model
-    assert torch.equal(_run(model, x)[0], want)
+    assert torch.equal(run(model, x)[0], want)
 
     class Pipe:
         def __init__(self, transformer):
@@ -106,31 +97,18 @@ def test_in_place_resident_layers_and_pipelines(case):
     for mode in ("layer", "module"):
         pipe = Pipe(make())
         h = offload_pipeline(pipe, {"mode": mode, "components": ["dit"], "progress": False}, device=DEV)
-        assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2)), mode
+        assert all(torch.equal(o, want) for o in run(pipe.transformer, x, 2)), mode
         assert _same_sd(pipe.transformer.state_dict(), ref.state_dict()), mode  # bnb's form, from the host
         h.disable()
-        assert torch.equal(_run(pipe.transformer, x)[0], want), mode
+        assert torch.equal(run(pipe.transformer, x)[0], want), mode
 
 
 @pytest.mark.parametrize("case", ["nf4"], indirect=True)
 def test_auto_placement_and_coding(case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
     make, x, want, _, _ = case
-    probe = OffloadedTransformer(make(), _cfg(), device=DEV)
-    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
-    probe.disable()
-    budget = fixed + 2 * max(sizes) + sum(sizes) // 2
-    wrapped = OffloadedTransformer(make(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
-                                   device=DEV)
-    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
-    assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the quantized bytes
-    assert torch.equal(_run(wrapped.disable(), x)[0], want)
-    for codec in ("exp-k", "auto"):  # packed 4-bit / int8 bytes stay raw, bf16 biases may code
-        coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
-        assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
-        specs = [spec for lay in coded.executor.source.layouts for spec in lay.tensors]
-        assert any(spec.dtype in (torch.uint8, torch.int8) for spec in specs)
+    specs = check_auto_placement_and_coding(make, x, want)  # packed 4-bit / int8 bytes stay raw
+    assert any(spec.dtype in (torch.uint8, torch.int8) for spec in specs)
 
 
 @pytest.mark.parametrize("case", ["nf4"], indirect=True)
@@ -139,21 +117,21 @@ def test_lora_on_a_bnb_model_streams(case):
     from peft import LoraConfig, inject_adapter_in_model
 
     make, x, _, _, _ = case
-    cfg = LoraConfig(r=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
-    ref = inject_adapter_in_model(cfg, make())
+    lora = LoraConfig(r=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
+    ref = inject_adapter_in_model(lora, make())
     model = copy.deepcopy(ref)
-    want = _run(ref, x)[0]
-    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 2))
+    want = run(ref, x)[0]
+    wrapped = OffloadedTransformer(model, cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in run(wrapped, x, 2))
 
 
 def test_update_weights_in_bnb_form(case):
     make, x, _, kind, ref = case
-    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
-    _run(wrapped, x)
+    wrapped = OffloadedTransformer(make(), cfg(), device=DEV)
+    run(wrapped, x)
     n = ref.get_submodule(LIN).in_features
     other = _quantize(kind, seed=5)
-    _run(other, x)  # its state after a forward, as the wrapped model's
+    run(other, x)  # its state after a forward, as the wrapped model's
     new = other.state_dict()
     mine = {k: v for k, v in new.items() if k.startswith(LIN + ".")}
     blob = LIN + f".weight.quant_state.bitsandbytes__{kind}"
@@ -170,7 +148,7 @@ def test_update_weights_in_bnb_form(case):
     assert all(torch.equal(got[k], v) for k, v in mine.items())
     if kind != "nf4":  # the whole model's bytes from another seed: its outputs, bit for bit
         wrapped.update_weights(new, strict=True)
-        assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+        assert torch.equal(run(wrapped, x)[0], run(other, x)[0])
         assert _same_sd(wrapped.state_dict(), other.state_dict())
     key = LIN + (".SCB" if kind == "int8" else ".weight")
     with pytest.raises(WeightUpdateError):  # a bf16 weight is not this model's bytes
@@ -186,8 +164,8 @@ def test_update_weights_in_bnb_form(case):
 
 def test_streamed_weight_between_forwards_is_a_named_error(case):
     make, x, _, _, _ = case
-    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
-    _run(wrapped, x)
+    wrapped = OffloadedTransformer(make(), cfg(), device=DEV)
+    run(wrapped, x)
     lin = wrapped.module.get_submodule(LIN)
     with pytest.raises(StreamedModuleAccessError, match=LIN.replace(".", r"\.")):
         lin(torch.ones(1, lin.in_features, dtype=torch.bfloat16))
@@ -197,13 +175,13 @@ def test_cpu_repack_and_mmap_are_refused_by_name(tmp_path):
     model = _quantize("fp4")
     model.get_submodule(LIN).support_avx512bf16_for_cpu = True  # bitsandbytes on an AVX512-BF16 CPU
     with pytest.raises(UnsupportedOperationError, match="AVX512-BF16"):
-        OffloadedTransformer(model, _cfg(), device=DEV)
+        OffloadedTransformer(model, cfg(), device=DEV)
     from weightstream import offload_from_safetensors
 
     model.get_submodule(LIN).support_avx512bf16_for_cpu = False
     model.save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedCombinationError, match="format=bitsandbytes, transport=mmap"):
-        offload_from_safetensors(model, str(tmp_path / "diffusion_pytorch_model.safetensors"), _cfg(), device=DEV)
+        offload_from_safetensors(model, str(tmp_path / "diffusion_pytorch_model.safetensors"), cfg(), device=DEV)
 
 
 def test_perf_nf4_and_default_quantized_modes():

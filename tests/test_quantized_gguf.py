@@ -9,24 +9,15 @@ import torch
 
 pytest.importorskip("gguf")
 
-from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
+from quantized_cases import DEV, cfg, check_auto_placement_and_coding, run  # noqa: E402
+from weightstream import OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
 from weightstream.offload.misuse import UnsupportedCombinationError, WeightUpdateError  # noqa: E402
 from weightstream.quant_models import load_gguf, write_gguf  # noqa: E402
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: E402
 
-DEV = "cpu"
 # Q4_K blocks hold 256 values: rows of 256 (heads x head_dim) and 1024 (the MLP)
 WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24), joint_attention_dim=256)
-
-
-def _cfg(**kw):
-    return OffloadConfig.layerwise(progress=False, **kw)
-
-
-def _run(model, x, steps=1):
-    with torch.no_grad():
-        return [model(**x)[0] for _ in range(steps)]
 
 
 @pytest.fixture(scope="module", params=["Q8_0", "Q4_K"])
@@ -42,7 +33,7 @@ def gguf_case(request, tmp_path_factory):
 
     ref = make()
     x = flux_inputs(ref, dtype=torch.bfloat16)
-    return make, x, _run(ref, x)[0], quant
+    return make, x, run(ref, x)[0], quant
 
 
 def _gguf_weights(model):
@@ -55,8 +46,8 @@ def test_wrapper_streams_the_gguf_bytes(gguf_case):
     ref = make()
     n_gguf = sum(isinstance(m, GGUFLinear) for m in model.modules())
     assert n_gguf >= 5
-    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    wrapped = OffloadedTransformer(model, cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in run(wrapped, x, 3))
     s = wrapped.stats()
     assert s["quantized_format"] == "gguf"
     layouts = wrapped.executor.source.layouts
@@ -70,25 +61,25 @@ def test_wrapper_streams_the_gguf_bytes(gguf_case):
         "transformer_blocks.0.attn.to_q.weight"])
     plain = wrapped.disable()
     assert isinstance(plain.transformer_blocks[0].attn.to_q.weight, GGUFParameter)
-    assert torch.equal(_run(plain, x)[0], want)
+    assert torch.equal(run(plain, x)[0], want)
 
 
 def test_in_place_resident_and_pipelines(gguf_case):
     make, x, want, _ = gguf_case
     model = make()
-    handle = apply_layerwise_offload(model, _cfg(resident_layers=2), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    handle = apply_layerwise_offload(model, cfg(resident_layers=2), device=DEV)
+    assert all(torch.equal(o, want) for o in run(model, x, 2))
     handle.remove()
 
     class Pipe:
         def __init__(self, transformer):
             self.transformer = transformer
 
-    for cfg in ({"mode": "layer", "components": ["dit"], "progress": False},
-                {"mode": "module", "components": ["dit"], "progress": False}):
+    for pipe_cfg in ({"mode": "layer", "components": ["dit"], "progress": False},
+                     {"mode": "module", "components": ["dit"], "progress": False}):
         pipe = Pipe(make())
-        h = offload_pipeline(pipe, cfg, device=DEV)
-        assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2)), cfg["mode"]
+        h = offload_pipeline(pipe, pipe_cfg, device=DEV)
+        assert all(torch.equal(o, want) for o in run(pipe.transformer, x, 2)), pipe_cfg["mode"]
         assert any(isinstance(v, GGUFParameter) for v in pipe.transformer.state_dict().values())
         h.disable()
 
@@ -96,18 +87,7 @@ def test_in_place_resident_and_pipelines(gguf_case):
 def test_auto_placement_and_coding(gguf_case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
     make, x, want, _ = gguf_case
-    probe = OffloadedTransformer(make(), _cfg(), device=DEV)
-    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
-    probe.disable()
-    budget = fixed + 2 * max(sizes) + sum(sizes) // 2
-    wrapped = OffloadedTransformer(make(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
-                                   device=DEV)
-    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
-    assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the GGUF bytes
-    for codec in ("exp-k", "auto"):  # uint8 GGUF bytes stay raw; never a wrong output
-        coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
-        assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
+    check_auto_placement_and_coding(make, x, want)  # uint8 GGUF bytes stay raw
 
 
 def test_update_weights_of_gguf_tensors(gguf_case):
@@ -116,11 +96,11 @@ def test_update_weights_of_gguf_tensors(gguf_case):
     key = "single_transformer_blocks.0.proj_out.weight"
     old = _gguf_weights(other)[key]
     new = GGUFParameter(torch.flip(old.as_tensor(), dims=[0]).contiguous(), quant_type=old.quant_type)
-    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
-    _run(wrapped, x)
+    wrapped = OffloadedTransformer(model, cfg(), device=DEV)
+    run(wrapped, x)
     assert wrapped.update_weights({key: new}) == [key]
     other.get_submodule(key.rsplit(".", 1)[0]).weight.data.copy_(new.as_tensor())
-    assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+    assert torch.equal(run(wrapped, x)[0], run(other, x)[0])
     with pytest.raises(WeightUpdateError, match="quant_type"):
         wrapped.update_weights({key: new.as_tensor()})  # plain bytes: their quant type is not known
 
@@ -134,4 +114,4 @@ def test_mmap_of_a_gguf_model_is_refused_by_name(gguf_case, tmp_path):
     path = tmp_path / "model.safetensors"
     save_file(tiny_flux(dtype=torch.bfloat16, **WIDE).state_dict(), str(path))
     with pytest.raises(UnsupportedCombinationError, match="format=gguf, transport=mmap"):
-        offload_from_safetensors(make(), str(path), _cfg())
+        offload_from_safetensors(make(), str(path), cfg())

@@ -11,22 +11,13 @@ import torch
 
 pytest.importorskip("torchao")
 
-from weightstream import OffloadConfig, OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
+from quantized_cases import DEV, cfg, check_auto_placement_and_coding, run  # noqa: E402
+from weightstream import OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
 from weightstream.offload.misuse import WeightUpdateError  # noqa: E402
 from weightstream.quant_models import block_linears, torchao_weight_only  # noqa: E402
 
-DEV = "cpu"
 KEY = "single_transformer_blocks.1.proj_out.weight"
-
-
-def _cfg(**kw):
-    return OffloadConfig.layerwise(progress=False, **kw)
-
-
-def _run(model, x, steps=1):
-    with torch.no_grad():
-        return [model(**x)[0] for _ in range(steps)]
 
 
 @pytest.fixture(scope="module", params=["int8", "float8"])
@@ -38,7 +29,7 @@ def ao_case(request):
 
     ref = make()
     x = flux_inputs(ref, dtype=torch.bfloat16)
-    return make, x, _run(ref, x)[0], kind
+    return make, x, run(ref, x)[0], kind
 
 
 def _quantized(model):
@@ -55,8 +46,8 @@ def test_wrapper_streams_the_quantized_bytes(ao_case):
     q = _quantized(ref)
     assert len(q) == len(block_linears(tiny_flux())) and all(type(v).__name__ in ("Int8Tensor", "Float8Tensor")
                                                              for v in q.values())
-    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 3))
+    wrapped = OffloadedTransformer(model, cfg(), device=DEV)
+    assert all(torch.equal(o, want) for o in run(wrapped, x, 3))
     s = wrapped.stats()
     assert s["quantized_format"] == "torchao"
     specs = {spec.name: spec for lay in wrapped.executor.source.layouts for spec in lay.tensors}
@@ -69,16 +60,16 @@ def test_wrapper_streams_the_quantized_bytes(ao_case):
         assert all(torch.equal(getattr(sd[k], n), getattr(v, n)) for n in v.__tensor_flatten__()[0]), k
     plain = wrapped.disable()
     assert type(plain.transformer_blocks[0].attn.to_q.weight).__name__ in ("Int8Tensor", "Float8Tensor")
-    assert torch.equal(_run(plain, x)[0], want)
+    assert torch.equal(run(plain, x)[0], want)
 
 
 def test_in_place_resident_and_layer_pipeline(ao_case):
     make, x, want, _ = ao_case
     model = make()
-    handle = apply_layerwise_offload(model, _cfg(resident_layers=[0, 3]), device=DEV)
-    assert all(torch.equal(o, want) for o in _run(model, x, 2))
+    handle = apply_layerwise_offload(model, cfg(resident_layers=[0, 3]), device=DEV)
+    assert all(torch.equal(o, want) for o in run(model, x, 2))
     assert handle.remove() is model
-    assert torch.equal(_run(model, x)[0], want)
+    assert torch.equal(run(model, x)[0], want)
 
     class Pipe:
         def __init__(self, transformer):
@@ -86,33 +77,21 @@ def test_in_place_resident_and_layer_pipeline(ao_case):
 
     pipe = Pipe(make())
     h = offload_pipeline(pipe, {"mode": "layer", "components": ["dit"], "progress": False}, device=DEV)
-    assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
+    assert all(torch.equal(o, want) for o in run(pipe.transformer, x, 2))
     h.disable()
     pipe = Pipe(make())
     h = offload_pipeline(pipe, {"mode": "module", "components": ["dit"], "progress": False}, device=DEV)
-    assert all(torch.equal(o, want) for o in _run(pipe.transformer, x, 2))
+    assert all(torch.equal(o, want) for o in run(pipe.transformer, x, 2))
     sd = pipe.transformer.state_dict()
     assert type(sd["transformer_blocks.0.attn.to_q.weight"]).__name__ in ("Int8Tensor", "Float8Tensor")
     h.disable()
-    assert torch.equal(_run(pipe.transformer, x)[0], want)
+    assert torch.equal(run(pipe.transformer, x)[0], want)
 
 
 def test_auto_placement_and_coding(ao_case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch decode on the CPU
     make, x, want, _ = ao_case
-    probe = OffloadedTransformer(make(), _cfg(), device=DEV)
-    sizes, fixed = [lay.nbytes for lay in probe.executor.source.layouts], probe.stats()["resident_bytes"]
-    probe.disable()
-    budget = fixed + 2 * max(sizes) + sum(sizes) // 2
-    wrapped = OffloadedTransformer(make(), _cfg(resident_layers="auto", device_memory_budget_gb=budget / 1e9),
-                                   device=DEV)
-    wrapped._streamed.placement.h2d_gbps = 1e-6  # transfer-bound
-    assert all(torch.equal(o, want) for o in _run(wrapped, x, 4))
-    assert 0 < wrapped.stats()["blocks_resident"] < len(sizes)  # planned by the quantized bytes
-    assert torch.equal(_run(wrapped.disable(), x)[0], want)
-    for codec in ("exp-k", "auto"):  # int8 bytes stay raw, fp8 qdata and bf16 scales may code; never a wrong output
-        coded = OffloadedTransformer(make(), _cfg(weight_codec=codec), device=DEV)
-        assert all(torch.equal(o, want) for o in _run(coded, x, 3)), codec
+    check_auto_placement_and_coding(make, x, want)  # int8 bytes stay raw, fp8 qdata and bf16 scales may code
 
 
 def test_update_weights_of_quantized_tensors(ao_case):
@@ -120,12 +99,12 @@ def test_update_weights_of_quantized_tensors(ao_case):
     model, other = make(), make()
     source = torchao_weight_only(tiny_flux(seed=5, dtype=torch.bfloat16), kind)
     new = _quantized(source)[KEY]
-    wrapped = OffloadedTransformer(model, _cfg(), device=DEV)
-    _run(wrapped, x)
+    wrapped = OffloadedTransformer(model, cfg(), device=DEV)
+    run(wrapped, x)
     assert wrapped.update_weights({KEY: new}) == [KEY]
     owner = other.get_submodule(KEY.rsplit(".", 1)[0])
     owner.weight = torch.nn.Parameter(copy.deepcopy(new), requires_grad=False)
-    assert torch.equal(_run(wrapped, x)[0], _run(other, x)[0])
+    assert torch.equal(run(wrapped, x)[0], run(other, x)[0])
     got = wrapped.state_dict()[KEY]
     assert all(torch.equal(getattr(got, n), getattr(new, n)) for n in new.__tensor_flatten__()[0])
     with pytest.raises(WeightUpdateError, match="quantized with the same config"):
@@ -157,8 +136,8 @@ def test_reading_a_streamed_subclass_between_forwards_is_a_named_error(ao_case):
     from weightstream.offload.misuse import StreamedModuleAccessError
 
     make, x, _, _ = ao_case
-    wrapped = OffloadedTransformer(make(), _cfg(), device=DEV)
-    _run(wrapped, x)
+    wrapped = OffloadedTransformer(make(), cfg(), device=DEV)
+    run(wrapped, x)
     w = wrapped.module.transformer_blocks[0].attn.to_q.weight
     with pytest.raises(StreamedModuleAccessError, match=r"transformer_blocks\.0\.attn\.to_q\.weight\[qdata\]"):
         w.dequantize()
