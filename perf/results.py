@@ -74,7 +74,7 @@ def is_weightstream(mode: str) -> bool:
 
 def is_offloaded(mode: str) -> bool:
     """A mode that streams weights (and so carries a streaming floor)."""
-    return not is_resident(mode) and not mode.startswith(("copy", "triton"))
+    return not is_resident(mode) and not mode.startswith(("copy", "triton", "encode"))
 
 
 def is_resident(mode: str) -> bool:

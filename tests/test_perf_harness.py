@@ -796,3 +796,13 @@ def test_gpu_module_swap_small_components(tmp_path):
         f = got["modes"][mode]
         assert f["commit"] == got["commit"] and f["floor_ms"] > 0 and set(f["arrival_ms"]) == {"text_encoder", "transformer"}
     assert got["modes"]["module-coded"]["coded_floor_ms"] < got["modes"]["module"]["floor_ms"]
+
+
+def test_kernel_bench_modes_are_valid_names_without_a_streaming_floor():
+    """bench_codec's identity modes (encode-*) validate and, like copy-* / triton-*, stream nothing."""
+    from perf.results import is_offloaded, validate_mode_name
+
+    for mode in ("encode-identity-64mb", "encode-identity-64mb-k2", "copy-d2d", "triton-decode"):
+        validate_mode_name(mode)
+        assert not is_offloaded(mode), mode
+    assert is_offloaded("layerwise-coded")
