@@ -82,7 +82,9 @@ class GraphRunner:
         self.adapter_drops = 0  # times the graphs were dropped for a changed adapter state
         self.policy = GraphPolicy(max_graphs=max_graphs)
         self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        # the memory pool the live graphs share; a fresh one whenever none is live (a pool every
+        # graph of which was destroyed is torch's to free: capturing into it again is an error)
+        self.pool = None
         self.period = executor.schedule.phase_period
         self.counts = {a.value: 0 for a in Action}
         self._captures = 0  # capture tags handed to the executor
@@ -145,6 +147,8 @@ class GraphRunner:
         s_args, s_kwargs = pytree.tree_unflatten(static, spec)
         phase = self._phase()
         ex.wait_pending(torch.cuda.current_stream(ex.device))  # primes a deferred executor
+        if not self.graphs:  # first capture, or every graph dropped (adapter change, failed capture)
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # the step's first loads were issued before the graph (torch.cuda.graph
         # synchronises on entry); inside, only this capture's events are waited on

@@ -327,5 +327,8 @@ def encode_gpu(tensor: torch.Tensor, *, k: int | None = None, tile: int = DEFAUL
     if tensor.dtype not in DTYPE_CODES:
         raise TypeError(f"tensor dtype must be one of {list(DTYPE_CODES)}, got {tensor.dtype}")
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    coded, _, _ = encode_jobs(flat, [EncodeJob(0, flat.numel(), tensor.dtype, k)], out, levels=levels, tile=tile)
+    n = flat.numel()
+    if n % 2 or flat.data_ptr() % 2:  # the kernels load byte pairs: an odd span reads one byte past its end
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    coded, _, _ = encode_jobs(flat, [EncodeJob(0, n, tensor.dtype, k)], out, levels=levels, tile=tile)
     return coded

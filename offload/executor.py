@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .discovery import Block
-from .hooks import BlockHook, StepHook
+from .hooks import BlockHook, StepHook, casting_keeps
 from .ownership import Ownership
 from .placeholders import Placeholders
 from .ring_bindings import BlockBindings
@@ -143,6 +143,8 @@ class LayerwiseExecutor:
         with step-start loads, starts each step. A call that skips the hook
         (``root.forward(...)``) is caught by the step's first streamed block."""
         self.hooks.append(StepHook(self, root))
+        # layerwise casting: leaves outside the streamed blocks keep their own storage
+        self.hooks += casting_keeps(root, {id(h.block.module) for h in self.hooks if isinstance(h, BlockHook)})
 
     # -- one thread at a time (ownership.py) ---------------------------------------
     def acquire(self, what: str = "a forward") -> int:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .discovery import Block
+from .host.quantized import casting_leaves
 from .misuse import InferenceOnlyError
 from .tracing import not_traced
 
@@ -101,6 +102,47 @@ class StepHook(RemovableHooks):
 
     def __repr__(self) -> str:
         return f"StepHook({self.name}, {self.state})"
+
+
+class CastingKeep(RemovableHooks):
+    """Named, removable hooks on a leaf outside the streamed blocks that diffusers' layerwise
+    casting hooks (an embedder, a resident block's linear): the casting hook's
+    ``module.to(storage_dtype)`` after the forward gives each tensor a new one; this puts back
+    the one the forward started from, so the leaf keeps its own storage (the bytes a CUDA graph
+    captured its reads from, the device image an update writes). A streamed block's leaves need
+    none: their tensors are bound to a slot view before each forward."""
+
+    def __init__(self, leaf: nn.Module, name: str):
+        self.name = f"weightstream.casting[{name}]"
+        self._kept: list | None = None
+        self._handles = [
+            leaf.register_forward_pre_hook(self.pre_forward),
+            leaf.register_forward_hook(self.post_forward, always_call=True),
+        ]
+
+    @not_traced
+    def pre_forward(self, module, args):
+        self._kept = [(m, [(p, p.data) for p in m._parameters.values() if p is not None], dict(m._buffers))
+                      for m in module.modules()]
+
+    @not_traced
+    def post_forward(self, module, args, output):
+        for m, params, buffers in self._kept or ():
+            for p, data in params:
+                p.data = data  # the Parameter object stayed; its .data was replaced
+            m._buffers.update(buffers)  # module.to replaces buffer objects
+        self._kept = None
+
+    def __repr__(self) -> str:
+        return f"CastingKeep({self.name}, {self.state})"
+
+
+def casting_keeps(root: nn.Module, streamed: set[int]) -> list[CastingKeep]:
+    """A :class:`CastingKeep` on every layerwise-cast leaf of ``root`` outside the modules whose
+    ids are in ``streamed`` (the streamed blocks)."""
+    inside = {id(m) for b in root.modules() if id(b) in streamed for m in b.modules()}
+    leaves = {id(m) for m in casting_leaves(root)}
+    return [CastingKeep(m, name) for name, m in root.named_modules() if id(m) in leaves and id(m) not in inside]
 
 
 def guard_backward(output, block: str) -> None:

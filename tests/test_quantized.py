@@ -259,3 +259,23 @@ def test_module_mode_keeps_casted_tensors_on_the_unit_buffer(case):
     assert any("CastingRebind" in repr(h) for h in handle.hooks)
     handle.disable()
     assert torch.equal(_run(pipe.transformer, x)[0], want)
+
+
+def test_resident_cast_leaves_keep_their_storage(case):
+    """Layerwise casting re-creates each leaf's tensors after its forward (``module.to(storage)``);
+    outside the streamed blocks (embedders, resident blocks) the leaf gets its own storage back:
+    what a CUDA graph captured its reads from, what an update writes (a resident block here)."""
+    ref, x, _ = case
+    model, other = casted(), casted()
+    wrapped = OffloadedTransformer(model, _cfg(resident_layers=[1]), device=DEV)
+    keys = ["x_embedder.weight", "transformer_blocks.1.attn.to_q.weight", "proj_out.weight"]
+    params = dict(model.named_parameters())
+    before = [params[k].data_ptr() for k in keys]
+    _run(wrapped, x, 2)
+    assert [params[k].data_ptr() for k in keys] == before
+    assert all(h.removed is False for h in wrapped.executor.hooks)
+    key = "transformer_blocks.1.attn.to_q.weight"
+    new = (torch.randn(params[key].shape, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.float8_e4m3fn)
+    assert wrapped.update_weights({key: new}) == [key]
+    other.load_state_dict({key: new}, strict=False)
+    assert all(torch.equal(o, _run(other, x)[0]) for o in _run(wrapped, x, 2))

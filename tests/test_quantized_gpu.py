@@ -16,6 +16,9 @@ FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "
 # under CUDA graphs bitsandbytes int8 without its outlier decomposition (llm_int8_threshold=0): the outlier
 # columns of the default threshold are data-dependent (argwhere), which no graph (resident either) captures
 GRAPH_FORMATS = [f if f != "bnb-int8" else "bnb-int8t0" for f in FORMATS]
+# diffusers' GGUF K-quant dequantization makes a tensor from a Python list on the device per call
+# (torch.tensor([0, 4], device=...)): a pageable host-to-device copy, which no capture allows
+EAGER_UNDER_GRAPHS = ("gguf-Q4_K",)
 WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24), joint_attention_dim=256)
 
 
@@ -69,7 +72,10 @@ def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: i
         assert s["coded_bytes"] < 0.85 * s["raw_bytes"] and s["h2d_bytes_per_step"] < s["raw_bytes"], s
     if graphs == "on":
         c = w.graphs.counts
-        assert c["capture"] >= 1 and c["replay"] >= 1, c
+        if fmt in EAGER_UNDER_GRAPHS:  # refused by the capture itself, resident too (docs/quantized.md)
+            assert c["capture"] == 0 and c["eager-fallback"] >= 1 and c["replay"] == 0, c
+        else:
+            assert c["capture"] >= 1 and c["replay"] >= 1, c
     back = w.disable()
     with torch.no_grad():
         assert torch.equal(back(**x)[0], want)

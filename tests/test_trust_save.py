@@ -19,6 +19,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from weightstream import OffloadConfig, OffloadedTransformer, offload_pipeline
+from layerwise_cases import stream_config
 from weightstream.offload.module import SplitOffloadMixin
 from weightstream.models import flux_inputs, tiny_flux, tiny_wan, wan_inputs
 from weightstream.offload.host.checkpoint import meta_from_pretrained
@@ -60,7 +61,9 @@ MODELS = {"flux": (tiny_flux, flux_inputs), "wan": (tiny_wan, wan_inputs), "sd3"
 
 
 def layer_cfg(**kw):
-    return OffloadConfig.layerwise(progress=False, **kw)
+    """Every block streamed raw (on CUDA a config without resident_layers / weight_codec is the
+    planned default, which may keep a tiny model resident: no host views to check)."""
+    return stream_config(progress=False, **kw)
 
 
 def module_cfg(components=("dit", "text_encoder")):

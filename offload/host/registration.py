@@ -41,10 +41,38 @@ def _cuda_register(ptr: int, size: int, flags: int = 0) -> str | None:
         code = rt.cudaHostRegister(ptr, size, flags)
     except Exception as e:  # binding missing in this torch build
         return f"cudaHostRegister unavailable ({e})"
-    if int(code) != 0:  # torch's binding returns the enum with the error already cleared
+    if int(code) != 0:
+        # the runtime also keeps the code as its last error, which torch's next kernel-launch
+        # check would raise as that kernel's failure: take it out (the caller handles the code)
+        _clear_last_error()
         return (f"cudaHostRegister of {format_bytes(size)} returned CUDA error {int(code)} "
                 f"({_cuda_error_name(rt, code)})")
     return None
+
+
+def _loaded_cudart() -> str | None:
+    """The path of the CUDA runtime library this process loaded (torch's), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
+def _clear_last_error() -> None:
+    """``cudaGetLastError()`` in the runtime torch uses (torch does not bind it); nothing where
+    that library cannot be found (a runtime linked statically keeps no separate last error to
+    clear here)."""
+    import ctypes  # noqa: PLC0415
+
+    path = _loaded_cudart()
+    if path is None:
+        return
+    try:
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):  # pragma: no cover - a library without the symbol
+        pass
 
 
 def _cuda_error_name(rt, code) -> str:

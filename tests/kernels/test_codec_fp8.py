@@ -185,6 +185,15 @@ def test_gpu_encoder_gives_the_cpu_bytes(levels):
             assert torch.equal(coded.cpu()[o : o + h.nbytes], encode(x, k=k, levels=levels, tile=TILE)), k
 
 
+def test_gpu_encoder_of_one_odd_tensor():
+    """``encode_gpu`` of one float8 tensor of an odd byte count (and of a view at an odd address):
+    the kernels load byte pairs, so it codes a padded copy; the CPU bytes."""
+    x = _fp8_bits(TILE + 3)
+    view = _fp8_bits(2 * TILE + 2)[1:]  # odd storage offset and odd length
+    for t in (x, view):
+        assert torch.equal(encode_gpu(t.to(DEVICE), tile=TILE).cpu(), encode(t, tile=TILE))
+
+
 def test_gpu_encoder_raw_past_the_bound_as_the_host_does():
     """A float8 job past its max_coded is coded as its bytes in int16 elements at k = 8 (an odd byte
     count with a zero high byte last): the host store's rule, on fewer tiles than the job's own."""
