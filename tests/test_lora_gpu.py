@@ -1,5 +1,5 @@
 """LoRA on streamed blocks on the device (pytest -m gpu): the user's LoRA calls with CUDA graphs
-(every check runs three steps: warm-up, capture, replay) and coded weights, on the wrapper, in
+(every check runs four steps: warm-up, a capture per ring phase, replay) and coded weights, on the wrapper, in
 place and in layer mode, and module mode eager; bit-exact against a resident twin on the GPU.
 Adapters added after offloading live on the device; switching adapters re-pins nothing. Each case
 runs in its own process (graph capture)."""
@@ -32,7 +32,9 @@ def case_user_sequence(kind: str, entry: str, codec: str, before: bool, graphs: 
 
     t = lc.Twins(kind, entry, codec, Path(tempfile.mkdtemp()), before=before, device="cuda",
                  dtype=torch.bfloat16, graphs=graphs)
-    lc.user_sequence(t, steps=3 if graphs == "on" else 1)
+    # under graphs four steps per adapter state: a warm-up, a capture per ring phase (two slots: two
+    # phases), then a replay
+    lc.user_sequence(t, steps=4 if graphs == "on" else 1)
     if graphs == "on":
         runner = next(iter(t.handle.wrapped.values())).graphs if entry == "layer" else t.handle.graphs
         assert runner.counts["replay"] >= 1 and runner.adapter_drops >= 5, (runner.counts, runner.adapter_drops)

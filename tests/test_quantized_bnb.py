@@ -204,3 +204,20 @@ def test_perf_nf4_and_default_quantized_modes():
     assert out["layerwise-qnf4"]["floor_ms"] == 100.0 and out["default-qnf4"]["ratio_to_resident"] == 1.01
     model = quantize(tiny_flux(dtype=torch.bfloat16), "qnf4")
     assert type(model.get_submodule(LIN)).__name__ == "Linear4bit"
+
+
+def test_rehome_moves_the_resident_quant_state():
+    """What of a bitsandbytes quant state does not stream (the quant maps, the nested map and
+    offset) moves to the compute device at wrap time, for resident and streamed linears alike (meta
+    here: the CPU has no second device; on CUDA a nested map left on the host was an illegal memory
+    access in the first resident nf4 linear); unhome gives them back."""
+    from weightstream.offload.host.quantized import rehome, unhome
+
+    model = _quantize("nf4")
+    states = [m.weight.quant_state for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert states and all(qs.state2 is not None for qs in states)
+    undo = rehome(model, torch.device("meta"))
+    assert all(t.device.type == "meta" for qs in states for t in (qs.code, qs.offset, qs.state2.code))
+    assert all(qs.absmax.device.type == "cpu" for qs in states)  # streamed with its weight (a part)
+    unhome(undo)
+    assert all(t.device.type == "cpu" for qs in states for t in (qs.code, qs.offset, qs.state2.code))

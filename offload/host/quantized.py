@@ -144,25 +144,30 @@ def prepare(module: nn.Module, fmt: str, device: torch.device) -> None:
         f.prepare(module, device)
 
 
-def rehome(module: nn.Module, device: torch.device) -> list[tuple[torch.Tensor, torch.device]]:
-    """Every tensor subclass of ``module`` claims ``device`` (its inner tensors, streamed or made
+def rehome(module: nn.Module, device: torch.device) -> list[Callable[[], None]]:
+    """What of ``module``'s quantized state does not stream moves to ``device``, once, before the
+    source is built. Every tensor subclass claims ``device`` (its inner tensors, streamed or made
     resident, live there from now on; the object, its identity and its inner tensor objects stay):
     a wrapper of the same class and metadata built on ``device`` is swapped in, then given back
-    the very inner tensor objects the block images bind. Returns (tensor, its device before),
-    for :func:`unhome` after a failed setup."""
-    moved = []
+    the very inner tensor objects the block images bind. Then each format's own resident state
+    (:attr:`QuantFormat.rehome`: bitsandbytes' quant maps and nested offset). Returns the undo
+    callables, for :func:`unhome` after a failed setup."""
+    undo: list[Callable[[], None]] = []
     for m in module.modules():
         for t in list(m._parameters.values()):
             if t is not None and inner_tensors(t) is not None and t.device != device:
-                moved.append((t, t.device))
+                undo.append(lambda t=t, was=t.device: _claim(t, was))
                 _claim(t, device)
-    return moved
+    for f in FORMATS:
+        if f.rehome is not None:
+            undo += f.rehome(module, device)
+    return undo
 
 
-def unhome(moved: list[tuple[torch.Tensor, torch.device]]) -> None:
+def unhome(undo: list[Callable[[], None]]) -> None:
     """Undo :func:`rehome` (a setup failed after it: the inner tensors hold their weights again)."""
-    for t, device in moved:
-        _claim(t, device)
+    for step in reversed(undo):
+        step()
 
 
 def _claim(t: torch.Tensor, device: torch.device) -> None:
