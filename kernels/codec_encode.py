@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .codec_choose import choose as choose_code
 from .codec_format import (
     _PLANES,
     DEFAULT_NUM_WARPS,
@@ -98,88 +99,6 @@ def _given_table(counts: list[int], k: int, table: tuple[int, ...]):
         raise ValueError(f"k=0 needs every symbol to be table[0]={table[0]}")
     window = table[0] if k and all(s == (table[0] + j) & 0xFF for j, s in enumerate(table)) else None
     return k, table, window
-
-
-def _choose(hist: torch.Tensor, k: int | None, table: tuple[int, ...] | None = None, esc_bytes: int = 1):
-    """(k, table, window start or None) minimising the coded size for the
-    symbol histogram `hist` (of the tensor or a sample of it), an escape
-    costing `esc_bytes` (version 3: a 2-byte position and the symbol)."""
-    counts = hist.tolist()
-    if table is not None:
-        return _given_table(counts, k, table)
-    numel = sum(counts)
-    order = sorted(range(256), key=lambda s: (-counts[s], s))
-    distinct = sum(1 for c in counts if c)
-    if k == 0 and distinct > 1:
-        raise ValueError(f"k=0 needs a tensor with one symbol value, this one has {distinct}")
-    best = None
-    for kk in range(9) if k is None else [k]:
-        if kk == 0 and distinct > 1:
-            continue
-        exc = 0 if kk in (0, 8) else numel - sum(counts[s] for s in order[: _table_len(kk)])
-        if best is None or numel * kk / 8 + esc_bytes * exc < best[0]:
-            best = (numel * kk / 8 + esc_bytes * exc, kk)
-    kk = best[1]
-    if kk in (0, 8):
-        return kk, (order[0],) if kk == 0 else (), None
-    n_tab = (1 << kk) - 1
-    window = _best_window(counts, n_tab)
-    if sum(counts[(window + j) & 0xFF] for j in range(n_tab)) == sum(counts[s] for s in order[:n_tab]):
-        return kk, tuple((window + j) & 0xFF for j in range(n_tab)), window
-    return kk, tuple(order[:n_tab]), None
-
-
-def _cost1(counts: list[int], k: int, table: tuple[int, ...]) -> float:
-    """Bytes of a one-level code beyond the raw bytes (codes and exceptions) for `counts`."""
-    numel = sum(counts)
-    return numel * k / 8 + (0 if k in (0, 8) else numel - sum(counts[s] for s in table))
-
-
-def _choose2(hist: torch.Tensor, k: int | None, k2: int | None, tile: int):
-    """(k, table, window start or None, k2) minimising the coded size for the symbol
-    histogram `hist` over one-level codes (k2 = 0, as `_choose`) and two-level ones (k2 >= 1:
-    the level-1 table of the 2^k - 1 most frequent symbols, then the 2^k2 - 1 next ones).
-    A two-level code pays k2 bits per level-1 escape, a byte per level-2 escape and 8 bytes
-    per tile (its second base stream)."""
-    if k in (0, 8) or k2 == 0:
-        if k2:
-            raise ValueError(f"k2={k2} needs k in [1, 7] (k={k} has no escapes to code at a second level)")
-        return _choose(hist, k) + (0,)
-    best = None
-    if k2 is None:  # the one-level code is a candidate
-        one = _choose(hist, k)
-        best = (_cost1(hist.tolist(), one[0], one[1]), one + (0,))
-    counts = hist.tolist()
-    numel = sum(counts)
-    order = sorted(range(256), key=lambda s: (-counts[s], s))
-    cum = [0]
-    for s in order:
-        cum.append(cum[-1] + counts[s])
-    for k1 in range(1, 8) if k is None else [k]:
-        for kk2 in range(1, 8) if not k2 else [k2]:
-            n1, n2 = (1 << k1) - 1, (1 << kk2) - 1
-            esc1, esc2 = numel - cum[n1], numel - cum[n1 + n2]
-            cost = numel * k1 / 8 + esc1 * kk2 / 8 + esc2 + 8 * numel / tile
-            if best is None or cost < best[0]:
-                best = (cost, (k1, None, None, kk2))
-    k1, table, window, kk2 = best[1]
-    if kk2 == 0:
-        return best[1]
-    _, t1, window = _choose(hist, k1)
-    rest = [s for s in order if s not in set(t1)]
-    return k1, tuple(t1) + tuple(rest[: (1 << kk2) - 1]), window, kk2
-
-
-def _best_window(counts: list[int], width: int) -> int:
-    """Start of the circular window of `width` symbols holding the most elements."""
-    ext = counts + counts[:width]
-    run = sum(ext[:width])
-    best, start = run, 0
-    for s in range(1, 256):
-        run += ext[s + width - 1] - ext[s - 1]
-        if run > best:
-            best, start = run, s
-    return start
 
 
 def _pack_planes(codes: torch.Tensor, k: int, tile: int) -> torch.Tensor:
@@ -378,9 +297,9 @@ def encode(
 
     def choose(sample: int, table):
         hist = _histogram(elems, split, step, sample, scratch)
-        if levels == PATCHED:
-            return _choose(hist, k, table, esc_bytes=3) + (0,)
-        return _choose(hist, k, table) + (0,) if levels == 1 or table is not None else _choose2(hist, k, k2, tile)
+        if table is not None:
+            return _given_table(hist.tolist(), k, table) + (0,)
+        return choose_code(hist.numpy(), k, levels, tile, k2, patched=levels == PATCHED)
 
     kk, table, window, kk2 = choose(sample, table)
     if kk == 0 and sample > 1:  # one symbol in the sample: make sure of the whole tensor

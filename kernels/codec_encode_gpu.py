@@ -11,8 +11,7 @@ How (the `@triton.jit` bodies are in `kernels/_codec_encode_kernels.py`):
 1. one launch over every tile of every job: each job's symbol histogram, whole and over the chunks
    the CPU encoder samples (every 4th of 256 Ki elements for tensors over 1 Mi elements);
 2. the one host sync: the histograms (2 KB per job) come to the host, which chooses k, k2 and the
-   tables as the CPU encoder's `_choose` / `_choose2` do (the same costs and tie-breaking, with
-   numpy's sort and sums: ~10x faster per tensor; tests compare the two on many histograms),
+   tables with the CPU encoder's rule (`kernels/codec_choose.py`, the one chooser of both),
    counts the escapes from the whole histogram and lays every coded tensor out (`_layout`; a job
    whose coded size passes its `max_coded` is coded raw as int16, k = 8, as the host store does);
 3. the headers and tables scattered into the zeroed output, then one launch writes every raw byte,
@@ -29,9 +28,9 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from .codec_choose import choose
 from .codec_encode import _CHUNK
 from .codec_format import (BYTE_DTYPES, DEFAULT_TILE, DTYPE_CODES, LEVELS, PATCHED, STREAM_ALIGN, CodedHeader,
                            _check_int, _check_tile, _layout, _round_up, split_of)
@@ -101,86 +100,15 @@ def _lut(head: CodedHeader) -> list[int]:
     return one + two
 
 
-def _ordered(counts: np.ndarray) -> tuple[list[int], list[int]]:
-    """Symbols by falling count, then rising symbol (`_choose`'s order), and the prefix sums of
-    their counts (cum[n]: elements of the n most frequent symbols), as lists of ints."""
-    order = np.lexsort((np.arange(256), -counts))
-    return order.tolist(), np.concatenate([[0], np.cumsum(counts[order])]).tolist()
-
-
-def _window(counts: np.ndarray, width: int) -> tuple[int, int]:
-    """`_best_window`: the first start of the circular window of `width` symbols holding the most
-    elements, and how many it holds."""
-    cs = np.concatenate([[0], np.cumsum(np.concatenate([counts, counts[:width]]))])
-    runs = cs[width : width + 256] - cs[:256]
-    start = int(np.argmax(runs))
-    return start, int(runs[start])
-
-
-def _choose1(counts: np.ndarray, order, cum, k: int | None, esc_bytes: int = 1):
-    """`codec_encode._choose(hist, k, None, esc_bytes)` with numpy's sort and sums: the same
-    result (the same float costs, compared in the same order; tests check it on many histograms)."""
-    numel, distinct = cum[-1], int(np.count_nonzero(counts))
-    if k == 0 and distinct > 1:
-        raise ValueError(f"k=0 needs a tensor with one symbol value, this one has {distinct}")
-    best = None
-    for kk in range(9) if k is None else [k]:
-        if kk == 0 and distinct > 1:
-            continue
-        exc = 0 if kk in (0, 8) else numel - cum[(1 << kk) - 1]
-        if best is None or numel * kk / 8 + esc_bytes * exc < best[0]:
-            best = (numel * kk / 8 + esc_bytes * exc, kk)
-    kk = best[1]
-    if kk in (0, 8):
-        return kk, (order[0],) if kk == 0 else (), None
-    n_tab = (1 << kk) - 1
-    window, held = _window(counts, n_tab)
-    if held == cum[n_tab]:
-        return kk, tuple((window + j) & 0xFF for j in range(n_tab)), window
-    return kk, tuple(order[:n_tab]), None
-
-
-def _choose2_fast(counts: np.ndarray, k: int | None, tile: int):
-    """`codec_encode._choose2(hist, k, None, tile)` on `_choose1`: the same result."""
-    order, cum = _ordered(counts)
-    if k in (0, 8):
-        return _choose1(counts, order, cum, k) + (0,)
-    numel = cum[-1]
-    one = _choose1(counts, order, cum, k)
-    best = (numel * one[0] / 8 + (0 if one[0] in (0, 8) else numel - cum[(1 << one[0]) - 1]), one + (0,))
-    for k1 in range(1, 8) if k is None else [k]:
-        for kk2 in range(1, 8):
-            n1, n2 = (1 << k1) - 1, (1 << kk2) - 1
-            esc1, esc2 = numel - cum[n1], numel - cum[n1 + n2]
-            cost = numel * k1 / 8 + esc1 * kk2 / 8 + esc2 + 8 * numel / tile
-            if cost < best[0]:
-                best = (cost, (k1, None, None, kk2))
-    k1, _, _, kk2 = best[1]
-    if kk2 == 0:
-        return best[1]
-    _, t1, window = _choose1(counts, order, cum, k1)
-    taken = set(t1)
-    rest = [s for s in order if s not in taken]
-    return k1, tuple(t1) + tuple(rest[: (1 << kk2) - 1]), window, kk2
-
-
-def _choose_any(counts: np.ndarray, k: int | None, levels: int, tile: int):
-    """(k, table, window, k2) as `encode` chooses them for `levels` from the histogram `counts`."""
-    if levels == 2:
-        return _choose2_fast(counts, k, tile)
-    order, cum = _ordered(counts)
-    return _choose1(counts, order, cum, k, 3 if levels == PATCHED else 1) + (0,)
-
-
 def _choose_head(job: EncodeJob, hist: torch.Tensor, levels: int, tile: int) -> CodedHeader:
     """The header `encode` writes for `job`, from its histograms ([512]: whole, then sampled)."""
     numel, dtype = job.numel, job.dtype
     if job.k == 8:
         return _layout(dtype, 8, (), numel, tile, 0)
     full, samp = hist[:256].numpy(), hist[256:].numpy()
-    k, table, _, k2 = _choose_any(samp, job.k, levels, tile)
+    k, table, _, k2 = choose(samp, job.k, levels, tile, patched=levels == PATCHED)
     if k == 0 and numel > 4 * _CHUNK:  # one symbol in the sample: make sure of the whole tensor
-        k, table, _, k2 = _choose_any(full, job.k, levels, tile)
+        k, table, _, k2 = choose(full, job.k, levels, tile, patched=levels == PATCHED)
     counts = full.tolist()
     if k == 0 and any(c for s, c in enumerate(counts) if s != table[0]):
         raise ValueError(f"k=0 needs every symbol to be table[0]={table[0]}")

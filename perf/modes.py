@@ -85,7 +85,8 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
 _LAYERWISE_VARIANT = re.compile(
-    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*))$")
+    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*)"
+    r"|s([2-9]|[1-9]\d+))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 _DEFAULT_MODE = re.compile(r"^default(?:-(\d+)gb)?$")  # the planned default, optionally capped
@@ -187,6 +188,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "encgpu (with coded: encode the blocks on the GPU), "
                                  "staging (with mmap: the two-buffer staging copy path), "
                                  "t<N> (with mmap-staging: N packing threads, N >= 1), "
+                                 "s<N> (num_slots=N, N >= 2), "
                                  "lora<R> / lora<R>fused (a rank-R LoRA, unfused / fused)")
             if m.group(2) is not None:
                 kw["resident_layers"] = int(m.group(2))
@@ -213,6 +215,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 copy_path = "staging"
             elif m.group(4) is not None:
                 threads = int(m.group(4))
+            elif m.group(5) is not None:
+                kw["num_slots"] = int(m.group(5))
             else:
                 kw["cuda_graphs"] = "on"
         if source == "mmap" and "weight_codec" in kw:

@@ -72,44 +72,6 @@ def test_given_k_gives_the_cpu_bytes(k, levels):
                        encode(x, k=k, levels=levels, tile=SMALL_TILE))
 
 
-def _histograms(n: int = 120):
-    """Symbol histograms of every shape the choice meets: weight-like (geometric around an
-    exponent, wrapping past 255 too), sparse, tied counts, uniform, one symbol, none."""
-    gen = torch.Generator().manual_seed(11)
-    out = [torch.zeros(256, dtype=torch.int64), torch.zeros(256, dtype=torch.int64).index_fill_(0, torch.tensor([9]), 5)]
-    for i in range(n):
-        kind = i % 4
-        if kind == 0:  # weight-like: falling counts around a centre (some wrapping past 255)
-            centre = int(torch.randint(0, 256, (1,), generator=gen))
-            d = (torch.arange(256) - centre) % 256
-            h = (1e6 * 0.5 ** torch.minimum(d, 256 - d).double()).long()
-        elif kind == 1:  # sparse
-            h = torch.zeros(256, dtype=torch.int64)
-            idx = torch.randint(0, 256, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen)
-            h[idx] = torch.randint(1, 1000, (idx.numel(),), generator=gen)
-        elif kind == 2:  # ties: a few count values only
-            h = torch.randint(0, 3, (256,), generator=gen) * int(torch.randint(1, 50, (1,), generator=gen))
-        else:
-            h = torch.randint(0, 10**6, (256,), generator=gen)
-        out.append(h)
-    return out
-
-
-def test_the_choice_is_the_cpu_encoders():
-    """k, k2 and the tables chosen from a histogram (numpy's sorts and sums) equal codec_encode's
-    _choose / _choose2 on every kind of histogram, every level, given k and tile."""
-    from weightstream.kernels.codec_encode import _choose, _choose2
-    from weightstream.kernels.codec_encode_gpu import _choose_any
-
-    for i, h in enumerate(_histograms()):
-        distinct = int((h > 0).sum())
-        for k in [None, 1, 3, 7, 8] + ([0] if distinct <= 1 else []):
-            tile = (128, 4096, 65536)[i % 3]
-            assert _choose_any(h.numpy(), k, 1, tile) == _choose(h, k) + (0,), (i, k)
-            assert _choose_any(h.numpy(), k, PATCHED, tile) == _choose(h, k, None, esc_bytes=3) + (0,), (i, k)
-            assert _choose_any(h.numpy(), k, 2, tile) == _choose2(h, k, None, tile), (i, k, tile)
-
-
 def test_default_tile_and_the_golden_digest():
     x = _weightlike_bits(5000)
     got = encode_gpu(x.to(DEVICE)).cpu()
