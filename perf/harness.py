@@ -476,7 +476,7 @@ def list_text() -> str:
               "  (each DiT scenario also as <name>-tiny: a toy-sized model of the same structure, runs on a CPU)", "",
               "single-GPU modes (each in a fresh process):",
               "  resident, resident-graph, resident-compile, resident-tfill (yardsticks)",
-              "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, mmap, staging, t<N>,",
+              "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, s<N>, mmap, staging, t<N>,",
               "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu",
               "  layerwise-pinned-half, layerwise-pageable-half",
               "  default, default-<N>gb (OffloadConfig.layerwise() with no arguments: the planned default)",

@@ -10,6 +10,7 @@
   `-graphs`, `-r<R>`, `-mmap` combine after `layerwise` (e.g. `layerwise-r4-graphs`).
   `layerwise-mmap-staging` forces the mmap source's two-buffer staging copy path
   (`copy_path="staging"`), `-t<N>` after it packs on N threads (`staging_threads`);
+  `-s<N>` sets `num_slots=N` (N >= 2);
   mmap modes report `setup_s_per_gb` (set-up over the checkpoint's GB), their
   staging counters after the steps and `ratio_to_pinned` (against `layerwise`).
 - coded: `layerwise-coded`, `graphs-coded` (`-coded` combines like the others):
@@ -86,7 +87,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
 _LAYERWISE_VARIANT = re.compile(
     r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*)"
-    r"|s([2-9]|[1-9]\d+))$")
+    r"|s([1-9]\d*))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
 _DEFAULT_MODE = re.compile(r"^default(?:-(\d+)gb)?$")  # the planned default, optionally capped
@@ -216,6 +217,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             elif m.group(4) is not None:
                 threads = int(m.group(4))
             elif m.group(5) is not None:
+                if int(m.group(5)) < 2:
+                    raise ValueError(f"mode {name!r}: variant {v!r} is not allowed; s<N> (num_slots=N) needs N >= 2")
                 kw["num_slots"] = int(m.group(5))
             else:
                 kw["cuda_graphs"] = "on"

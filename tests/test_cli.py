@@ -177,7 +177,7 @@ def test_bench_list_names_every_mode():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     listed = set(re.findall(r"[\w<>-]+", r.stdout))
-    spelled = {r"r(\d+)": "r<N>", r"(\d+)gb": "<N>gb", r"t([1-9]\d*)": "t<N>", "coded2?": "coded"}
+    spelled = {r"r(\d+)": "r<N>", r"(\d+)gb": "<N>gb", r"t([1-9]\d*)": "t<N>", r"s([1-9]\d*)": "s<N>", "coded2?": "coded"}
     variants = [spelled.get(v, v) for v in _LAYERWISE_VARIANT.pattern[2:-2].split("|")] + ["coded2"]
     want = ["resident", "resident-graph", "resident-compile", "resident-tfill", *PEER_MODES, *HALF_PINNED_MODES,
             *DLO_MODES, *MODULE_MODES, *variants]

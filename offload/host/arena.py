@@ -84,12 +84,7 @@ class HostStore:
             self.offsets.append(off)
             off = align_up(off + lay.nbytes, PAGE)
         self.nbytes = max(off, PAGE)
-        self._map = map_anonymous(self.nbytes, f"the host store of {len(self.layouts)} blocks")
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # pragma: no cover - kernel without THP
-                pass
+        self._map = map_anonymous(self.nbytes, f"the host store of {len(self.layouts)} blocks", huge=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
             self.arena = torch.frombuffer(self._map, dtype=torch.uint8)
