@@ -181,6 +181,8 @@ def _encode_blocks(ckpt: Checkpoint, layouts, plans, tensors, bindings, counter:
         blobs_table = encode_image(layouts[k], _runtime_tensors(ckpt, plans[k], layouts[k], tensors[k], bindings),
                                    levels=levels)
         ckpt.check_unchanged()
+        # read once: the block's mapped pages leave the resident set (setup peak RSS near the model)
+        ckpt.drop_pages([b.src for t in tensors[k] if (b := bindings.get(id(t))) is not None])
         return blobs_table
 
     for done in in_order(len(layouts), work, ahead=max(1, IN_FLIGHT_BYTES // max(lay.nbytes for lay in layouts))):

@@ -86,7 +86,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
 _LAYERWISE_VARIANT = re.compile(
-    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|staging|t([1-9]\d*)"
+    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|enccpu|staging|t([1-9]\d*)"
     r"|s([1-9]\d*))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
@@ -112,7 +112,8 @@ class ModeSpec:
     stage: bool | None = None                       # PinnedSource(stage=...) of the half-pinned modes
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
     coded_sidecar: str = "off"                      # offload_from_safetensors(coded_sidecar=...) of -mmap-coded
-    encode_on: str = "cpu"                          # CodedSource(encode_on=...) of -coded modes (-encgpu: "device")
+    encode_on: str | None = None                    # CodedSource(encode_on=...) of -coded modes (None: the product's
+                                                    # default, the GPU on CUDA; -encgpu: "device", -enccpu: "cpu")
     copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
     default: bool = False                           # the planned default: no resident_layers / weight_codec given
@@ -167,7 +168,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         compiled = False
         weight_fill = "normal"
         sidecar = "off"
-        encode_on = "cpu"
+        encode_on = None
         copy_path, threads = "auto", None
         lora = None
         for v in variants:
@@ -186,7 +187,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "coded2 (weight_codec='exp-k2'), codedp (weight_codec='exp-kp'), "
                                  "codedauto (weight_codec='auto'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
-                                 "encgpu (with coded: encode the blocks on the GPU), "
+                                 "encgpu / enccpu (with coded: encode the blocks on the GPU / the CPU; "
+                                 "default: the GPU on CUDA), "
                                  "staging (with mmap: the two-buffer staging copy path), "
                                  "t<N> (with mmap-staging: N packing threads, N >= 1), "
                                  "s<N> (num_slots=N, N >= 2), "
@@ -212,6 +214,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 sidecar = "read"
             elif v == "encgpu":
                 encode_on = "device"
+            elif v == "enccpu":
+                encode_on = "cpu"
             elif v == "staging":
                 copy_path = "staging"
             elif m.group(4) is not None:
@@ -229,8 +233,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
             sidecar = "read" if sidecar == "read" else "write"
         elif sidecar != "off":
             raise ValueError(f"mode {name!r}: the sidecar variant needs -mmap-coded (a coded checkpoint source)")
-        if encode_on != "cpu" and ("weight_codec" not in kw or source != "memory"):
-            raise ValueError(f"mode {name!r}: the encgpu variant needs -coded from host memory (not -mmap)")
+        if encode_on is not None and ("weight_codec" not in kw or source != "memory"):
+            raise ValueError(f"mode {name!r}: the encgpu / enccpu variants need -coded from host memory (not -mmap)")
         if copy_path != "auto" and source != "mmap":
             raise ValueError(f"mode {name!r}: the staging variant needs -mmap (the checkpoint source's copy path)")
         if threads is not None and copy_path != "staging":
@@ -449,7 +453,7 @@ def half_pinned_budget_gb(model: nn.Module) -> float:
 
 
 def _encode_on_device(spec: ModeSpec, model: nn.Module, device: torch.device, record_events: bool):
-    """A -coded-encgpu mode's wrapper: the coded source codes its blocks on the GPU."""
+    """A -coded-encgpu / -enccpu mode's wrapper: the coded source codes its blocks there."""
     from weightstream import OffloadedTransformer
     from weightstream.offload.sources.pinned import coded_source
     from weightstream.offload.build import streamed_blocks
@@ -480,7 +484,7 @@ def _prepare_weightstream(spec: ModeSpec, model: nn.Module, device: torch.device
 
     if spec.half_pinned:
         m, cfg = _half_pinned(spec, model, device, record_events)
-    elif spec.encode_on != "cpu":
+    elif spec.encode_on is not None:
         m, cfg = _encode_on_device(spec, model, device, record_events)
     else:
         cfg = weightstream_config(spec, record_events)

@@ -392,6 +392,24 @@ class Checkpoint:
     def tensor(self, t: CkptTensor) -> torch.Tensor:
         return self.bytes(t).view(t.dtype).view(t.shape)
 
+    def drop_pages(self, tensors: list[CkptTensor]) -> None:
+        """Give the mapped pages that hold ``tensors`` back (MADV_DONTNEED): read once (encoded
+        at setup), they would otherwise stay in this process's resident set. Nothing is lost: the
+        mapping is read-only and a later read faults the pages in again from the page cache or the
+        file. Pages shared with a neighbouring tensor go too (they come back the same way)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # pragma: no cover - not Linux
+            return
+        for t in tensors:
+            f = self.files[t.file]
+            if f.map is None or t.nbytes == 0:
+                continue
+            lo = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+            hi = min(f.size, -(-(t.offset + t.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            try:
+                f.map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):  # pragma: no cover - an advice refused only costs memory
+                pass
+
     def check_unchanged(self) -> None:
         """Raise CheckpointChangedError naming the first file that changed in place
         (an ``fstat`` per file; atomically replaced paths keep their old mapping)."""
