@@ -92,6 +92,7 @@ class Coding:
         self.plan_s: float | None = None  # seconds the latest planning took (sampling included)
         self.plan_parts: dict[str, float] = {}  # of plan_s: sampled encodes, timed decodes, coding start
         self._samples: dict[tuple, int] = {}  # (codec, layout) -> link bytes of one coded block
+        self._rates: dict[str, float] = {}  # codec -> decode rate timed on its samples (kept with them)
         self._options: dict[str, CodecOption] = {}  # the latest planning's options, by codec
 
     @property
@@ -188,8 +189,27 @@ class Coding:
                 self.plan_parts["sample_s"] += t1 - t0
                 self.plan_parts["decode_s"] += time.perf_counter() - t1
             link[lay.index] = self._samples[key]
-        rate = known[codec] if codec in known else decoded_bytes / (max(decode_ms, 1e-6) * 1e6)
+        if codec in known:
+            rate = known[codec]
+        elif decoded_bytes:  # timed now: kept, since the samples are (a later planning times none)
+            rate = self._rates[codec] = decoded_bytes / (max(decode_ms, 1e-6) * 1e6)
+        elif codec in self._rates:
+            rate = self._rates[codec]
+        else:  # no raw block streams: the coded ones' own bytes are timed
+            rate = self._rates[codec] = self._coded_rate(codec)
         return CodecOption(codec, tuple(link), rate)
+
+    def _coded_rate(self, codec: str) -> float:
+        """``codec``'s decode rate timed on the first block the store holds coded with it."""
+        src = self.streamed.source
+        for k, lay in enumerate(src.layouts):
+            if not src.raw[k] and src.codec == codec and src.tables[k] is not None:
+                t0 = time.perf_counter()
+                ms = _decode_ms(src.region(k)[: src.coded[k]], src.tables[k], lay.nbytes, src.device)
+                self.plan_parts["decode_s"] += time.perf_counter() - t0
+                return lay.nbytes / (max(ms, 1e-6) * 1e6)
+        raise ValueError(f"weight_codec='auto': no block to time {codec!r}'s decode on (every streamed block is "
+                         "coded with another codec); give the rate (codec planner decode_gbps)")
 
     def _plan_gathered(self, events, sizes, link, on, slots, step_local, codecs) -> CodecPlan:
         """Every rank's measurements joined (one control collective), then the same plan everywhere."""
