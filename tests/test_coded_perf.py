@@ -29,8 +29,11 @@ def test_coded_modes_parse():
     with pytest.raises(ValueError, match="sidecar variant needs -mmap-coded"):
         parse_mode("layerwise-coded-sidecar", flux)
     assert parse_mode("layerwise-coded-encgpu", flux).encode_on == "device"
-    with pytest.raises(ValueError, match="encgpu variant needs -coded"):
-        parse_mode("layerwise-encgpu", flux)
+    assert parse_mode("layerwise-coded-enccpu", flux).encode_on == "cpu"
+    assert parse_mode("layerwise-coded", flux).encode_on is None  # where the product encodes (the GPU on CUDA)
+    for bad in ("layerwise-encgpu", "layerwise-enccpu", "layerwise-mmap-coded-enccpu"):
+        with pytest.raises(ValueError, match="encgpu / enccpu variants need -coded"):
+            parse_mode(bad, flux)
     with pytest.raises(ValueError, match="coded"):
         parse_mode("layerwise-zip", flux)
     auto = parse_mode("graphs-codedauto", flux)  # weight_codec="auto": planned after the first step
