@@ -27,6 +27,7 @@ the CUDA path.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,6 +158,13 @@ class RecEvent:
         return f"RecEvent({self.id})"
 
 
+class _Current(threading.local):
+    """A thread's current stream (``stream`` in each thread until it sets its own)."""
+
+    def __init__(self, stream: RecStream):
+        self.stream = stream
+
+
 class RecordingStreams:
     """CPU stand-in for CUDA streams: performs nothing asynchronous, records
     every stream/event operation (and every ``access`` note) into ``trace``."""
@@ -166,9 +174,17 @@ class RecordingStreams:
     def __init__(self):
         self.trace: list[Op] = []
         self.compute = RecStream(self, "compute")
-        self.current = self.compute
+        self._local = _Current(self.compute)  # the current stream is per thread, as torch's is
         self._streams = 0
         self._events = 0
+
+    @property
+    def current(self) -> RecStream:
+        return self._local.stream
+
+    @current.setter
+    def current(self, stream: RecStream) -> None:
+        self._local.stream = stream
 
     def _add(self, kind: str, stream: str | None, **kw) -> None:
         self.trace.append(Op(len(self.trace), kind, stream, **kw))

@@ -160,76 +160,84 @@ class DeviceEncoder:
         None: :func:`fill_from_tensors`). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
         n), its memory: "pinned" (copied into without blocking), "pageable" (a blocking copy) or
         "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes, table)``:
-        once block ``k``'s coded bytes are all on the host, in block order, on the thread that
-        downloads them (:meth:`_downloads`: the downloads and ``done``'s work, such as pinning,
-        overlap the next uploads, which hold the calling thread when they read pageable memory)."""
-        s_ = self.streams
-        self.up.wait_stream(s_.current_stream(self.device))  # tensors on the device may still be written there
-        free = threading.Semaphore(2)  # coded buffers whose last download was issued
-        work: queue.Queue = queue.Queue()
-        failed: list[BaseException] = []
-        thread = threading.Thread(target=self._downloads, args=(work, free, dest, done, failed), daemon=True,
-                                  name="weightstream-encode-down")
-        thread.start()
+        once block ``k``'s coded bytes are all on the host, in block order.
+
+        Four threads, each a stage of the pipeline (:class:`_Lanes`): uploads (``fill``, which
+        holds its thread while it copies pageable memory), encodes (the calling thread: the
+        encoder's one host sync, its histograms), downloads, and ``done`` (such as dropping the
+        originals and pinning the region), so that no stage waits for another's host work."""
+        self.up.wait_stream(self.streams.current_stream(self.device))  # tensors on the device may be written there
+        lanes = _Lanes()
+        raw_free, coded_free = lanes.semaphore(2), lanes.semaphore(2)  # staging buffers free to overwrite
+        uploaded: queue.Queue = queue.Queue()
+
+        def upload(i: int) -> None:
+            lanes.acquire(raw_free)  # the encode of piece i - 2 was issued: its buffer may be refilled
+            self._upload(i, fill)
+            uploaded.put(i)
+
+        finish = lanes.lane("weightstream-encode-done", lambda item: done(*item))
+        down = lanes.lane("weightstream-encode-down", self._downloader(dest, coded_free, finish))
+        ups = lanes.lane("weightstream-encode-up", upload)
         try:
-            if self.items:
-                self._upload(0, fill)
+            for i in range(len(self.items)):
+                ups.put(i)
             for i, piece in enumerate(self.items):
                 s = i % 2
-                if i + 1 < len(self.items):
-                    self._upload(i + 1, fill)  # overlaps this piece's encode
-                while not free.acquire(timeout=0.05):  # the download of piece i - 2 was issued
-                    if failed or not thread.is_alive():
-                        raise RuntimeError("weightstream: the GPU encoder's download thread stopped") from (
-                            failed[0] if failed else None)
+                lanes.get(uploaded)
+                lanes.acquire(coded_free)  # the download of piece i - 2 was issued
                 self.enc.wait_event(self.up_done[s])
                 self.enc.wait_event(self.down_done[s])  # ... before this encode overwrites its buffer
-                with s_.stream(self.enc):
+                with self.streams.stream(self.enc):
                     coded, heads, offs = encode_jobs(self.raw[s], tensor_jobs(piece.specs, piece.base),
                                                      self.coded[s], levels=self.levels)
                     self.enc_done[s].record(self.enc)
-                work.put((i, piece, coded, heads, offs))
+                raw_free.release()
+                down.put((i, piece, coded, heads, offs))
+        except _Stopped:
+            pass  # a stage failed: its failure is raised below
+        except BaseException:
+            lanes.stop.set()
+            raise
         finally:
-            work.put(None)
-            thread.join()
-        if failed:
-            raise failed[0]
+            lanes.close([ups, down, finish])  # in pipeline order: each ends after the one feeding it
+        lanes.raise_failure()
 
-    def _downloads(self, work: queue.Queue, free: threading.Semaphore, dest, done, failed: list) -> None:
-        """The download thread: each coded piece back to its block's host bytes, in order; ``done``
-        per block once its bytes arrived."""
-        s_, segs, at, fp8 = self.streams, [], 0, False
-        try:
-            while (item := work.get()) is not None:
-                i, piece, coded, heads, offs = item
-                s = i % 2
-                view, memory = dest(piece.k, at, coded.numel())
-                self.down.wait_event(self.enc_done[s])
-                bounce = None
-                with s_.stream(self.down):
-                    if memory == "pinned":
-                        view.copy_(coded, non_blocking=True)
-                    elif self.host_down is not None and coded.numel():  # through a pinned buffer, then the pool
-                        bounce = self.host_down.buffer(s)[: coded.numel()]
-                        bounce.copy_(coded, non_blocking=True)
-                    elif memory == "pageable":
-                        view.copy_(coded)
-                    else:  # "mixed": partly registered host memory, through a fresh host tensor
-                        view.copy_(coded.cpu())
-                    self.down_done[s].record(self.down)
-                free.release()
-                if bounce is not None:
-                    self.down_done[s].synchronize()
-                    self.host_down.copy([(view.data_ptr(), bounce.data_ptr(), coded.numel())])
-                segs += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
-                at += coded.numel()
-                fp8 = fp8 or has_fp8(piece.specs)
-                if piece.last:
-                    self.down_done[s].synchronize()
-                    done(piece.k, at, DecodeTable(segs, **decode_paths(self.levels, fp8)))
-                    segs, at, fp8 = [], 0, False
-        except BaseException as e:  # handed to the calling thread
-            failed.append(e)
+    def _downloader(self, dest, coded_free: threading.Semaphore, finish: "_Lane"):
+        """The download stage: each coded piece back to its block's host bytes, in order; the
+        block to ``finish`` once its bytes arrived."""
+        state = {"segs": [], "at": 0, "fp8": False}
+
+        def download(item) -> None:
+            i, piece, coded, heads, offs = item
+            s, at = i % 2, state["at"]
+            view, memory = dest(piece.k, at, coded.numel())
+            self.down.wait_event(self.enc_done[s])
+            bounce = None
+            with self.streams.stream(self.down):
+                if memory == "pinned":
+                    view.copy_(coded, non_blocking=True)
+                elif self.host_down is not None and coded.numel():  # through a pinned buffer, then the pool
+                    bounce = self.host_down.buffer(s)[: coded.numel()]
+                    bounce.copy_(coded, non_blocking=True)
+                elif memory == "pageable":
+                    view.copy_(coded)
+                else:  # "mixed": partly registered host memory, through a fresh host tensor
+                    view.copy_(coded.cpu())
+                self.down_done[s].record(self.down)
+            coded_free.release()
+            if bounce is not None:
+                self.down_done[s].synchronize()
+                self.host_down.copy([(view.data_ptr(), bounce.data_ptr(), coded.numel())])
+            state["segs"] += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
+            state["at"] = at + coded.numel()
+            state["fp8"] = state["fp8"] or has_fp8(piece.specs)
+            if piece.last:
+                self.down_done[s].synchronize()
+                finish.put((piece.k, state["at"], DecodeTable(state["segs"], **decode_paths(self.levels, state["fp8"]))))
+                state.update(segs=[], at=0, fp8=False)
+
+        return download
 
     def _upload(self, i: int, fill) -> None:
         s = i % 2
@@ -240,6 +248,79 @@ class DeviceEncoder:
         with self.streams.stream(self.up):
             fill(self.items[i], self.raw[s], host)
             self.up_done[s].record(self.up)
+
+
+class _Lane:
+    """A thread running ``step(item)`` for each item :meth:`put`, in order, until :meth:`end`;
+    after a failure anywhere (``lanes.stop``) it skips what is left."""
+
+    def __init__(self, lanes: "_Lanes", name: str, step):
+        self.lanes, self.step, self.items = lanes, step, queue.Queue()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        self.items.put(item)
+
+    def end(self) -> None:
+        self.items.put(None)
+        self.thread.join()
+
+    def _loop(self) -> None:
+        while (item := self.items.get()) is not None:
+            if self.lanes.stop.is_set():
+                continue
+            try:
+                self.step(item)
+            except BaseException as e:  # handed to the calling thread
+                self.lanes.failed.append(e)
+                self.lanes.stop.set()
+
+
+class _Lanes:
+    """The stages of one :meth:`DeviceEncoder.run`: their threads, the first failure, a stop flag
+    every wait polls (a stage never waits for good on one that failed)."""
+
+    POLL_S = 0.05
+
+    def __init__(self):
+        self.failed: list[BaseException] = []
+        self.stop = threading.Event()
+
+    def lane(self, name: str, step) -> _Lane:
+        return _Lane(self, name, step)
+
+    @staticmethod
+    def semaphore(n: int) -> threading.Semaphore:
+        return threading.Semaphore(n)
+
+    def _check(self) -> None:
+        if self.stop.is_set():
+            raise _Stopped("weightstream: a stage of the GPU encoder stopped")
+
+    def acquire(self, sem: threading.Semaphore) -> None:
+        while not sem.acquire(timeout=self.POLL_S):
+            self._check()
+
+    def get(self, q: queue.Queue):
+        while True:
+            try:
+                return q.get(timeout=self.POLL_S)
+            except queue.Empty:
+                self._check()
+
+    def close(self, lanes: list[_Lane]) -> None:
+        for lane in lanes:
+            lane.end()
+
+    def raise_failure(self) -> None:
+        real = [e for e in self.failed if not isinstance(e, _Stopped)]
+        if real:
+            raise real[0]
+
+
+class _Stopped(RuntimeError):
+    """A stage gave up waiting: another one failed (that failure is what is raised)."""
 
 
 @dataclass(frozen=True)

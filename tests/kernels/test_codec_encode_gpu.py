@@ -151,6 +151,44 @@ def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_stagin
             assert (gtable.two_level, gtable.patched, gtable.ranked) == (table.two_level, table.patched, table.ranked)
 
 
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["fill", "dest", "done"])
+def test_a_failing_stage_raises_its_error_and_nothing_hangs(stage):
+    """Each of the encoder's stages (uploads, downloads, done) runs on a thread of its own: a failure
+    in any is raised by code_on_device itself (not a stand-in), the other stages stop, and ``done``
+    ran only for blocks before the failure, in order."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = [_block(gen, 1) for _ in range(4)]
+    layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
+    objs = [[t for _, _, t in ts] for ts in blocks]
+    regions = [torch.zeros(8 * lay.nbytes + 65536, dtype=torch.uint8) for lay in layouts]
+    inner = fill_from_tensors(lambda k, specs: by_offset(layouts[k], objs[k], specs))
+    finished = []
+
+    def fill(piece, staging, host=None):
+        if stage == "fill" and piece.k == 2:
+            raise _Boom("fill")
+        inner(piece, staging, host)
+
+    def dest(k, at, n):
+        if stage == "dest" and k == 2:
+            raise _Boom("dest")
+        return regions[k][at : at + n], "pageable"
+
+    def done(k, n, table):
+        if stage == "done" and k == 2:
+            raise _Boom("done")
+        finished.append(k)
+
+    with pytest.raises(_Boom, match=stage):
+        code_on_device(DEVICE, [pieces(k, lay) for k, lay in enumerate(layouts)], 1, fill, dest, done,
+                       host_staging=True)
+    assert finished == [0, 1][: len(finished)] and 3 not in finished
+
+
 def test_auto_codes_raw_blocks_where_they_lie_through_the_pipeline():
     """weight_codec='auto''s at-once path of a store that codes on the device
     (AutoCoding._code_on_device; here a CPU store told to take it: the interpreter and
