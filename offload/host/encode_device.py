@@ -18,10 +18,9 @@ Pieces of one block are coded back to back in its region; when the region is als
 Pageable host memory goes through two pinned host buffers each way (:class:`HostStaging`, made on
 first use, on CUDA): measured on the H200 machine, a copy from pageable memory runs 6.5 GB/s and one
 into freshly mapped pageable memory 1.3 GB/s (it faults every page on the copy's path), where a
-``memcpy`` split over threads (:class:`~.staging.CopyPool`) and a copy from or into registered
-memory run 15-50 GB/s. A piece's pageable tensors are copied into its slot's pinned buffer by the
-pool, then up; its coded bytes come down into a pinned buffer and the pool copies them into the
-block's region (the first touch of the region's pages spread over the pool's threads).
+host copy and a copy from or into registered memory run 15-50 GB/s. A piece's pageable tensors are
+copied into its slot's pinned buffer, then up; its coded bytes come down into a pinned buffer and
+are copied from it into the block's region.
 """
 from __future__ import annotations
 
@@ -35,13 +34,13 @@ import torch
 from weightstream.kernels.codec_encode_gpu import EncodeJob, encode_jobs
 from weightstream.kernels.codec_format import CodecSegment, DecodeTable
 from weightstream.offload.host.encode import CODED_DTYPES, _raw_bound, decode_paths, has_fp8
-from weightstream.offload.host.staging import CopyPool, PinnedBuffer, default_threads
+from weightstream.offload.host.staging import PinnedBuffer
 from weightstream.offload.layout import BlockLayout, TensorSpec
 from weightstream.offload.streams import CudaStreams, RecordingStreams
 
 __all__ = ["DeviceEncoder", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
 
-PIECE_BYTES = 128 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
+PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
 
 
 def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
@@ -94,35 +93,37 @@ def pieces(k: int, layout: BlockLayout, piece_bytes: int = PIECE_BYTES, *, whole
 
 
 class HostStaging:
-    """Two host buffers of ``nbytes`` (pinned where ``pin``: registered, :class:`~.staging.PinnedBuffer`)
-    and a pool of ``threads`` copy threads, made on first use; :meth:`close` gives them back."""
+    """Two host buffers of ``nbytes`` (pinned where ``pin``: registered, :class:`~.staging.PinnedBuffer`),
+    made on first use; :meth:`close` gives them back. Copies between them and pageable memory are
+    torch copies (:meth:`copy`): one call per tensor, the GIL released for all of it and the bytes
+    split over torch's threads. A pool of Python threads each copying a slice (as
+    :class:`~.staging.CopyPool` does) ran 4.6-6.7 GB/s here, every slice waiting for the GIL that
+    the encoder's other stages hold."""
 
-    def __init__(self, nbytes: int, *, pin: bool, threads: int):
-        self.nbytes, self.pin, self.threads = max(int(nbytes), 16), pin, threads
+    def __init__(self, nbytes: int, *, pin: bool):
+        self.nbytes, self.pin = max(int(nbytes), 16), pin
         self._buffers: list[PinnedBuffer] = []
-        self._pool: CopyPool | None = None
 
     def buffer(self, s: int) -> torch.Tensor:
         if not self._buffers:
             self._buffers = [PinnedBuffer(self.nbytes, pin=self.pin) for _ in range(2)]
         return self._buffers[s].tensor
 
-    def copy(self, runs: list[tuple[int, int, int]]) -> None:
-        """(destination address, source address, bytes) runs, copied by the pool."""
-        if self._pool is None:
-            self._pool = CopyPool(self.threads, name="weightstream-encode-copy")
-        self._pool.copy(runs)
+    @staticmethod
+    def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """(destination, source) host tensors of one dtype and shape, copied."""
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
 
     @property
     def used(self) -> bool:
         return bool(self._buffers)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
         for b in self._buffers:
             b.release()
-        self._buffers, self._pool = [], None
+        self._buffers = []
 
 
 class DeviceEncoder:
@@ -144,9 +145,9 @@ class DeviceEncoder:
         self.down_done = [streams.new_event() for _ in range(2)]
         self.staging_bytes = 2 * (self.raw[0].numel() + self.coded[0].numel())
         stage = self.device.type == "cuda" if host_staging is None else bool(host_staging)
-        pin, threads = self.device.type == "cuda", max(1, default_threads() // 2)  # two pools run side by side
-        self.host_up = HostStaging(raw + 16, pin=pin, threads=threads) if stage else None
-        self.host_down = HostStaging(coded, pin=pin, threads=threads) if stage else None
+        pin = self.device.type == "cuda"
+        self.host_up = HostStaging(raw + 16, pin=pin) if stage else None
+        self.host_down = HostStaging(coded, pin=pin) if stage else None
 
     def close(self) -> None:
         for h in (self.host_up, self.host_down):
@@ -156,7 +157,7 @@ class DeviceEncoder:
     def run(self, fill, dest, done) -> None:
         """Code every piece. ``fill(piece, staging, host)``: issue the copy of the piece's image bytes
         into ``staging[:piece.span]`` on the current stream (tensor i at ``spec.offset -
-        piece.base``), pageable ones through ``host`` (this slot's pinned buffer and copy pool, or
+        piece.base``), pageable ones through ``host`` (this slot's pinned buffer and its copies, or
         None: :func:`fill_from_tensors`). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
         n), its memory: "pinned" (copied into without blocking), "pageable" (a blocking copy) or
         "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes, table)``:
@@ -217,7 +218,7 @@ class DeviceEncoder:
             with self.streams.stream(self.down):
                 if memory == "pinned":
                     view.copy_(coded, non_blocking=True)
-                elif self.host_down is not None and coded.numel():  # through a pinned buffer, then the pool
+                elif self.host_down is not None and coded.numel():  # through a pinned buffer, then a host copy
                     bounce = self.host_down.buffer(s)[: coded.numel()]
                     bounce.copy_(coded, non_blocking=True)
                 elif memory == "pageable":
@@ -228,7 +229,7 @@ class DeviceEncoder:
             coded_free.release()
             if bounce is not None:
                 self.down_done[s].synchronize()
-                self.host_down.copy([(view.data_ptr(), bounce.data_ptr(), coded.numel())])
+                self.host_down.copy([(view, bounce)])
             state["segs"] += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
             state["at"] = at + coded.numel()
             state["fp8"] = state["fp8"] or has_fp8(piece.specs)
@@ -346,9 +347,9 @@ def fill_from_tensors(tensors_of):
         ts = tensors_of(piece.k, piece.specs)
         staging[: piece.span].zero_()
         staged = {i for i, (spec, t) in enumerate(zip(piece.specs, ts)) if host is not None and _stageable(spec, t)}
-        if staged:  # pageable and contiguous: into the pinned buffer by the pool, then up
+        if staged:  # pageable and contiguous: into the pinned buffer by a host copy, then up
             buf = host.buffer()
-            host.copy([(buf.data_ptr() + piece.specs[i].offset - piece.base, ts[i].data_ptr(), piece.specs[i].nbytes)
+            host.copy([(buf[piece.specs[i].offset - piece.base :][: piece.specs[i].nbytes], _bytes_of(ts[i]))
                        for i in sorted(staged)])
         with torch.no_grad():
             for i, (spec, t) in enumerate(zip(piece.specs, ts)):
@@ -365,6 +366,11 @@ def _stageable(spec: TensorSpec, t: torch.Tensor) -> bool:
     """A tensor copied up through the pinned buffer: on the host, not pinned, its bytes one run."""
     return (t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() == spec.nbytes
             and spec.nbytes > 0 and not (torch.cuda.is_available() and t.is_pinned()))
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor's bytes, as a flat uint8 view."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def by_offset(layout: BlockLayout, tensors, specs) -> list[torch.Tensor]:
