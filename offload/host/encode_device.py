@@ -8,8 +8,9 @@ coded bytes come back on a third stream into the block's host region, so that th
 i + 1, the encode of piece i and the download of piece i - 1 (on a thread of its own) overlap. The coded bytes are the CPU
 encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
 rule per tensor (:func:`tensor_jobs`), the same table (:func:`.encode.decode_paths`). Host memory:
-nothing beyond the regions the coded bytes go to (no second host copy of a block); device memory:
-the four staging buffers, allocated per :class:`DeviceEncoder` and freed with it.
+the regions the coded bytes go to (no second host copy of a block) and four pinned buffers of
+:data:`HOST_CHUNK_BYTES`; device memory: the four staging buffers, allocated per
+:class:`DeviceEncoder` and freed with it.
 
 Pieces of one block are coded back to back in its region; when the region is also the raw source
 (weight_codec="auto" codes raw blocks where they lie), a block is one piece (:func:`pieces`
@@ -38,9 +39,10 @@ from weightstream.offload.host.staging import PinnedBuffer
 from weightstream.offload.layout import BlockLayout, TensorSpec
 from weightstream.offload.streams import CudaStreams, RecordingStreams
 
-__all__ = ["DeviceEncoder", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
+__all__ = ["DeviceEncoder", "HOST_CHUNK_BYTES", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
 
 PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
+HOST_CHUNK_BYTES = 64 << 20  # each of the four pinned host buffers (two up, two down)
 
 
 def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
@@ -93,36 +95,83 @@ def pieces(k: int, layout: BlockLayout, piece_bytes: int = PIECE_BYTES, *, whole
 
 
 class HostStaging:
-    """Two host buffers of ``nbytes`` (pinned where ``pin``: registered, :class:`~.staging.PinnedBuffer`),
-    made on first use; :meth:`close` gives them back. Copies between them and pageable memory are
-    torch copies (:meth:`copy`): one call per tensor, the GIL released for all of it and the bytes
-    split over torch's threads. A pool of Python threads each copying a slice (as
-    :class:`~.staging.CopyPool` does) ran 4.6-6.7 GB/s here, every slice waiting for the GIL that
-    the encoder's other stages hold."""
+    """Pageable host bytes to and from the device through two pinned host buffers of ``nbytes``
+    (registered where ``pin``: :class:`~.staging.PinnedBuffer`, made on first use), a chunk at a
+    time: a chunk's host copy into one buffer overlaps the other's DMA. The buffers bound the
+    host memory staging takes (the setup's peak RSS), whatever a piece's size. Host copies are
+    torch copies: the GIL released for each and the bytes split over torch's threads (a pool of
+    Python threads copying slices ran 4.6-6.7 GB/s on the H200 machine, each slice waiting for the
+    GIL the encoder's other stages hold). ``streams``: the backend whose events order the reuse."""
 
-    def __init__(self, nbytes: int, *, pin: bool):
+    def __init__(self, nbytes: int, *, pin: bool, streams):
         self.nbytes, self.pin = max(int(nbytes), 16), pin
         self._buffers: list[PinnedBuffer] = []
+        self._events = [streams.new_event() for _ in range(2)]
+        self._issued = [False, False]  # a copy was issued on the buffer (its event recorded)
+        self._next = 0
 
-    def buffer(self, s: int) -> torch.Tensor:
+    def _take(self) -> tuple[int, torch.Tensor]:
+        """The next buffer, once the last copy that read or wrote it is done."""
         if not self._buffers:
             self._buffers = [PinnedBuffer(self.nbytes, pin=self.pin) for _ in range(2)]
-        return self._buffers[s].tensor
+        b, self._next = self._next, 1 - self._next
+        if self._issued[b]:
+            self._events[b].synchronize()
+        return b, self._buffers[b].tensor
 
-    @staticmethod
-    def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """(destination, source) host tensors of one dtype and shape, copied."""
+    def _issued_on(self, b: int, stream) -> None:
+        self._events[b].record(stream)
+        self._issued[b] = True
+
+    def upload(self, runs: list[tuple[torch.Tensor, torch.Tensor]], stream) -> None:
+        """(device destination, host source) uint8 runs of equal length: each source packed into
+        the buffers, chunk by chunk, and copied up on ``stream`` (the current one)."""
+        todo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        b, buf, used = None, None, 0
         with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
+            for dst, src in runs:
+                at, n = 0, src.numel()
+                while at < n:
+                    if buf is None or used == self.nbytes:
+                        if todo:
+                            self._up(b, todo, stream)
+                        (b, buf), used, todo = self._take(), 0, []
+                    m = min(self.nbytes - used, n - at)
+                    buf[used : used + m].copy_(src[at : at + m])
+                    todo.append((dst[at : at + m], buf[used : used + m]))
+                    used, at = used + m, at + m
+            if todo:
+                self._up(b, todo, stream)
 
-    @property
-    def used(self) -> bool:
-        return bool(self._buffers)
+    def _up(self, b: int, todo, stream) -> None:
+        for dst, host in todo:
+            dst.copy_(host, non_blocking=True)
+        self._issued_on(b, stream)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """Device uint8 ``src`` into host ``dst`` (as long), chunk by chunk on ``stream`` (the
+        current one): the copy out of one buffer overlaps the DMA into the other. Returns once
+        ``dst`` holds the bytes."""
+        prev = None
+        with torch.no_grad():
+            for at in range(0, src.numel(), self.nbytes):
+                m = min(self.nbytes, src.numel() - at)
+                b, buf = self._take()
+                buf[:m].copy_(src[at : at + m], non_blocking=True)
+                self._issued_on(b, stream)
+                if prev is not None:
+                    self._drain(*prev)
+                prev = (b, dst[at : at + m])
+            if prev is not None:
+                self._drain(*prev)
+
+    def _drain(self, b: int, dst: torch.Tensor) -> None:
+        self._events[b].synchronize()
+        dst.copy_(self._buffers[b].tensor[: dst.numel()])
 
     def close(self) -> None:
-        for b in self._buffers:
-            b.release()
+        for buf in self._buffers:
+            buf.release()
         self._buffers = []
 
 
@@ -130,9 +179,11 @@ class DeviceEncoder:
     """Blocks coded on ``device`` (see the module docstring); ``streams``: a backend of
     :mod:`weightstream.offload.streams` (CUDA streams on CUDA; RecordingStreams on the CPU, where
     the encoder runs under TRITON_INTERPRET=1 and nothing is asynchronous). ``host_staging``: copy
-    pageable host memory through pinned buffers (:class:`HostStaging`; None: on a CUDA device)."""
+    pageable host memory through pinned buffers (:class:`HostStaging`, two each way of ``host_chunk``
+    bytes; None: on a CUDA device)."""
 
-    def __init__(self, device, streams, items: list[Piece], levels: int, *, host_staging: bool | None = None):
+    def __init__(self, device, streams, items: list[Piece], levels: int, *, host_staging: bool | None = None,
+                 host_chunk: int = HOST_CHUNK_BYTES):
         self.device, self.streams, self.levels, self.items = torch.device(device), streams, levels, list(items)
         raw = max((p.span for p in self.items), default=0)
         coded = max((p.coded_bound for p in self.items), default=0)
@@ -145,9 +196,9 @@ class DeviceEncoder:
         self.down_done = [streams.new_event() for _ in range(2)]
         self.staging_bytes = 2 * (self.raw[0].numel() + self.coded[0].numel())
         stage = self.device.type == "cuda" if host_staging is None else bool(host_staging)
-        pin = self.device.type == "cuda"
-        self.host_up = HostStaging(raw + 16, pin=pin) if stage else None
-        self.host_down = HostStaging(coded, pin=pin) if stage else None
+        pin, chunk = self.device.type == "cuda", min(raw + 16, host_chunk)
+        self.host_up = HostStaging(chunk, pin=pin, streams=streams) if stage else None
+        self.host_down = HostStaging(chunk, pin=pin, streams=streams) if stage else None
 
     def close(self) -> None:
         for h in (self.host_up, self.host_down):
@@ -214,22 +265,17 @@ class DeviceEncoder:
             s, at = i % 2, state["at"]
             view, memory = dest(piece.k, at, coded.numel())
             self.down.wait_event(self.enc_done[s])
-            bounce = None
             with self.streams.stream(self.down):
                 if memory == "pinned":
                     view.copy_(coded, non_blocking=True)
-                elif self.host_down is not None and coded.numel():  # through a pinned buffer, then a host copy
-                    bounce = self.host_down.buffer(s)[: coded.numel()]
-                    bounce.copy_(coded, non_blocking=True)
+                elif self.host_down is not None:  # through the pinned buffers, chunk by chunk
+                    self.host_down.download(view, coded, self.down)
                 elif memory == "pageable":
                     view.copy_(coded)
                 else:  # "mixed": partly registered host memory, through a fresh host tensor
                     view.copy_(coded.cpu())
                 self.down_done[s].record(self.down)
             coded_free.release()
-            if bounce is not None:
-                self.down_done[s].synchronize()
-                self.host_down.copy([(view, bounce)])
             state["segs"] += [CodecSegment(at + o, spec.offset, h) for o, spec, h in zip(offs, piece.specs, heads)]
             state["at"] = at + coded.numel()
             state["fp8"] = state["fp8"] or has_fp8(piece.specs)
@@ -243,9 +289,7 @@ class DeviceEncoder:
     def _upload(self, i: int, fill) -> None:
         s = i % 2
         self.up.wait_event(self.enc_done[s])  # the staging buffer's last encode is done
-        if self.host_up is not None and self.host_up.used:
-            self.up_done[s].synchronize()  # the pinned buffer's last copy up is done (piece i - 2)
-        host = None if self.host_up is None else _SlotStaging(self.host_up, s)
+        host = None if self.host_up is None else _Upload(self.host_up, self.up)
         with self.streams.stream(self.up):
             fill(self.items[i], self.raw[s], host)
             self.up_done[s].record(self.up)
@@ -325,17 +369,14 @@ class _Stopped(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _SlotStaging:
-    """Slot ``s`` of an upload's :class:`HostStaging` (what a ``fill`` stages pageable tensors through)."""
+class _Upload:
+    """What a ``fill`` stages pageable tensors through: the uploads' :class:`HostStaging` on ``stream``."""
 
     staging: HostStaging
-    s: int
+    stream: object
 
-    def buffer(self) -> torch.Tensor:
-        return self.staging.buffer(self.s)
-
-    def copy(self, runs) -> None:
-        self.staging.copy(runs)
+    def upload(self, runs) -> None:
+        self.staging.upload(runs, self.stream)
 
 
 def fill_from_tensors(tensors_of):
@@ -347,16 +388,13 @@ def fill_from_tensors(tensors_of):
         ts = tensors_of(piece.k, piece.specs)
         staging[: piece.span].zero_()
         staged = {i for i, (spec, t) in enumerate(zip(piece.specs, ts)) if host is not None and _stageable(spec, t)}
-        if staged:  # pageable and contiguous: into the pinned buffer by a host copy, then up
-            buf = host.buffer()
-            host.copy([(buf[piece.specs[i].offset - piece.base :][: piece.specs[i].nbytes], _bytes_of(ts[i]))
-                       for i in sorted(staged)])
+        if staged:  # pageable and contiguous: through the pinned buffers
+            host.upload([(staging[piece.specs[i].offset - piece.base :][: piece.specs[i].nbytes], _bytes_of(ts[i]))
+                         for i in sorted(staged)])
         with torch.no_grad():
             for i, (spec, t) in enumerate(zip(piece.specs, ts)):
-                at = spec.offset - piece.base
-                if i in staged:
-                    staging[at : at + spec.nbytes].copy_(buf[at : at + spec.nbytes], non_blocking=True)
-                else:
+                if i not in staged:
+                    at = spec.offset - piece.base
                     dataclasses.replace(spec, offset=at).view_of(staging).copy_(t.detach(), non_blocking=True)
 
     return fill
@@ -380,18 +418,19 @@ def by_offset(layout: BlockLayout, tensors, specs) -> list[torch.Tensor]:
 
 
 def code_on_device(device, block_pieces, levels: int, fill, dest, done, streams=None, *,
-                   release: bool = False, host_staging: bool | None = None) -> int:
+                   release: bool = False, host_staging: bool | None = None, host_chunk: int = HOST_CHUNK_BYTES) -> int:
     """Code the blocks of ``block_pieces`` (per block, :func:`pieces`) on ``device`` (see
     :meth:`DeviceEncoder.run` for ``fill``, ``dest``, ``done``); ``streams``: CUDA streams on CUDA,
     RecordingStreams on the CPU by default. ``release``: give the staging buffers' memory back to
     the driver afterwards (``torch.cuda.empty_cache``: at setup, so that the device's used memory
-    does not keep them). ``host_staging``: see :class:`DeviceEncoder`. Returns the device bytes the
+    does not keep them). ``host_staging``, ``host_chunk`` (bytes of each pinned host buffer): see
+    :class:`DeviceEncoder`. Returns the device bytes the
     staging buffers took."""
     device = torch.device(device)
     if streams is None:
         streams = CudaStreams() if device.type == "cuda" else RecordingStreams()
     encoder = DeviceEncoder(device, streams, [p for ps in block_pieces for p in ps], levels,
-                            host_staging=host_staging)
+                            host_staging=host_staging, host_chunk=host_chunk)
     try:
         encoder.run(fill, dest, done)
     finally:

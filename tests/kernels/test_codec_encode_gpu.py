@@ -124,11 +124,11 @@ def _block(gen, scale: int = 1):
     return ts
 
 
-@pytest.mark.parametrize("levels, host_staging", [(1, True), (2, False), (PATCHED, True)])
-def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_staging):
+@pytest.mark.parametrize("levels, host_staging, host_chunk", [(1, True, 1 << 20), (2, False, 1 << 20), (PATCHED, True, 1000)])
+def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_staging, host_chunk):
     """code_on_device (the staging pipeline of BlockImages on CUDA; here with RecordingStreams on
     the CPU) stores, per block, encode_image's bytes and table, pieces cut or not; through the
-    host buffers and copy pools (as pageable memory goes on CUDA) or straight."""
+    host buffers (as pageable memory goes on CUDA; chunks smaller than a piece too) or straight."""
     gen = torch.Generator().manual_seed(levels)
     blocks = [_block(gen, s) for s in (1, 2)]
     layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
@@ -140,7 +140,8 @@ def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_stagin
         assert all(len(p) == 1 for p in ps) == (piece_bytes > 8192)
         code_on_device(DEVICE, ps, levels, fill_from_tensors(lambda k, specs: by_offset(layouts[k], objs[k], specs)),
                        lambda k, at, n: (regions[k][at : at + n], "pageable"),
-                       lambda k, n, table: got.setdefault(k, (n, table)), host_staging=host_staging)
+                       lambda k, n, table: got.setdefault(k, (n, table)), host_staging=host_staging,
+                       host_chunk=host_chunk)
         assert sorted(got) == [0, 1]
         for k, lay in enumerate(layouts):
             blobs, table = encode_image(lay, objs[k], levels=levels)
