@@ -5,8 +5,8 @@ each block is cut into pieces of whole tensors (at most :data:`PIECE_BYTES` of i
 larger tensor); a piece's raw image bytes go up into one of two device staging buffers on a copy
 stream, are coded there on a stream of their own into one of two coded staging buffers, and its
 coded bytes come back on a third stream into the block's host region, so that the upload of piece
-i + 1, the encode of piece i and the download of piece i - 1 (on a thread of its own) overlap. The coded bytes are the CPU
-encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
+i + 1, the encode of piece i and the download of piece i - 1 overlap, each issued from a thread of
+its own (:meth:`DeviceEncoder.run`). The coded bytes are the CPU encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
 rule per tensor (:func:`tensor_jobs`), the same table (:func:`.encode.decode_paths`). Host memory:
 the regions the coded bytes go to (no second host copy of a block) and four pinned buffers of
 :data:`HOST_CHUNK_BYTES`; device memory: the four staging buffers, allocated per
@@ -208,8 +208,8 @@ class DeviceEncoder:
     def run(self, fill, dest, done) -> None:
         """Code every piece. ``fill(piece, staging, host)``: issue the copy of the piece's image bytes
         into ``staging[:piece.span]`` on the current stream (tensor i at ``spec.offset -
-        piece.base``), pageable ones through ``host`` (this slot's pinned buffer and its copies, or
-        None: :func:`fill_from_tensors`). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
+        piece.base``), pageable ones through ``host`` (``host.upload(runs)``: the uploads'
+        :class:`HostStaging`, or None: :func:`fill_from_tensors`). ``dest(k, at, n)``: (host uint8 view of block ``k``'s coded bytes [at, at +
         n), its memory: "pinned" (copied into without blocking), "pageable" (a blocking copy) or
         "mixed" (partly registered: through a fresh host tensor)). ``done(k, nbytes, table)``:
         once block ``k``'s coded bytes are all on the host, in block order.
@@ -220,7 +220,7 @@ class DeviceEncoder:
         originals and pinning the region), so that no stage waits for another's host work."""
         self.up.wait_stream(self.streams.current_stream(self.device))  # tensors on the device may be written there
         lanes = _Lanes()
-        raw_free, coded_free = lanes.semaphore(2), lanes.semaphore(2)  # staging buffers free to overwrite
+        raw_free, coded_free = threading.Semaphore(2), threading.Semaphore(2)  # staging buffers free to overwrite
         uploaded: queue.Queue = queue.Queue()
 
         def upload(i: int) -> None:
@@ -252,7 +252,8 @@ class DeviceEncoder:
             lanes.stop.set()
             raise
         finally:
-            lanes.close([ups, down, finish])  # in pipeline order: each ends after the one feeding it
+            for lane in (ups, down, finish):  # in pipeline order: each ends after the one feeding it
+                lane.end()
         lanes.raise_failure()
 
     def _downloader(self, dest, coded_free: threading.Semaphore, finish: "_Lane"):
@@ -335,10 +336,6 @@ class _Lanes:
     def lane(self, name: str, step) -> _Lane:
         return _Lane(self, name, step)
 
-    @staticmethod
-    def semaphore(n: int) -> threading.Semaphore:
-        return threading.Semaphore(n)
-
     def _check(self) -> None:
         if self.stop.is_set():
             raise _Stopped("weightstream: a stage of the GPU encoder stopped")
@@ -353,10 +350,6 @@ class _Lanes:
                 return q.get(timeout=self.POLL_S)
             except queue.Empty:
                 self._check()
-
-    def close(self, lanes: list[_Lane]) -> None:
-        for lane in lanes:
-            lane.end()
 
     def raise_failure(self) -> None:
         real = [e for e in self.failed if not isinstance(e, _Stopped)]
