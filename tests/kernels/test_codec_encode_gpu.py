@@ -243,8 +243,11 @@ def test_gpu_large_tensors_and_the_golden_digests():
 
 
 @pytest.mark.gpu
-def test_gpu_blocks_through_the_staging_pair():
-    """The pipeline on CUDA streams (uploads, encodes and downloads overlapping): encode_image's bytes."""
+@pytest.mark.parametrize("host_chunk", [64 << 20, 12345])
+def test_gpu_blocks_through_the_staging_pair(host_chunk):
+    """The pipeline on CUDA streams (uploads, encodes and downloads overlapping, each from a thread
+    of its own; pageable bytes through the pinned buffers whole or in many chunks a piece):
+    encode_image's bytes."""
     gen = torch.Generator().manual_seed(1)
     blocks = [_block(gen, s) for s in (64, 128, 64, 32)]
     layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
@@ -255,7 +258,7 @@ def test_gpu_blocks_through_the_staging_pair():
         code_on_device("cuda", [pieces(k, lay, 1 << 20) for k, lay in enumerate(layouts)], levels,
                        fill_from_tensors(lambda k, specs: by_offset(layouts[k], objs[k], specs)),
                        lambda k, at, n: (regions[k][at : at + n], "pageable"),
-                       lambda k, n, table: got.setdefault(k, (n, table)))
+                       lambda k, n, table: got.setdefault(k, (n, table)), host_chunk=host_chunk)
         for k, lay in enumerate(layouts):
             blobs, table = encode_image(lay, objs[k], levels=levels)
             want = torch.cat(blobs)
