@@ -2,14 +2,15 @@
 
 :class:`DeviceEncoder` codes blocks with :func:`weightstream.kernels.codec_encode_gpu.encode_jobs`:
 each block is cut into pieces of whole tensors (at most :data:`PIECE_BYTES` of image bytes, or one
-larger tensor); a piece's raw image bytes go up into one of two device staging buffers on a copy
-stream, are coded there on a stream of their own into one of two coded staging buffers, and its
+larger tensor); a piece's raw image bytes go up into one of ``depth`` (:data:`DEPTH`) device staging
+buffers on a copy stream, are coded there on a stream of their own into one of ``depth`` coded
+staging buffers, and its
 coded bytes come back on a third stream into the block's host region, so that the upload of piece
 i + 1, the encode of piece i and the download of piece i - 1 overlap, each issued from a thread of
 its own (:meth:`DeviceEncoder.run`). The coded bytes are the CPU encoder's (:func:`.encode.encode_image`, the reference and the encoder of CPU devices): the same
 rule per tensor (:func:`tensor_jobs`), the same table (:func:`.encode.decode_paths`). Host memory:
 the regions the coded bytes go to (no second host copy of a block) and four pinned buffers of
-:data:`HOST_CHUNK_BYTES`; device memory: the four staging buffers, allocated per
+:data:`HOST_CHUNK_BYTES`; device memory: the 2 x ``depth`` staging buffers, allocated per
 :class:`DeviceEncoder` and freed with it.
 
 Pieces of one block are coded back to back in its region; when the region is also the raw source
@@ -39,10 +40,13 @@ from weightstream.offload.host.staging import PinnedBuffer
 from weightstream.offload.layout import BlockLayout, TensorSpec
 from weightstream.offload.streams import CudaStreams, RecordingStreams
 
-__all__ = ["DeviceEncoder", "HOST_CHUNK_BYTES", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
+__all__ = ["DEPTH", "DeviceEncoder", "HOST_CHUNK_BYTES", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
 
 PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
 HOST_CHUNK_BYTES = 64 << 20  # each of the four pinned host buffers (two up, two down)
+# device staging buffers of each kind (raw, coded): the stages run DEPTH - 1 pieces apart at most,
+# so that pieces of unequal sizes (whole tensors) do not hold the next stage at every step
+DEPTH = 3
 
 
 def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
@@ -180,21 +184,24 @@ class DeviceEncoder:
     :mod:`weightstream.offload.streams` (CUDA streams on CUDA; RecordingStreams on the CPU, where
     the encoder runs under TRITON_INTERPRET=1 and nothing is asynchronous). ``host_staging``: copy
     pageable host memory through pinned buffers (:class:`HostStaging`, two each way of ``host_chunk``
-    bytes; None: on a CUDA device)."""
+    bytes; None: on a CUDA device). ``depth``: device staging buffers of each kind (raw, coded)."""
 
     def __init__(self, device, streams, items: list[Piece], levels: int, *, host_staging: bool | None = None,
-                 host_chunk: int = HOST_CHUNK_BYTES):
+                 host_chunk: int = HOST_CHUNK_BYTES, depth: int = DEPTH):
+        if not isinstance(depth, int) or depth < 2:
+            raise ValueError(f"depth={depth!r} is not allowed: staging buffers of each kind, an int >= 2")
         self.device, self.streams, self.levels, self.items = torch.device(device), streams, levels, list(items)
+        self.depth = depth
         raw = max((p.span for p in self.items), default=0)
         coded = max((p.coded_bound for p in self.items), default=0)
         # 16 bytes more: a tensor of an odd byte count loads one byte past its span (its value unused)
-        self.raw = [torch.empty(raw + 16, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.coded = [torch.empty(max(coded, 16), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.raw = [torch.empty(raw + 16, dtype=torch.uint8, device=self.device) for _ in range(depth)]
+        self.coded = [torch.empty(max(coded, 16), dtype=torch.uint8, device=self.device) for _ in range(depth)]
         self.up, self.enc, self.down = (streams.new_stream(self.device) for _ in range(3))
-        self.up_done = [streams.new_event() for _ in range(2)]
-        self.enc_done = [streams.new_event() for _ in range(2)]
-        self.down_done = [streams.new_event() for _ in range(2)]
-        self.staging_bytes = 2 * (self.raw[0].numel() + self.coded[0].numel())
+        self.up_done = [streams.new_event() for _ in range(depth)]
+        self.enc_done = [streams.new_event() for _ in range(depth)]
+        self.down_done = [streams.new_event() for _ in range(depth)]
+        self.staging_bytes = depth * (self.raw[0].numel() + self.coded[0].numel())
         stage = self.device.type == "cuda" if host_staging is None else bool(host_staging)
         pin, chunk = self.device.type == "cuda", min(raw + 16, host_chunk)
         self.host_up = HostStaging(chunk, pin=pin, streams=streams) if stage else None
@@ -220,11 +227,11 @@ class DeviceEncoder:
         originals and pinning the region), so that no stage waits for another's host work."""
         self.up.wait_stream(self.streams.current_stream(self.device))  # tensors on the device may be written there
         lanes = _Lanes()
-        raw_free, coded_free = threading.Semaphore(2), threading.Semaphore(2)  # staging buffers free to overwrite
+        raw_free, coded_free = threading.Semaphore(self.depth), threading.Semaphore(self.depth)  # free to overwrite
         uploaded: queue.Queue = queue.Queue()
 
         def upload(i: int) -> None:
-            lanes.acquire(raw_free)  # the encode of piece i - 2 was issued: its buffer may be refilled
+            lanes.acquire(raw_free)  # the encode of piece i - depth was issued: its buffer may be refilled
             self._upload(i, fill)
             uploaded.put(i)
 
@@ -235,9 +242,9 @@ class DeviceEncoder:
             for i in range(len(self.items)):
                 ups.put(i)
             for i, piece in enumerate(self.items):
-                s = i % 2
+                s = i % self.depth
                 lanes.get(uploaded)
-                lanes.acquire(coded_free)  # the download of piece i - 2 was issued
+                lanes.acquire(coded_free)  # the download of piece i - depth was issued
                 self.enc.wait_event(self.up_done[s])
                 self.enc.wait_event(self.down_done[s])  # ... before this encode overwrites its buffer
                 with self.streams.stream(self.enc):
@@ -263,7 +270,7 @@ class DeviceEncoder:
 
         def download(item) -> None:
             i, piece, coded, heads, offs = item
-            s, at = i % 2, state["at"]
+            s, at = i % self.depth, state["at"]
             view, memory = dest(piece.k, at, coded.numel())
             self.down.wait_event(self.enc_done[s])
             with self.streams.stream(self.down):
@@ -288,7 +295,7 @@ class DeviceEncoder:
         return download
 
     def _upload(self, i: int, fill) -> None:
-        s = i % 2
+        s = i % self.depth
         self.up.wait_event(self.enc_done[s])  # the staging buffer's last encode is done
         host = None if self.host_up is None else _Upload(self.host_up, self.up)
         with self.streams.stream(self.up):
@@ -411,19 +418,20 @@ def by_offset(layout: BlockLayout, tensors, specs) -> list[torch.Tensor]:
 
 
 def code_on_device(device, block_pieces, levels: int, fill, dest, done, streams=None, *,
-                   release: bool = False, host_staging: bool | None = None, host_chunk: int = HOST_CHUNK_BYTES) -> int:
+                   release: bool = False, host_staging: bool | None = None, host_chunk: int = HOST_CHUNK_BYTES,
+                   depth: int = DEPTH) -> int:
     """Code the blocks of ``block_pieces`` (per block, :func:`pieces`) on ``device`` (see
     :meth:`DeviceEncoder.run` for ``fill``, ``dest``, ``done``); ``streams``: CUDA streams on CUDA,
     RecordingStreams on the CPU by default. ``release``: give the staging buffers' memory back to
     the driver afterwards (``torch.cuda.empty_cache``: at setup, so that the device's used memory
-    does not keep them). ``host_staging``, ``host_chunk`` (bytes of each pinned host buffer): see
-    :class:`DeviceEncoder`. Returns the device bytes the
+    does not keep them). ``host_staging``, ``host_chunk`` (bytes of each pinned host buffer),
+    ``depth``: see :class:`DeviceEncoder`. Returns the device bytes the
     staging buffers took."""
     device = torch.device(device)
     if streams is None:
         streams = CudaStreams() if device.type == "cuda" else RecordingStreams()
     encoder = DeviceEncoder(device, streams, [p for ps in block_pieces for p in ps], levels,
-                            host_staging=host_staging, host_chunk=host_chunk)
+                            host_staging=host_staging, host_chunk=host_chunk, depth=depth)
     try:
         encoder.run(fill, dest, done)
     finally:

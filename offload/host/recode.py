@@ -209,8 +209,10 @@ class AutoCoding:
             bar.update(self.layouts[k].nbytes)
 
         try:
+            # two buffers of each kind: whole blocks, coded during a step, beside the planned residency
             code_on_device(self.device, [pieces(k, self.layouts[k], whole=True) for k in ks], self.levels,
-                           fill_from_tensors(lambda k, specs: [s.view_of(self.region(k)) for s in specs]), dest, done)
+                           fill_from_tensors(lambda k, specs: [s.view_of(self.region(k)) for s in specs]), dest, done,
+                           depth=2)
         finally:
             bar.close()
             self._coded_since()

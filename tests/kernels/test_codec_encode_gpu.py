@@ -124,11 +124,13 @@ def _block(gen, scale: int = 1):
     return ts
 
 
-@pytest.mark.parametrize("levels, host_staging, host_chunk", [(1, True, 1 << 20), (2, False, 1 << 20), (PATCHED, True, 1000)])
-def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_staging, host_chunk):
+@pytest.mark.parametrize("levels, host_staging, host_chunk, depth",
+                         [(1, True, 1 << 20, 3), (2, False, 1 << 20, 2), (PATCHED, True, 1000, 4)])
+def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_staging, host_chunk, depth):
     """code_on_device (the staging pipeline of BlockImages on CUDA; here with RecordingStreams on
     the CPU) stores, per block, encode_image's bytes and table, pieces cut or not; through the
-    host buffers (as pageable memory goes on CUDA; chunks smaller than a piece too) or straight."""
+    host buffers (as pageable memory goes on CUDA; chunks smaller than a piece too) or straight, with
+    2 to 4 staging buffers of each kind."""
     gen = torch.Generator().manual_seed(levels)
     blocks = [_block(gen, s) for s in (1, 2)]
     layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
@@ -141,7 +143,7 @@ def test_blocks_through_the_staging_pair_give_the_host_bytes(levels, host_stagin
         code_on_device(DEVICE, ps, levels, fill_from_tensors(lambda k, specs: by_offset(layouts[k], objs[k], specs)),
                        lambda k, at, n: (regions[k][at : at + n], "pageable"),
                        lambda k, n, table: got.setdefault(k, (n, table)), host_staging=host_staging,
-                       host_chunk=host_chunk)
+                       host_chunk=host_chunk, depth=depth)
         assert sorted(got) == [0, 1]
         for k, lay in enumerate(layouts):
             blobs, table = encode_image(lay, objs[k], levels=levels)
@@ -184,6 +186,8 @@ def test_a_failing_stage_raises_its_error_and_nothing_hangs(stage):
             raise _Boom("done")
         finished.append(k)
 
+    with pytest.raises(ValueError, match="depth=1 is not allowed"):
+        code_on_device(DEVICE, [pieces(0, layouts[0])], 1, fill, dest, done, depth=1)
     with pytest.raises(_Boom, match=stage):
         code_on_device(DEVICE, [pieces(k, lay) for k, lay in enumerate(layouts)], 1, fill, dest, done,
                        host_staging=True)
