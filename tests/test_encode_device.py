@@ -62,3 +62,15 @@ def test_download_in_chunks_gives_the_bytes_back(n):
         assert torch.equal(dst, src)
     _reuse_waits(streams.trace)
     staging.close()
+
+
+def test_piece_size_follows_free_device_memory():
+    """The setup's pieces: PIECE_BYTES off CUDA and with room; smaller where the staging buffers
+    (2 x DEPTH of them) would take more than a quarter of the free device memory; never below 16 MB."""
+    from weightstream.offload.host.encode_device import DEPTH, PIECE_BYTES, piece_bytes_for
+
+    assert piece_bytes_for("cpu") == PIECE_BYTES
+    assert piece_bytes_for("cuda", free_bytes=100 << 30) == PIECE_BYTES
+    small = piece_bytes_for("cuda", free_bytes=2 << 30)
+    assert small < PIECE_BYTES and 2 * DEPTH * small <= (2 << 30) // 4
+    assert piece_bytes_for("cuda", free_bytes=1 << 20) == 16 << 20

@@ -40,7 +40,7 @@ from weightstream.offload.host.staging import PinnedBuffer
 from weightstream.offload.layout import BlockLayout, TensorSpec
 from weightstream.offload.streams import CudaStreams, RecordingStreams
 
-__all__ = ["DEPTH", "DeviceEncoder", "HOST_CHUNK_BYTES", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "pieces", "tensor_jobs"]
+__all__ = ["DEPTH", "DeviceEncoder", "HOST_CHUNK_BYTES", "HostStaging", "PIECE_BYTES", "by_offset", "code_on_device", "fill_from_tensors", "piece_bytes_for", "pieces", "tensor_jobs"]
 
 PIECE_BYTES = 256 << 20  # image bytes a piece holds at most (one tensor larger than this is a piece alone)
 HOST_CHUNK_BYTES = 64 << 20  # each of the four pinned host buffers (two up, two down)
@@ -60,6 +60,18 @@ def tensor_jobs(specs, base: int = 0) -> list[EncodeJob]:
         else:
             jobs.append(EncodeJob(s.offset - base, s.nbytes, torch.int16, 8))
     return jobs
+
+
+def piece_bytes_for(device, free_bytes: int | None = None) -> int:
+    """The piece size the setup's encoder cuts blocks into on ``device``: :data:`PIECE_BYTES`, less
+    where the 2 x :data:`DEPTH` staging buffers would take more than a quarter of the device's free
+    memory (``free_bytes``; None: asked of CUDA; 16 MB at least)."""
+    device = torch.device(device)
+    if free_bytes is None:
+        if device.type != "cuda":
+            return PIECE_BYTES
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    return max(16 << 20, min(PIECE_BYTES, free_bytes // (8 * DEPTH)))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from weightstream.offload.codecs import AUTO, CodedCaptureStaleError, codec_leve
 from weightstream.offload.host.arena import PAGE, copy_from_image
 from weightstream.offload.host.encode import (_ALIGN, _capacity, _slack, _write, encode_into, encode_tensors_into,
                                               encode_workers, encoded_in_order, in_order)
-from weightstream.offload.host.encode_device import by_offset, code_on_device, fill_from_tensors, pieces
+from weightstream.offload.host.encode_device import by_offset, code_on_device, fill_from_tensors, piece_bytes_for, pieces
 from weightstream.offload.host.packing import malloc_trim
 from weightstream.offload.host.recode import AutoCoding
 from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, BlockRegistration, map_anonymous, release_all
@@ -268,7 +268,8 @@ class BlockImages(AutoCoding):
                     self._commit(k, at, table, grow=True)
                     stored(k)
 
-                code_on_device(self.device, [pieces(k, lay) for k, lay in enumerate(self.layouts)], self.levels,
+                size = piece_bytes_for(self.device)
+                code_on_device(self.device, [pieces(k, lay, size) for k, lay in enumerate(self.layouts)], self.levels,
                                fill_from_tensors(lambda k, specs: by_offset(self.layouts[k], objs[k], specs)),
                                lambda k, at, nbytes: (self.region(k)[at : at + nbytes], "pageable"), done,
                                release=True)
