@@ -53,7 +53,17 @@ def tuner_layers(module: nn.Module) -> list[nn.Module]:
     tuners = sys.modules.get(_PEFT_TUNERS)
     if tuners is None:
         return []
-    return [m for m in module.modules() if isinstance(m, tuners.BaseTunerLayer)]
+    # every step (AdapterWatch), on every diffusers model once peft is imported (importing a
+    # diffusers transformer imports it): a walk of the children dicts, not modules(), which
+    # builds every module's dotted name (Flux's 1,279 modules: 0.6 ms against 1.5 ms)
+    out, seen, stack = [], set(), [module]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, tuners.BaseTunerLayer) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
 
 
 def adapter_tensors(layer: nn.Module) -> list[torch.Tensor]:
