@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from weightstream.checkout import root_last
+
 
 def main(argv: list[str] | None = None) -> int:
+    root_last()  # the checkout's kernels/ folder must not shadow the PyPI `kernels` (weightstream/checkout.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "_worker":
         import os

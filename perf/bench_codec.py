@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):  # `python perf/bench_codec.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: its kernels/ is weightstream.kernels
 
 from perf.bench_materialise import _flux_block  # noqa: E402  (Flux block tensor shapes)
 from perf.common import short_commit  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # `python perf/bench_materialise.py`
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # last: its kernels/ folder is weightstream.kernels, not the PyPI `kernels`
 
 import torch  # noqa: E402
 

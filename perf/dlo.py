@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightstream.checkout import safe_path
+
 SCENARIO = "flux-12b-1024"
 MODES = ("resident", "dlo-allgather", "dlo-rank-local", "layerwise", "dlo-allgather-coded", "dlo-allgather-coded2",
          "dlo-allgather-codedp", "dlo-allgather-codedauto")
@@ -531,8 +533,9 @@ def run_world(args: "DloRun", world: int) -> tuple[int, dict | str]:
     with tempfile.TemporaryDirectory() as tmp:
         summary = os.path.join(tmp, "result.json")
         procs = [ctx.Process(target=_spawned, args=(r, world, port, args, summary)) for r in range(world)]
-        for p in procs:
-            p.start()
+        with safe_path():  # a forkserver starts on the first start(): the checkout's root not first on its path
+            for p in procs:
+                p.start()
         for p in procs:
             p.join()
         code = max((p.exitcode if p.exitcode is not None else 1) for p in procs)

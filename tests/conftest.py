@@ -22,6 +22,13 @@ def _share_cores_between_workers() -> None:
 
 _share_cores_between_workers()
 
+# the checkout's root after site-packages (python -m pytest puts it first): its kernels/ folder is
+# weightstream.kernels, and must not shadow the PyPI `kernels` that transformers imports
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from weightstream.checkout import root_last  # noqa: E402
+
+root_last()
+
 
 def _has_cuda() -> bool:
     try:

@@ -321,11 +321,7 @@ def test_half_pinned_modes_parse_and_ratio():
 def test_half_pinned_modes_run_tiny_on_cpu(tmp_path):
     """The harness end to end (--tiny, CPU): both modes run in workers, compute the
     resident output bit for bit, and report ratio_to_pinned and the staging figures."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from perf.harness import run
+    from perf.harness import run  # the checkout's root is on sys.path (conftest.py)
 
     modes = ["layerwise", "layerwise-pinned-half", "layerwise-pageable-half"]
     result, _, ok = run("flux-12b-1024", modes, steps=2, warmup=1, out_dir=tmp_path / "res", tiny=True,

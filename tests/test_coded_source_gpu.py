@@ -1,21 +1,16 @@
 """weight_codec='exp-k' (and 'exp-k2': the *_k2 cases, 'exp-kp': the *_kp ones) on the device: H2D of coded bytes + Triton
 decode on the copy stream, bit-exact against the resident model, CUDA graphs off and on (the
 decode captured inside the step's graph), each case in its own process (pytest -m gpu)."""
-import os
-import subprocess
-import sys
 
 import pytest
 
+from isolated import run_in_process
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_isolated(name: str):
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_coded_source_gpu as t; t.{name}()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return run_in_process("test_coded_source_gpu", f"{name}()", what=name)
 
 
 # -- bodies (run in a fresh process each) -------------------------------------------------

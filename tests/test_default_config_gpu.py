@@ -6,12 +6,11 @@ outputs equal the resident model's bit for bit before, during and after the plan
 case runs in its own process (STYLE.md).
 """
 import copy
-import os
-import subprocess
-import sys
 import time
 
 import pytest
+
+from isolated import run_in_process
 import torch
 
 from layerwise_cases import build, first
@@ -20,14 +19,10 @@ from weightstream.models import ToyDiT, toy_inputs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_isolated(name: str):
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_default_config_gpu as t; t.{name}()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return run_in_process("test_default_config_gpu", f"{name}()", what=name)
 
 
 def _settle(wrapped, x, want, timeout_s: float = 120.0) -> int:

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer, UnsupportedCombinationError
+from weightstream.checkout import safe_path
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, toy_inputs
 from weightstream.offload import distributed as dlo
 from weightstream.offload.host.shares import Shares
@@ -54,8 +55,9 @@ def run_ranks(world: int, tmpdir, target: str, *, backend: str = "gloo", timeout
         ctx.set_forkserver_preload(PRELOAD)
     tmpdir = str(tmpdir)
     procs = [ctx.Process(target=_worker, args=(r, world, tmpdir, target, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
+    with safe_path():  # the forkserver starts on the first start(): the checkout's root not first on its path
+        for p in procs:
+            p.start()
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     for p in procs:
         p.join(max(1.0, (deadline - datetime.datetime.now()).total_seconds()))

@@ -1,19 +1,14 @@
 """CUDA graphs on the device: each case runs in its own process (pytest -m gpu)."""
-import os
-import subprocess
-import sys
 
 import pytest
 
+from isolated import run_in_process
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_isolated(name: str):
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_graphs_gpu as t; t.{name}()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return run_in_process("test_graphs_gpu", f"{name}()", what=name)
 
 
 # -- bodies (run in a fresh process each) -------------------------------------------------

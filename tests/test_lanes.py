@@ -1,10 +1,5 @@
 """perf/lanes.py: copy-lane gaps of a profiler trace (pure, synthetic events)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf.lanes import lane_summary  # noqa: E402
+from perf.lanes import lane_summary  # the checkout's root is on sys.path (conftest.py)
 
 
 def _copy(ts, dur, nbytes):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from weightstream import OffloadedTransformer
-from weightstream.models import ToyDiT, flux_inputs, tiny_flux
+from weightstream.models import flux_inputs, tiny_flux
 
 from layerwise_cases import build, check_equal_outputs, first, stream_config
 

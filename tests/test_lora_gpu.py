@@ -3,21 +3,16 @@
 place and in layer mode, and module mode eager; bit-exact against a resident twin on the GPU.
 Adapters added after offloading live on the device; switching adapters re-pins nothing. Each case
 runs in its own process (graph capture)."""
-import os
-import subprocess
-import sys
 
 import pytest
 
+from isolated import run_in_process
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_isolated(name: str, *args):
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_lora_gpu as t; t.{name}(*{args!r})"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{name}{args} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return run_in_process("test_lora_gpu", f"{name}(*{args!r})", timeout=600, what=f"{name}{args}")
 
 
 # -- bodies (run in a fresh process each) -------------------------------------------------

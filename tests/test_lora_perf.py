@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))
 
 from perf.harness import _yardstick  # noqa: E402
 from perf.modes import LORA_TARGETS, parse_mode, prepare  # noqa: E402

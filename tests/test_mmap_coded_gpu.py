@@ -1,12 +1,11 @@
 """The coded mmap source on CUDA (pytest -m gpu): bit-exact against the resident model with
 the coded sidecar off, written and mapped back (registered read-only, no copy), its load
 rate against the issue-14 target (<= 0.05 s/GB), and CUDA graphs (each in its own process)."""
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
+
+from isolated import run_in_process
 import torch
 
 from weightstream import OffloadConfig
@@ -17,7 +16,6 @@ from test_mmap_source import _Blocks, _diffusers_case, _meta, _save, first
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _case(name, tmp_path, dtype=torch.bfloat16):
@@ -101,11 +99,7 @@ def test_sidecar_second_start_maps_and_pins(tmp_path):
 
 
 def run_isolated(name: str, tmp_path):
-    code = (f"import sys, pathlib; sys.path.insert(0, {HERE!r}); import test_mmap_coded_gpu as t; "
-            f"t.{name}(pathlib.Path({str(tmp_path)!r}))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    return run_in_process("test_mmap_coded_gpu", f"{name}(pathlib.Path({str(tmp_path)!r}))", what=name)
 
 
 def case_graphs_from_the_encoded_arena(tmp_path):

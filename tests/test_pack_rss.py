@@ -31,6 +31,7 @@ TARGET = 1.15
 
 CHILD = r"""
 import json, sys
+from weightstream.checkout import root_last; root_last()  # PYTHONPATH's checkout after site-packages
 from dataclasses import replace
 import torch
 from perf.scenarios import SCENARIOS, build_model, model_class, tensor_bytes

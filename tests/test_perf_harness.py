@@ -13,7 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))
 
 from perf.__main__ import main as perf_main  # noqa: E402
 from perf.harness import assemble, run  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from weightstream import (
-    OffloadConfig, OffloadedTransformer, StreamedModuleAccessError, StreamedWriteError, UnsupportedOperationError,
+    OffloadConfig, OffloadedTransformer, StreamedModuleAccessError, UnsupportedOperationError,
     WeightUpdateError, apply_layerwise_offload,
 )
 from weightstream.offload.placeholders import holds_placeholder

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from weightstream.__main__ import main
-from weightstream.offload.plan.placement import PlanInputs, evaluate, plan
+from weightstream.offload.plan.placement import PlanInputs, plan
 from weightstream.plan_cli import CALIBRATED_TFLOPS, DEFAULT_TFLOPS, figures
 
 

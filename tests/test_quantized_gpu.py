@@ -4,13 +4,12 @@ into the quantized slots and the modules' own dequantizing compute), resident la
 bytes = quantized bytes; each bit-exact against the same quantized model resident on the GPU.
 The graph cases run in a fresh process each (as tests/test_graphs_gpu.py)."""
 import os
-import subprocess
-import sys
 
 import pytest
 
+from isolated import run_in_process
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = ["fp8-e4m3fn", "fp8-e5m2", "gguf-Q8_0", "gguf-Q4_K", "torchao-int8", "torchao-float8", "bnb-nf4", "bnb-fp4",
            "bnb-int8"]
 # under CUDA graphs bitsandbytes int8 without its outlier decomposition (llm_int8_threshold=0): the outlier
@@ -82,10 +81,7 @@ def case(fmt: str, folder: str, graphs: str = "off", resident: int = 0, steps: i
 
 
 def run_isolated(fmt, folder, **kw):
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import test_quantized_gpu as t; "
-            f"t.case({fmt!r}, {str(folder)!r}, **{kw!r})")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{fmt} {kw} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return run_in_process("test_quantized_gpu", f"case({fmt!r}, {str(folder)!r}, **{kw!r})", what=f"{fmt} {kw}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

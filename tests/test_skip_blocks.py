@@ -10,12 +10,11 @@ interrupted step. Orderings are checked in tests/test_happens_before.py
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
+
+from isolated import run_in_process
 import torch
 
 from weightstream import OffloadConfig, OffloadedTransformer
@@ -141,7 +140,4 @@ def case_graphs_skip_layers():
 
 @pytest.mark.gpu
 def test_graphs_skip_layers_gpu():
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_skip_blocks as t; t.case_graphs_skip_layers()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    run_in_process("test_skip_blocks", "case_graphs_skip_layers()")

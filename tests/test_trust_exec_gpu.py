@@ -1,14 +1,12 @@
 """Executor-level misuse on the device: updates, in-place host edits, direct
 forward calls and threads under CUDA streams and graphs (pytest -m gpu).
 Each case runs in its own process (graph captures)."""
-import os
-import subprocess
-import sys
 
 import pytest
 
+from isolated import run_in_process
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # graphs: next-step (defer_last), in-graph, step-local (resident layers), odd/even counts, 3 slots
 GRAPH_CFGS = {
@@ -22,9 +20,7 @@ EAGER_CFGS = {"plain": {}, "resident": {"resident_layers": 1}, "3slots": {"num_s
 
 
 def run_isolated(call: str):
-    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_trust_exec_gpu as t; t.{call}"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{call} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return run_in_process("test_trust_exec_gpu", call)
 
 
 def _setup(cfg: dict, graphs: bool, name="flux"):
@@ -115,7 +111,6 @@ def case_direct_forward_step_schedules(cfg_name: str):
 
 
 def case_backward_is_named():
-    import torch
 
     from layerwise_cases import first
     from weightstream import InferenceOnlyError

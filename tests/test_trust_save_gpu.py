@@ -7,11 +7,10 @@ outputs (torch.equal) as the resident model on the device.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
+
+from isolated import run_in_process
 import torch
 
 from test_trust_save import (
@@ -28,7 +27,6 @@ from weightstream import OffloadedTransformer, offload_pipeline
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _to(x: dict, dev=DEV) -> dict:
@@ -134,7 +132,4 @@ def case_graphs_wrapper_save(folder):
 
 
 def test_graphs_wrapper_save_pretrained(tmp_path):
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import test_trust_save_gpu as t; "
-            f"t.case_graphs_wrapper_save({str(tmp_path / 'saved')!r})")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    run_in_process("test_trust_save_gpu", f"case_graphs_wrapper_save({str(tmp_path / 'saved')!r})")

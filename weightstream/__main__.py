@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from weightstream.checkout import root_last
+
 
 class CliError(ValueError):
     """A command-line value that is not allowed (printed as one line, exit 2)."""
@@ -362,6 +364,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    root_last()  # from a checkout: its kernels/ folder must not shadow the PyPI `kernels` (weightstream/checkout.py)
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] == "monitor":

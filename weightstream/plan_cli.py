@@ -72,11 +72,14 @@ def load_factory(name: str):
 
     from torch import nn
 
+    from weightstream.checkout import root_last
+
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model {name!r} is not allowed; give a factory as package.module:attr")
     if os.getcwd() not in sys.path:  # the console script does not put the current folder on the path
         sys.path.insert(0, os.getcwd())
+        root_last()  # unless it is the checkout (weightstream/checkout.py)
     try:
         factory = importlib.import_module(module_name)
         for part in attr.split("."):
