@@ -142,7 +142,9 @@ def torchao_weight_only(model: nn.Module, kind: str = "int8") -> nn.Module:
     if kind not in configs:
         raise ValueError(f"kind={kind!r} is not allowed; choose from: {', '.join(configs)}")
     names = set(block_linears(model))
-    quantize_(model, configs[kind](), filter_fn=lambda m, fqn: fqn in names)
+    # version 2 (Int8Tensor / Float8Tensor) named: torchao 0.17's Int8WeightOnlyConfig still defaults to
+    # version 1 (a nested AffineQuantizedTensor, refused by name), 0.18's to version 2
+    quantize_(model, configs[kind](version=2), filter_fn=lambda m, fqn: fqn in names)
     return model
 
 
