@@ -5,19 +5,14 @@ in-process through perf.modes.prepare gives the resident + LoRA output bit for b
 fused, with the adapter's bytes and the base weights' streamed bytes in the figures. The
 harness end to end (fresh workers) is `python -m perf run --scenario flux-12b-1024 --tiny
 --device cpu --modes layerwise-lora64,layerwise-lora64fused`."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("peft")
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
 
-from perf.harness import _yardstick  # noqa: E402
+from perf.harness import _yardstick  # noqa: E402  (the checkout root is on sys.path: conftest.py)
 from perf.modes import LORA_TARGETS, parse_mode, prepare  # noqa: E402
 from perf.results import is_offloaded, lora_yardstick, summarise, validate_mode_name  # noqa: E402
 from perf.scenarios import build_inputs, build_model, first_output, get_scenario  # noqa: E402

@@ -12,10 +12,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
 
-from perf.__main__ import main as perf_main  # noqa: E402
+from perf.__main__ import main as perf_main  # noqa: E402  (the checkout root is on sys.path: conftest.py)
 from perf.harness import assemble, run  # noqa: E402
 from perf.modes import parse_mode  # noqa: E402
 from perf.results import (  # noqa: E402
