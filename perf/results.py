@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from perf.quantized import quant_yardstick
+from perf.quantized import QUANT_VARIANTS, quant_yardstick
 
 GB = 1e9
 
@@ -57,7 +57,7 @@ _MODE_NUMBERS = (
     "ratio_to_resident_tfill", "ratio_to_resident_compile", "peak_device_gb", "nvml_peak_used_gb", "pinned_host_gb", "host_rss_gb", "host_rss_peak_gb",
     "setup_s", "build_s", "h2d_gbps", "streamed_gb", "wall_ms_per_step", "first_step_ms",
     "predicted_ms", "ratio_to_predicted", "ratio_to_best_fixed", "budget_gb", "device_weight_gb",
-    "uncoded_floor_ms", "ratio_to_uncoded_floor", "setup_ratio_to_uncoded",
+    "uncoded_floor_ms", "ratio_to_uncoded_floor", "setup_ratio_to_uncoded", "ready_s", "ready_ratio_to_uncoded",
     "ratio_to_resident_lora", "adapter_bytes",
 )
 _FIXED_COUNT = re.compile(r"^layerwise(-r\d+)?$")  # the fixed placements an auto mode is compared with
@@ -233,17 +233,28 @@ def compare_default(out: dict[str, dict], h2d_gbps: float | None, resident_ms: f
     """The planned default's modes (``default``, ``default-<N>gb``): ``ratio_to_uncoded_floor``, the
     step over the floor of streaming every block raw (its ``block_gb`` at the run's H2D rate, not
     below the resident step: the ``layerwise`` floor), and with ``layerwise`` in the run
-    ``setup_ratio_to_uncoded`` (its setup over the uncoded setup, ``uncoded_setup_s`` beside it)."""
+    ``setup_ratio_to_uncoded`` (its setup over the uncoded setup, ``uncoded_setup_s`` beside it).
+    Every coded or default mode: ``ready_s``, its setup plus what its planning and coding steps
+    (``coding_step_ms_all``) took over as many settled steps: the time until it runs at full speed;
+    beside ``layerwise``, ``ready_ratio_to_uncoded`` (over the uncoded setup)."""
     for mode, f in out.items():
         if not mode.startswith("default"):
             continue
         if f.get("block_gb") and h2d_gbps:
             f["uncoded_floor_ms"] = round(floor_ms(resident_ms or 0.0, f["block_gb"] * GB, h2d_gbps), 3)
             f["ratio_to_uncoded_floor"] = _sig(f["step_ms"] / f["uncoded_floor_ms"])
-        base = out.get("layerwise", {})
-        if f.get("setup_s") is not None and base.get("setup_s"):
+    for mode, f in out.items():
+        parts = mode.split("-")
+        coded = mode.startswith("default") or any(p.startswith("coded") for p in parts)
+        if not coded or f.get("setup_s") is None:
+            continue
+        base = out.get("layerwise" + (f"-{parts[-1]}" if parts[-1] in QUANT_VARIANTS else ""), {})
+        steps = f.get("coding_step_ms_all") or []
+        f["ready_s"] = round(f["setup_s"] + max(0.0, sum(steps) - len(steps) * f["step_ms"]) / 1e3, 3)
+        if base.get("setup_s") and mode.startswith(("layerwise", "graphs", "default")):
             f["uncoded_setup_s"] = base["setup_s"]
             f["setup_ratio_to_uncoded"] = _sig(f["setup_s"] / base["setup_s"])
+            f["ready_ratio_to_uncoded"] = _sig(f["ready_s"] / base["setup_s"])
 
 
 def compare_auto_codec(out: dict[str, dict]) -> None:

@@ -378,6 +378,29 @@ def test_perf_default_figures_beside_the_uncoded_floor_and_setup():
     assert d["setup_ratio_to_uncoded"] == pytest.approx(5.0 / 3.7, rel=1e-4) and d["uncoded_setup_s"] == 3.7
     assert d["ratio_to_resident"] == pytest.approx(215.0 / 172.0, rel=1e-4)
     assert d["ratio_to_floor"] == pytest.approx(215.0 / d["floor_ms"], rel=1e-4)
+    assert d["ready_s"] == 5.0  # no planning steps: ready at the end of setup
+
+
+def test_perf_ready_counts_the_planning_and_coding_steps():
+    """ready_s: setup plus what the steps that planned and coded took over as many settled steps
+    (the time until full speed), beside the uncoded setup of the same quantization."""
+    from perf.results import summarise
+
+    modes = {"resident": {"step_ms": 170.0}, "layerwise": {"step_ms": 428.0, "streamed_gb": 23.8, "setup_s": 3.0},
+             "default-8gb": {"step_ms": 230.0, "block_gb": 23.8, "setup_s": 3.5,
+                             "coding_step_ms_all": [4500.0, 240.0]},
+             "layerwise-codedauto": {"step_ms": 300.0, "setup_s": 3.0, "coding_step_ms_all": [2300.0]},
+             "layerwise-qfp8": {"step_ms": 280.0, "setup_s": 1.5},
+             "layerwise-coded-qfp8": {"step_ms": 260.0, "setup_s": 2.0}}
+    out = summarise(modes, 55.0)
+    d = out["default-8gb"]
+    assert d["ready_s"] == pytest.approx(3.5 + (4500 + 240 - 2 * 230) / 1e3)
+    assert d["ready_ratio_to_uncoded"] == pytest.approx(d["ready_s"] / 3.0, rel=1e-4)
+    assert d["setup_ratio_to_uncoded"] == pytest.approx(3.5 / 3.0, rel=1e-4)
+    assert out["layerwise-codedauto"]["ready_ratio_to_uncoded"] == pytest.approx((3.0 + 2.0) / 3.0, rel=1e-4)
+    q = out["layerwise-coded-qfp8"]
+    assert q["uncoded_setup_s"] == 1.5 and q["ready_ratio_to_uncoded"] == pytest.approx(2.0 / 1.5, rel=1e-4)
+    assert "ready_s" not in out["layerwise"] and "ready_s" not in out["layerwise-qfp8"]
 
 
 def test_the_placement_tie_rule_of_the_default_is_pure():
