@@ -240,13 +240,19 @@ class StreamedBlocks:
 
     def stats(self) -> dict:
         s = self.schedule
+        # the source holds every block it was built with; blocks the placement made resident since
+        # (resident_layers="auto") move nothing per step
+        kept = set(s.resident_blocks)
+        placed = [k for k, lay in enumerate(self.layouts) if lay.index in kept]
         out = {
             "blocks_streamed": s.n, "blocks_resident": s.num_resident, "resident_blocks": list(s.resident_blocks),
-            "num_slots": s.ring_slots, "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts),
-            "resident_bytes": self.resident_bytes, "setup_s": self.setup_s, "device": str(self.device),
-            "quantized_format": self.quantized,
+            "num_slots": s.ring_slots,
+            "streamed_bytes_per_step": sum(lay.nbytes for lay in self.layouts) - sum(self.layouts[k].nbytes for k in placed),
+            "resident_bytes": self.resident_bytes + sum(self.layouts[k].nbytes for k in placed),
+            "setup_s": self.setup_s, "device": str(self.device), "quantized_format": self.quantized,
         }
         out.update(check_stats(self.source.stats()))
+        out["h2d_bytes_per_step"] -= sum(self.source.link_bytes(k) for k in placed)
         out["slot_bytes"] = s.ring_slots * self.executor.slot_bytes  # all slots together (as before)
         for fn in self._stats_extra:
             out.update(fn())

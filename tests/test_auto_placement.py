@@ -49,6 +49,11 @@ def test_auto_placement_is_bit_exact_and_keeps_some_blocks(name):
     assert placed["device_bytes"] <= placed["budget_bytes"]
     assert 0 < s["blocks_resident"] < len(sizes), s  # the budget keeps some, not all
     assert "Predicted step" in placed["describe"]
+    # the blocks the plan made resident move nothing per step and count as resident bytes
+    kept = set(s["resident_blocks"])
+    moved = sum(b for i, b in enumerate(sizes) if i not in kept)
+    assert s["streamed_bytes_per_step"] == moved and s["h2d_bytes_per_step"] == moved, s
+    assert s["resident_bytes"] == fixed + sum(sizes[i] for i in kept), s
     back = wrapped.disable()
     with torch.no_grad():
         assert torch.equal(first(back(**x)), expected)
