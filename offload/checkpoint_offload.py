@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan
-from .host.binding import _named_tensors, bind_checkpoint, check_opt_in, host_tensor
+from .host.binding import _named_tensors, bind_checkpoint, check_opt_in, drop_meta, host_tensor, leave_meta
 from .host.checkpoint import Checkpoint, _listing, as_sources
 from .host.copy_plans import COPY_PATHS, build_plan, file_keys, file_ordered_layout
 from .host.encode import encode_image, in_order
@@ -27,7 +27,7 @@ from .host.sidecar import check_sidecar_mode, identity, sidecar_path, try_sideca
 from .host.staging import check_threads
 from .codecs import codec_levels
 from .layout import BlockLayout
-from .placeholders import drop_storage, give_data
+from .placeholders import give_data
 from .sources.decode import decode_placement
 from .sources.mmap import MmapCodedSource, MmapSource
 from .build import streamed_blocks
@@ -44,7 +44,22 @@ def _load_resident(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed
         for _, t in _named_tensors(module):
             b = bindings.get(id(t))
             if b is not None and id(t) not in streamed_ids:
-                give_data(t, host_tensor(ckpt, b).to(device, copy=True))
+                leave_meta(t, host_tensor(ckpt, b).to(device, copy=True))
+
+
+def _private_casts(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed_ids: set) -> dict:
+    """The bindings the source streams from the mapping: all but the streamed tensors a GGUF file
+    stores in another float dtype than the model's (its norms and biases in F32, cast to the compute
+    dtype as diffusers' loader does). Those are cast once, now, into private host tensors, which the
+    source holds as it holds a block's unbound buffers (copied with the block on every path)."""
+    kept = dict(bindings)
+    with torch.no_grad():
+        for _, t in _named_tensors(module):
+            b = bindings.get(id(t))
+            if b is not None and b.cast is not None and id(t) in streamed_ids:
+                leave_meta(t, host_tensor(ckpt, b))
+                del kept[id(t)]
+    return kept
 
 
 def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch.device, plan: OffloadPlan | None,
@@ -68,12 +83,14 @@ def mmap_streamed_blocks(module: nn.Module, config: OffloadConfig, device: torch
 
         def factory(req) -> MmapSource:
             t1 = time.perf_counter()
-            _load_resident(module, ckpt, bindings, {id(t) for ts in req.tensors for _, _, t in ts}, req.device)
+            streamed_ids = {id(t) for ts in req.tensors for _, _, t in ts}
+            _load_resident(module, ckpt, bindings, streamed_ids, req.device)
+            mapped = _private_casts(module, ckpt, bindings, streamed_ids)
             timings = {"open_s": ckpt.open_s, "bind_s": bind_s, "resident_load_s": time.perf_counter() - t1}
             if req.codec != "none":
-                made.append(mmap_coded_source(req, ckpt, bindings, coded_sidecar, timings))
+                made.append(mmap_coded_source(req, ckpt, mapped, coded_sidecar, timings))
                 return made[-1]
-            made.append(MmapSource(req, ckpt, bindings, copy_path=copy_path, staging_threads=staging_threads,
+            made.append(MmapSource(req, ckpt, mapped, copy_path=copy_path, staging_threads=staging_threads,
                                    timings=timings))
             return made[-1]
 
@@ -107,11 +124,11 @@ def offload_from_safetensors(
     staging_threads: int | None = None,
     coded_sidecar: str = "off",
 ):
-    """Stream ``model_on_meta``'s blocks straight from safetensors files.
+    """Stream ``model_on_meta``'s blocks straight from safetensors (or GGUF) files.
 
     model_on_meta: the DiT with its parameters on ``meta`` (see :func:`on_meta`,
-    :func:`meta_from_pretrained`); it is bound in place and wrapped.
-    source: a folder (diffusers layout), a .safetensors file, an index.json,
+    :func:`meta_from_pretrained`; :func:`gguf_on_meta` for a GGUF file); it is bound in place and wrapped.
+    source: a folder (diffusers layout), a .safetensors or .gguf file, an index.json,
     a :class:`WeightsSource`, a dict with keys path/prefix/subfolder, or a list
     of these; None: the model's ``weights_sources``.
     config: as for :class:`OffloadedTransformer` (layer mode, rank-local).
@@ -204,7 +221,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     size = watch.size if watch is not None else 0
     plans = [build_plan(k, lay, ts, bindings) for k, (lay, ts) in enumerate(zip(layouts, tensors))]
     with torch.no_grad():  # streamed tensors leave meta: the source drops them to placeholders
-        drop_storage([t for ts in tensors for t in ts if t.device.type == "meta"], device)
+        drop_meta([t for ts in tensors for t in ts if t.device.type == "meta"], device)
     counter = [0]
     levels = codec_levels(req.codec)
     encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,

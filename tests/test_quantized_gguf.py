@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 from quantized_cases import DEV, cfg, check_auto_placement_and_coding, run  # noqa: E402
 from weightstream import OffloadedTransformer, apply_layerwise_offload, offload_pipeline  # noqa: E402
 from weightstream.models import flux_inputs, tiny_flux  # noqa: E402
-from weightstream.offload.misuse import UnsupportedCombinationError, WeightUpdateError  # noqa: E402
+from weightstream.offload.misuse import WeightUpdateError  # noqa: E402
 from weightstream.quant_models import load_gguf, write_gguf  # noqa: E402
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: E402
 
@@ -105,13 +105,16 @@ def test_update_weights_of_gguf_tensors(gguf_case):
         wrapped.update_weights({key: new.as_tensor()})  # plain bytes: their quant type is not known
 
 
-def test_mmap_of_a_gguf_model_is_refused_by_name(gguf_case, tmp_path):
+def test_mmap_of_a_gguf_model_from_a_safetensors_file_is_named(gguf_case, tmp_path):
+    """A GGUF model streams from its .gguf file (tests/test_quantized_gguf_mmap.py); a safetensors file of
+    plain weights does not hold its quantized bytes: a CheckpointFormatError naming the key and both forms."""
     from safetensors.torch import save_file
 
-    from weightstream import offload_from_safetensors
+    from weightstream import CheckpointFormatError, offload_from_safetensors
 
-    make, _, _, _ = gguf_case
+    make, _, _, quant = gguf_case
     path = tmp_path / "model.safetensors"
     save_file(tiny_flux(dtype=torch.bfloat16, **WIDE).state_dict(), str(path))
-    with pytest.raises(UnsupportedCombinationError, match="format=gguf, transport=mmap"):
+    with pytest.raises(CheckpointFormatError, match=rf"\.weight': the model's tensor is a GGUF weight of quant_type "
+                       rf"{quant} .*plain torch.bfloat16 tensor of a safetensors file"):
         offload_from_safetensors(make(), str(path), cfg())

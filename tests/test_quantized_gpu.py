@@ -136,3 +136,31 @@ def test_bitsandbytes_from_pretrained_streams(tmp_path):
     again = FluxTransformer2DModel.from_pretrained(str(tmp_path / "nf4"), torch_dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(again(**x)[0], want)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_gguf_streams_from_its_file_on_cuda(quant, tmp_path):
+    """A .gguf file streamed straight from its read-only mapping (offload_from_safetensors over the
+    file, the model built by gguf_on_meta; on CUDA the quantized bytes go up by DMA from the
+    registered file pages), bit-exact against the same GGUF model resident; resident layers too."""
+    import torch
+
+    from weightstream import OffloadConfig, gguf_on_meta, offload_from_safetensors
+    from weightstream.models import flux_inputs, tiny_flux
+    from weightstream.offload.host.checkpoint import on_meta
+
+    ref = make(f"gguf-{quant}", str(tmp_path), "cuda")
+    path = os.path.join(str(tmp_path), f"flux-{quant}.gguf")
+    x = flux_inputs(ref, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(**x)[0]
+        for resident in (0, 1):
+            with on_meta():
+                meta = tiny_flux(dtype=torch.bfloat16, **WIDE)
+            cfg = OffloadConfig.layerwise(resident_layers=resident, progress=False)
+            w = offload_from_safetensors(gguf_on_meta(meta, path), path, cfg, device="cuda")
+            assert all(torch.equal(w(**x)[0], want) for _ in range(3)), (quant, resident)
+            s = w.stats()
+            assert s["source"] == "mmap" and s["quantized_format"] == "gguf", s
+            assert s["direct_blocks"] == s["blocks_streamed"], s  # straight from the registered file pages
+            w.disable()

@@ -21,6 +21,7 @@ COVERED = {
     ("layerwise-casting", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("layerwise-casting", "module"): "test_quantized::test_pipeline_layer_and_module_mode",
     ("gguf", "pinned"): "test_quantized_gguf::test_wrapper_streams_the_gguf_bytes",
+    ("gguf", "mmap"): "test_quantized_gguf_mmap::test_streams_bit_exact_from_the_file",
     ("gguf", "dlo-allgather"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("gguf", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("gguf", "module"): "test_quantized_gguf::test_in_place_resident_and_pipelines",

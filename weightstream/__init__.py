@@ -33,6 +33,7 @@ _EXPORTS = {
     "validate_wave": "weightstream.offload.dlo.control",
     "offload_from_safetensors": "weightstream.offload.checkpoint_offload",
     "meta_from_pretrained": "weightstream.offload.host.checkpoint",
+    "gguf_on_meta": "weightstream.offload.host.checkpoint",
     "CheckpointFormatError": "weightstream.offload.host.checkpoint",
     # named misuse errors
     "OffloadMisuseError": "weightstream.offload.misuse",
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # static type checkers see the real names
     from weightstream.offload.discovery import BlockOrderError, OffloadPlan, trace_plan
     from weightstream.offload.dlo.control import validate_wave
     from weightstream.offload.dlo.topology import ParallelConfig
-    from weightstream.offload.host.checkpoint import meta_from_pretrained
+    from weightstream.offload.host.checkpoint import gguf_on_meta, meta_from_pretrained
     from weightstream.offload.misuse import (
         AlreadyOffloadedError, ConcurrentUseError, DuplicateKeyError, HostMemoryError, InferenceOnlyError,
         OffloadMisuseError, SharedStorageError, StreamedModuleAccessError, StreamedWriteError,

@@ -22,6 +22,9 @@ from torch import nn
 
 from weightstream.kernels.materialise import Segment, SegmentTable, materialise_torch
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointFormatError, CkptTensor, _listing
+from weightstream.offload.host.gguf_file import type_name
+from weightstream.offload.host.quantized import _gguf_class
+from weightstream.offload.placeholders import empty_like_dtype, give_data
 
 KERNEL_TRANSFORMS = {"qkv_reorder": Segment.qkv_reorder, "qkv_interleave": Segment.qkv_interleave}
 
@@ -60,10 +63,12 @@ class TensorBinding:
     shape: tuple[int, ...]  # runtime shape
     transform: Callable | None = None  # mmap_weight_transform (host, staging only)
     kernel: tuple | None = None  # ("qkv_reorder"|"qkv_interleave", num_heads, num_kv_heads)
+    cast: torch.dtype | None = None  # a GGUF file's plain float tensor, cast to the model's dtype (diffusers' loader)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.src.dtype
+        """The runtime dtype: the checkpoint's, or the cast's."""
+        return self.cast if self.cast is not None else self.src.dtype
 
     def kernel_segment(self, src_offset: int, dst_offset: int) -> Segment:
         kind, heads, kv = self.kernel
@@ -190,8 +195,8 @@ def _check_dtypes(model: nn.Module, objs: dict, target_of: dict, out: dict, ckpt
     groups: dict[torch.dtype, dict[torch.dtype, list[str]]] = {}
     for rname, cname in target_of.items():
         t, b = objs[rname], out.get(id(objs[rname]))
-        if b is None or b.name != rname:
-            continue  # a tied tensor, checked under its first name
+        if b is None or b.name != rname or b.cast is not None or b.src.quant_type is not None:
+            continue  # a tied tensor (checked under its first name), a GGUF cast or GGUF bytes (_gguf_binding)
         if t.dtype != b.dtype and not (t.dtype.is_floating_point and b.dtype.is_floating_point):
             raise _dtype_error(cls, rname, cname, b, t.dtype, ckpt, "only floating-point tensors take the checkpoint's "
                                "dtype (as a whole-model cast)", to=t.dtype)
@@ -223,10 +228,52 @@ def _dtype_error(cls: str, rname: str, cname: str, b: TensorBinding, model_dtype
         "modules it stores so)")
 
 
+def _gguf_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint) -> TensorBinding | None:
+    """The binding of ``t`` to an entry of a GGUF file (None: an entry of a safetensors file, bound
+    as before). A ``GGUFParameter`` binds the quantized entry of its own quant type and byte shape;
+    a plain float tensor binds a plain float entry, cast to the model's dtype where they differ (as
+    diffusers' GGUF loader casts them to its compute dtype). Anything else is a CheckpointFormatError
+    naming the key, the value and what was expected."""
+    if ckpt.files[src.file].kind != "gguf":
+        if _gguf_class(t) is not None:
+            raise CheckpointFormatError(
+                f"{name!r}: the model's tensor is a GGUF weight of quant_type {type_name(int(t.quant_type))} (uint8 "
+                f"bytes {tuple(t.shape)}); checkpoint {src.key!r} ({ckpt.files[src.file].path}) is a plain {src.dtype} "
+                f"tensor of a {ckpt.files[src.file].kind} file: stream a GGUF model from its .gguf file")
+        return None
+    where = f"checkpoint {src.key!r} ({ckpt.files[src.file].path})"
+    model_q = int(t.quant_type) if _gguf_class(t) is not None else None
+    if model_q is None and src.quant_type is not None:
+        raise CheckpointFormatError(
+            f"{where} is {type_name(src.quant_type)} (uint8 bytes {src.shape}); the model's {name!r} is a plain "
+            f"{t.dtype} tensor of shape {tuple(t.shape)}: build the model with gguf_on_meta(model, path) from this "
+            "file, so that its linears take the file's quantized weights as GGUFParameters")
+    if model_q is not None and src.quant_type != model_q:
+        got = "a plain " + str(src.dtype) if src.quant_type is None else type_name(src.quant_type)
+        raise CheckpointFormatError(
+            f"{where} is {got} of shape {src.shape}; the model's {name!r} is a GGUF weight of quant_type "
+            f"{type_name(model_q)} (uint8 bytes {tuple(t.shape)}): build the model with gguf_on_meta(model, path) "
+            "from the file it streams from")
+    if tuple(t.shape) != src.shape:
+        raise CheckpointFormatError(f"{name!r}: the model has shape {tuple(t.shape)}, {where} has {src.shape} ("
+                                    f"{type_name(src.quant_type) if src.quant_type is not None else src.dtype})")
+    if model_q is not None:
+        return TensorBinding(name, src, src.shape)
+    if t.dtype != src.dtype:
+        if not (t.dtype.is_floating_point and src.dtype.is_floating_point):
+            raise CheckpointFormatError(f"{where} is {src.dtype}, the model's {name!r} is {t.dtype}: only floating-"
+                                        "point tensors of a GGUF file are cast to the model's dtype")
+        return TensorBinding(name, src, src.shape, cast=t.dtype)
+    return TensorBinding(name, src, src.shape)
+
+
 def _make_binding(name: str, t: torch.Tensor, src: CkptTensor, ckpt: Checkpoint) -> TensorBinding:
     shape = tuple(t.shape)
     if not t.is_contiguous():
         raise ValueError(f"{name!r} is not contiguous (stride {t.stride()}); mmap loading binds contiguous tensors")
+    gguf = _gguf_binding(name, t, src, ckpt)
+    if gguf is not None:
+        return gguf
     fn = getattr(t, "mmap_weight_transform", None)
     kernel = getattr(t, "mmap_kernel_transform", None)
     numel = t.numel()
@@ -262,6 +309,8 @@ def host_tensor(ckpt: Checkpoint, b: TensorBinding) -> torch.Tensor:
     or (transformed tensors) a fresh tensor."""
     if b.transform is not None:
         return apply_transform(b, ckpt.tensor(b.src))
+    if b.cast is not None:
+        return ckpt.tensor(b.src).to(b.cast)
     if b.kernel is not None:
         out = torch.empty(b.src.nbytes, dtype=torch.uint8)
         materialise_torch(ckpt.bytes(b.src), out, SegmentTable([b.kernel_segment(0, 0)]))
@@ -277,3 +326,22 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if t is not None and id(t) not in seen:
             seen.add(id(t))
             yield name, t
+
+
+def leave_meta(t: torch.Tensor, data: torch.Tensor) -> None:
+    """:func:`~weightstream.offload.placeholders.give_data`, where a ``GGUFParameter`` leaving meta
+    stays a ``GGUFParameter`` (its class and ``quant_type``: what its ``GGUFLinear`` dequantizes by
+    and ``state_dict()`` gives back); ``give_data`` would make it a plain Parameter."""
+    if _gguf_class(t) is not None and t.device.type == "meta" and data.device.type != "meta":
+        new = torch.Tensor._make_subclass(type(t), data, t.requires_grad)
+        new.__dict__.update(t.__dict__)
+        torch.utils.swap_tensors(t, new)
+        return
+    give_data(t, data)
+
+
+def drop_meta(tensors, device) -> None:
+    """:func:`~weightstream.offload.placeholders.drop_storage` of tensors on meta (:func:`leave_meta`)."""
+    empties: dict = {}
+    for t in tensors:
+        leave_meta(t, empty_like_dtype(t.dtype, device, empties))

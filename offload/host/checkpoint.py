@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import gguf_file
+
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 _LIST = 12  # names listed in an error message
 
@@ -61,6 +63,7 @@ class CkptTensor:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     nbytes: int
+    quant_type: int | None = None  # a quantized GGUF tensor's ggml type (dtype uint8, diffusers' byte shape)
 
     @property
     def numel(self) -> int:
@@ -192,12 +195,15 @@ def _parse_entry(path: Path, key: str, info, data: int, size: int, index: int) -
     return t
 
 
-class SafetensorsFile:
-    """A safetensors file: header parsed here, data mapped read-only (ACCESS_READ).
+class MappedFile:
+    """A checkpoint file: header parsed by the subclass (:meth:`_read` from the open file,
+    :meth:`_entries` after), data mapped read-only (ACCESS_READ), one mapping per file.
 
     The file stays open (one descriptor) so that :meth:`check_unchanged` can
     ``fstat`` the inode that is mapped, whatever the path now names.
     """
+
+    kind = ""  # "safetensors" | "gguf"
 
     def __init__(self, path: str | os.PathLike, index: int):
         self.path = Path(path)
@@ -209,27 +215,25 @@ class SafetensorsFile:
                 size = os.fstat(f.fileno()).st_size
                 self.watch = FileWatch(self.path, f.fileno())
                 self.identity = self.watch.opened
-                head = f.read(8)
-                if len(head) < 8:
-                    raise CheckpointFormatError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
-                (n,) = struct.unpack("<Q", head)
-                if n > size - 8:
-                    raise CheckpointFormatError(f"{self.path}: header length {n} exceeds the file size {size} "
-                                                "(truncated, or not a safetensors file)")
-                try:
-                    header = json.loads(f.read(n))
-                except ValueError as e:
-                    raise CheckpointFormatError(f"{self.path}: header is not valid JSON ({e})") from None
+                raw = self._read(f, size)
                 self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 self._fd = os.dup(f.fileno())
                 self._fd_closer = weakref.finalize(self, os.close, self._fd)
         except OSError as e:
             raise ValueError(f"cannot open checkpoint file {str(path)!r}: {e}") from e
         self.size = size
-        self.entries: dict[str, CkptTensor] = _parse_entries(self.path, header, 8 + n, size, index)
+        self.entries: dict[str, CkptTensor] = self._entries(raw, size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the mapping is read-only by design: nothing writes through it
             self.u8 = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def _read(self, f, size: int):
+        """The header, read from the open file ``f`` (CheckpointFormatError if malformed)."""
+        raise NotImplementedError
+
+    def _entries(self, raw, size: int) -> dict[str, CkptTensor]:
+        """The tensor entries of the header ``raw`` that :meth:`_read` returned."""
+        raise NotImplementedError
 
     @property
     def base(self) -> int:
@@ -255,14 +259,60 @@ class SafetensorsFile:
             self._fd_closer()
 
 
+class SafetensorsFile(MappedFile):
+    """A safetensors file: an 8-byte header length, a JSON header, the data."""
+
+    kind = "safetensors"
+
+    def _read(self, f, size: int):
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointFormatError(f"{self.path}: not a safetensors file ({size} bytes, no header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointFormatError(f"{self.path}: header length {n} exceeds the file size {size} "
+                                        "(truncated, or not a safetensors file)")
+        try:
+            return json.loads(f.read(n)), n
+        except ValueError as e:
+            raise CheckpointFormatError(f"{self.path}: header is not valid JSON ({e})") from None
+
+    def _entries(self, raw, size: int) -> dict[str, CkptTensor]:
+        header, n = raw
+        return _parse_entries(self.path, header, 8 + n, size, self.index)
+
+
+class GGUFFile(MappedFile):
+    """A GGUF file (header: :mod:`.gguf_file`): quantized tensors are uint8 entries of diffusers'
+    byte shape with their ggml ``quant_type``, F32 / F16 ones typed entries. ``metadata``: its
+    key-value metadata."""
+
+    kind = "gguf"
+
+    def _read(self, f, size: int):
+        try:
+            return gguf_file.read_tensors(self.path, f, size)
+        except gguf_file.Malformed as e:
+            raise CheckpointFormatError(str(e)) from None
+
+    def _entries(self, raw, size: int) -> dict[str, CkptTensor]:
+        self.metadata, tensors = raw
+        return {k: CkptTensor(self.index, k, *info) for k, info in tensors.items()}
+
+
+def open_file(path: Path, index: int) -> MappedFile:
+    """The mapped checkpoint file at ``path``: a GGUF file by its ``.gguf`` suffix, else safetensors."""
+    return GGUFFile(path, index) if Path(path).suffix == ".gguf" else SafetensorsFile(path, index)
+
+
 @dataclass(frozen=True)
 class WeightsSource:
-    """Safetensors weights of one component.
+    """Safetensors (or GGUF) weights of one component.
 
     path: a folder (diffusers layout: ``diffusion_pytorch_model.safetensors``,
     or sharded with ``diffusion_pytorch_model.safetensors.index.json``; also
-    ``model.safetensors[.index.json]``), one ``.safetensors`` file, or an
-    ``*.index.json``. prefix: prepended to every checkpoint key (placing the
+    ``model.safetensors[.index.json]``), one ``.safetensors`` or ``.gguf`` file,
+    or an ``*.index.json``. prefix: prepended to every checkpoint key (placing the
     keys in the model's namespace). subfolder: joined to a folder path.
     """
 
@@ -288,10 +338,11 @@ class WeightsSource:
             )
         if p.name.endswith(".index.json") and p.is_file():
             return _index_files(p)
-        if p.suffix == ".safetensors" and p.is_file():
+        if p.suffix in (".safetensors", ".gguf") and p.is_file():
             return [p]
         raise ValueError(
-            f"weights source {str(p)!r} is neither a folder, a .safetensors file nor a .safetensors.index.json file"
+            f"weights source {str(p)!r} is neither a folder, a .safetensors or .gguf file, nor a "
+            ".safetensors.index.json file"
         )
 
 
@@ -330,7 +381,7 @@ def as_sources(source, model: nn.Module | None = None) -> list[WeightsSource]:
         if source is None:
             owner = f"set {type(model).__name__}.weights_sources" if model is not None else "none was given"
             raise ValueError(
-                f"no checkpoint given: pass source= (a folder, .safetensors file, index.json or WeightsSource "
+                f"no checkpoint given: pass source= (a folder, .safetensors or .gguf file, index.json or WeightsSource "
                 f"list) or {owner}"
             )
     items = [source] if isinstance(source, (str, os.PathLike, WeightsSource, dict)) else list(source)
@@ -353,7 +404,7 @@ def as_sources(source, model: nn.Module | None = None) -> list[WeightsSource]:
 
 
 class Checkpoint:
-    """Read-only mappings of the safetensors files of one or more sources
+    """Read-only mappings of the safetensors (or GGUF) files of one or more sources
     (anything :func:`as_sources` accepts).
 
     ``entries``: prefixed key -> :class:`CkptTensor`. ``tensor(t)`` is a typed
@@ -362,13 +413,13 @@ class Checkpoint:
 
     def __init__(self, source):
         t0 = time.perf_counter()
-        self.files: list[SafetensorsFile] = []
+        self.files: list[MappedFile] = []
         self.entries: dict[str, CkptTensor] = {}
         self.sources = as_sources(source)
         try:
             for src in self.sources:
                 for path in src.files():
-                    f = SafetensorsFile(path, len(self.files))
+                    f = open_file(path, len(self.files))
                     self.files.append(f)
                     for key, t in f.entries.items():
                         name = src.prefix + key
@@ -454,3 +505,65 @@ def meta_from_pretrained(cls, path, *, subfolder: str | None = None, **overrides
         model = cls.from_config(config)
     return model.eval()
 
+
+
+def gguf_on_meta(model_on_meta: nn.Module, path, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``model_on_meta`` (parameters on meta) made the model diffusers' GGUF loader makes from the
+    ``.gguf`` file at ``path``, still on meta: each ``nn.Linear`` whose ``<name>.weight`` is a
+    quantized tensor of the file becomes a ``GGUFLinear`` (``compute_dtype``) with a meta
+    ``GGUFParameter`` of the file's byte shape and ``quant_type``; every other tensor the file holds
+    takes ``compute_dtype`` (the loader casts them so). Reads the header only; returns the model,
+    changed in place, for :func:`~weightstream.offload_from_safetensors` with the same file."""
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFLinear, GGUFParameter  # noqa: PLC0415
+    from gguf import GGMLQuantizationType  # noqa: PLC0415
+
+    type_name = gguf_file.type_name
+    try:
+        entries = {k: CkptTensor(0, k, *info) for k, info in gguf_file.read_file(path)[1].items()}
+    except gguf_file.Malformed as e:
+        raise CheckpointFormatError(str(e)) from None
+    supported = {int(t) for t in SUPPORTED_GGUF_QUANT_TYPES}
+
+    def owner_of(key: str):
+        name, _, leaf = key.rpartition(".")
+        try:
+            return name, leaf, model_on_meta.get_submodule(name)
+        except AttributeError:  # a key the model has no module for: bind_checkpoint names it
+            return name, leaf, None
+
+    for key, e in entries.items():
+        if e.quant_type is not None and e.quant_type not in supported:
+            raise CheckpointFormatError(
+                f"{path}: tensor {key!r} is {type_name(e.quant_type)}, a ggml type diffusers' GGUF linears do not "
+                f"dequantize; supported: {', '.join(type_name(int(t)) for t in SUPPORTED_GGUF_QUANT_TYPES)}")
+        name, leaf, lin = owner_of(key)
+        if e.quant_type is None or leaf != "weight" or type(lin) is not nn.Linear:
+            continue
+        _, block, nbytes = gguf_file.GGML_TYPES[e.quant_type]
+        logical = e.shape[:-1] + (e.shape[-1] // nbytes * block,)
+        if logical != (lin.out_features, lin.in_features):
+            raise CheckpointFormatError(
+                f"{path}: tensor {key!r} is {type_name(e.quant_type)} of shape {logical} (bytes {e.shape}); the "
+                f"model's {name!r} is an nn.Linear of weight shape {(lin.out_features, lin.in_features)}")
+        new = GGUFLinear(lin.in_features, lin.out_features, lin.bias is not None, compute_dtype=compute_dtype,
+                         device="meta")
+        new.source_cls = type(lin)
+        new.requires_grad_(False)
+        if lin.bias is not None and f"{name}.bias" not in entries:
+            new.bias = nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        model_on_meta.get_submodule(parent)._modules[child] = new
+    for key, e in entries.items():
+        _, leaf, mod = owner_of(key)
+        if mod is None:
+            continue
+        if e.quant_type is not None:
+            mod._parameters[leaf] = GGUFParameter(torch.empty(e.shape, dtype=torch.uint8, device="meta"),
+                                                  quant_type=GGMLQuantizationType(e.quant_type))
+        elif mod._parameters.get(leaf) is not None:  # the model's shape: bind_checkpoint checks the file's
+            shape = mod._parameters[leaf].shape
+            mod._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=compute_dtype, device="meta"),
+                                                 requires_grad=False)
+        elif mod._buffers.get(leaf) is not None:
+            mod._buffers[leaf] = torch.empty(mod._buffers[leaf].shape, dtype=compute_dtype, device="meta")
+    return model_on_meta.eval()

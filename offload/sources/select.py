@@ -246,14 +246,23 @@ def support_table_markdown() -> str:
 # "none": plain tensors; the rest as offload/host/quantized.py detects them
 QUANTIZED_FORMATS = ("none", "layerwise-casting", "gguf", "torchao", "bitsandbytes")
 
-_MMAP_QUANTIZED = (
-    "the mmap source binds checkpoint tensors by their safetensors dtype and shape, and a quantized model's "
-    "tensors are not those; load the model (quantized) into memory and wrap it with OffloadedTransformer "
-    "(pinned host images of the quantized bytes)")
+_INTO_MEMORY = ("; load the model (quantized) into memory and wrap it with OffloadedTransformer (pinned host "
+                "images of the quantized bytes)")
+# why the mmap source cannot bind each format's tensors to a checkpoint's (GGUF can: a .gguf file maps like a
+# safetensors file, and gguf_on_meta builds the GGUFLinears its quantized entries bind to; docs/checkpoints.md)
+_MMAP_QUANTIZED = {
+    "layerwise-casting": "diffusers' enable_layerwise_casting casts weights already in memory to its float8 storage "
+                         "dtype; a checkpoint holds them uncast, and the mmap source streams a file's bytes as they "
+                         "are (no cast on the way)",
+    "torchao": "torchao's tensor subclasses are made by quantize_ from weights in memory, and no checkpoint file "
+               "maps to their inner tensors (qdata, scale) by key",
+    "bitsandbytes": "bitsandbytes quantizes a weight when it moves to the device and keeps a quant-state object "
+                    "beside it, which no checkpoint file maps to",
+}
 # (rule, key, why) over (format, transport); the first rule that matches refuses the pair
-_QUANTIZED_RULES = (
-    (lambda f, t: f != "none" and t == "mmap", "checkpoint", _MMAP_QUANTIZED),
-)
+_QUANTIZED_RULES = tuple(
+    (lambda f, t, fmt=fmt: f == fmt and t == "mmap", "checkpoint", why + _INTO_MEMORY)
+    for fmt, why in _MMAP_QUANTIZED.items())
 
 QUANTIZED_SUPPORT = types.MappingProxyType({
     (f, t): next(((key, why) for rule, key, why in _QUANTIZED_RULES if rule(f, t)), None)
