@@ -86,7 +86,7 @@ PEER_MODES = ("diffusers-block", "diffusers-leaf", "diffusers-model", "accelerat
 # --tiny run, which pins nothing), False copies them pageable
 HALF_PINNED_MODES = {"layerwise-pinned-half": True, "layerwise-pageable-half": False}
 _LAYERWISE_VARIANT = re.compile(
-    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|enccpu|staging|t([1-9]\d*)"
+    r"^(r(\d+)|mmap|graphs|nextstep|ingraph|compile|auto|(\d+)gb|coded2?|codedp|codedauto|sidecar|encgpu|enccpu|encplace|staging|t([1-9]\d*)"
     r"|s([1-9]\d*))$")
 CODED_VARIANTS = {"coded": "exp-k", "coded2": "exp-k2", "codedp": "exp-kp", "codedauto": "auto"}  # mode variant -> weight_codec
 CODED_FILL = "student-t"  # weight fill of coded modes (perf.scenarios.WEIGHT_FILLS)
@@ -113,7 +113,8 @@ class ModeSpec:
     weight_fill: str = "normal"                     # perf.scenarios.build_model(weight_fill=...)
     coded_sidecar: str = "off"                      # offload_from_safetensors(coded_sidecar=...) of -mmap-coded
     encode_on: str | None = None                    # CodedSource(encode_on=...) of -coded modes (None: the product's
-                                                    # default, the GPU on CUDA; -encgpu: "device", -enccpu: "cpu")
+                                                    # default, the GPU on CUDA; -encgpu: "device", -enccpu: "cpu",
+                                                    # -encplace: "in-place")
     copy_path: str = "auto"                         # offload_from_safetensors(copy_path=...) of -mmap (-staging)
     staging_threads: int | None = None              # offload_from_safetensors(staging_threads=...) (-t<N>)
     default: bool = False                           # the planned default: no resident_layers / weight_codec given
@@ -187,7 +188,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                                  "coded2 (weight_codec='exp-k2'), codedp (weight_codec='exp-kp'), "
                                  "codedauto (weight_codec='auto'), "
                                  "sidecar (with mmap-coded: load the coded sidecar an earlier -mmap-coded mode wrote), "
-                                 "encgpu / enccpu (with coded: encode the blocks on the GPU / the CPU; "
+                                 "encgpu / enccpu / encplace (with coded: encode the blocks on the GPU / the CPU / on the GPU where they lie; "
                                  "default: the GPU on CUDA), "
                                  "staging (with mmap: the two-buffer staging copy path), "
                                  "t<N> (with mmap-staging: N packing threads, N >= 1), "
@@ -216,6 +217,8 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
                 encode_on = "device"
             elif v == "enccpu":
                 encode_on = "cpu"
+            elif v == "encplace":
+                encode_on = "in-place"
             elif v == "staging":
                 copy_path = "staging"
             elif m.group(4) is not None:
@@ -234,7 +237,7 @@ def parse_mode(name: str, scenario: Scenario | None = None) -> ModeSpec:
         elif sidecar != "off":
             raise ValueError(f"mode {name!r}: the sidecar variant needs -mmap-coded (a coded checkpoint source)")
         if encode_on is not None and ("weight_codec" not in kw or source != "memory"):
-            raise ValueError(f"mode {name!r}: the encgpu / enccpu variants need -coded from host memory (not -mmap)")
+            raise ValueError(f"mode {name!r}: the encgpu / enccpu / encplace variants need -coded from host memory (not -mmap)")
         if copy_path != "auto" and source != "mmap":
             raise ValueError(f"mode {name!r}: the staging variant needs -mmap (the checkpoint source's copy path)")
         if threads is not None and copy_path != "staging":

@@ -30,9 +30,10 @@ def test_coded_modes_parse():
         parse_mode("layerwise-coded-sidecar", flux)
     assert parse_mode("layerwise-coded-encgpu", flux).encode_on == "device"
     assert parse_mode("layerwise-coded-enccpu", flux).encode_on == "cpu"
+    assert parse_mode("layerwise-coded-encplace", flux).encode_on == "in-place"
     assert parse_mode("layerwise-coded", flux).encode_on is None  # where the product encodes (the GPU on CUDA)
-    for bad in ("layerwise-encgpu", "layerwise-enccpu", "layerwise-mmap-coded-enccpu"):
-        with pytest.raises(ValueError, match="encgpu / enccpu variants need -coded"):
+    for bad in ("layerwise-encgpu", "layerwise-enccpu", "layerwise-encplace", "layerwise-mmap-coded-enccpu"):
+        with pytest.raises(ValueError, match="encgpu / enccpu / encplace variants need -coded"):
             parse_mode(bad, flux)
     with pytest.raises(ValueError, match="coded"):
         parse_mode("layerwise-zip", flux)

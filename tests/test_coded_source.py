@@ -540,10 +540,11 @@ def test_one_block_source_encodes_tensors_in_parallel_and_round_trips():
 def test_encode_on_is_validated():
     tensors, layouts = _blocks(tiny_flux(dtype=torch.bfloat16))
     objs = [[t for _, _, t in ts] for ts in tensors]
-    with pytest.raises(ValueError, match="encode_on='gpu' is not allowed; choose from: cpu, device"):
+    with pytest.raises(ValueError, match="encode_on='gpu' is not allowed; choose from: cpu, device, in-place"):
         CodedSource(layouts, objs, device="cpu", pin=False, encode_on="gpu")
-    with pytest.raises(ValueError, match="encode_on='device' needs a CUDA device"):
-        CodedSource(layouts, objs, device="cpu", pin=False, encode_on="device")
+    for where in ("device", "in-place"):
+        with pytest.raises(ValueError, match=f"encode_on='{where}' needs a CUDA device"):
+            CodedSource(layouts, objs, device="cpu", pin=False, encode_on=where)
     with pytest.raises(ValueError, match="weight_codec='exp-k3' is not allowed here; choose from: exp-k, exp-k2"):
         CodedSource(layouts, objs, device="cpu", pin=False, codec="exp-k3")
     assert all(t.numel() for t in objs[0])  # refused before anything was dropped

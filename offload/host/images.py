@@ -60,7 +60,7 @@ from weightstream.offload.progress import Progress
 
 __all__ = ["BlockImages", "CodedRegion", "DeviceSide", "ENCODE_ON"]
 
-ENCODE_ON = ("cpu", "device")  # where the store codes its blocks
+ENCODE_ON = ("cpu", "device", "in-place")  # where the store codes its blocks (in-place: on the GPU, see _build)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +161,8 @@ class BlockImages(AutoCoding):
             encode_on = "device" if canonical_device(device).type == "cuda" else "cpu"
         if encode_on not in ENCODE_ON:
             raise ValueError(f"encode_on={encode_on!r} is not allowed; choose from: {', '.join(ENCODE_ON)}")
-        if encode_on == "device" and canonical_device(device).type != "cuda":
-            raise ValueError(f"encode_on='device' needs a CUDA device, got device={device!r}; choose encode_on='cpu'")
+        if encode_on != "cpu" and canonical_device(device).type != "cuda":
+            raise ValueError(f"encode_on={encode_on!r} needs a CUDA device, got device={device!r}; choose encode_on='cpu'")
         self.encode_on = encode_on
         self.layouts = list(layouts)
         self.device = canonical_device(device)
@@ -263,6 +263,16 @@ class BlockImages(AutoCoding):
                 for k in range(n):  # codec="auto": plain images first (code_blocks codes some later)
                     self._store_raw(k, objs[k])
                     stored(k)
+            elif encoded is None and self.encode_on == "in-place":
+                # raw images packed and pinned as the uncoded store packs them, then coded on the GPU where
+                # they lie: DMA up from the registered region, the coded bytes DMA'd back into its start;
+                # the raw registration is kept (no second registration, no tail given back)
+                for k in range(n):
+                    self._store_raw(k, objs[k])
+                    stored(k)
+                self.raw = [True] * n
+                self._code_on_device(list(range(n)), progress, keep=True)
+                self.raw = [False] * n
             elif encoded is None and self.encode_on == "device":  # up, coded on the GPU, down into the regions
                 def done(k: int, at: int, table) -> None:
                     self._commit(k, at, table, grow=True)

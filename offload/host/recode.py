@@ -187,10 +187,11 @@ class AutoCoding:
             bar.close()
             self._coded_since()
 
-    def _code_on_device(self, ks: list[int], progress: bool) -> None:
+    def _code_on_device(self, ks: list[int], progress: bool, *, keep: bool = False) -> None:
         """Raw blocks ``ks`` coded on the GPU where they lie (:mod:`.encode_device`, a block one
         piece: its coded bytes land in its region after all its raw bytes went up), each then
-        stored as :meth:`_apply_coded` stores a block coded apart."""
+        stored as :meth:`_apply_coded` stores a block coded apart; ``keep``: its raw registration
+        and pages kept (at setup: nothing reads the region yet, and re-registering costs more)."""
         if not ks:
             return
         bar = Progress(f"coding {len(ks)} blocks on the GPU", sum(self.layouts[k].nbytes for k in ks), progress)
@@ -203,8 +204,10 @@ class AutoCoding:
         def done(k: int, at: int, table: DecodeTable) -> None:
             self._commit(k, at, table, grow=True)
             self.raw[k] = False
-            self._pin(k)
-            self._release_tail(k)
+            if not keep or self.copy_bytes[k] > self._regs[k].bytes:  # a copy reads one registration only
+                self._pin(k)
+            if not keep:
+                self._release_tail(k)
             self.side.recoded(k)
             bar.update(self.layouts[k].nbytes)
 

@@ -194,6 +194,31 @@ def test_a_failing_stage_raises_its_error_and_nothing_hangs(stage):
     assert finished == [0, 1][: len(finished)] and 3 not in finished
 
 
+def test_coding_in_place_keeps_the_raw_region_as_it_is_past_the_coded_bytes():
+    """The setup's in-place coding (``_code_on_device(keep=True)``, encode_on='in-place' on CUDA;
+    here a CPU store told to take the pipeline): the encoder's bytes and table at each region's
+    start, the raw bytes past them left where they were (no tail given back), nothing raw."""
+    from weightstream.offload.host.images import BlockImages
+
+    gen = torch.Generator().manual_seed(11)
+    blocks = [_block(gen, 1) for _ in range(3)]
+    layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
+    images = BlockImages(layouts, [[t.clone() for _, _, t in ts] for ts in blocks], device="cpu", pin=False,
+                         codec="auto")
+    raw = [images.region(k)[: lay.nbytes].clone() for k, lay in enumerate(layouts)]
+    images.encode_on, images.levels = "device", PATCHED
+    images._code_on_device([0, 1, 2], False, keep=True)
+    assert images.raw == [False] * 3
+    for k, lay in enumerate(layouts):
+        blobs, table = encode_image(lay, [s.view_of(raw[k]) for s in lay.tensors], levels=PATCHED)
+        want = torch.cat(blobs)
+        assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
+        assert images.tables[k].segments == table.segments
+        tail = slice(images.copy_bytes[k], lay.nbytes)
+        assert torch.equal(images.region(k)[tail], raw[k][tail])  # kept, not given back (keep=True)
+    images.close()
+
+
 def test_auto_codes_raw_blocks_where_they_lie_through_the_pipeline():
     """weight_codec='auto''s at-once path of a store that codes on the device
     (AutoCoding._code_on_device; here a CPU store told to take it: the interpreter and
@@ -297,14 +322,19 @@ def test_gpu_coded_source_codes_on_the_device_by_default(codec):
     objs = lambda: [[t.detach().clone() for _, _, t in ts] for ts in tensors]  # noqa: E731
     cpu = CodedSource(layouts, objs(), device="cuda", pin=True, encode_on="cpu", codec=codec)
     gpu = CodedSource(layouts, objs(), device="cuda", pin=True, codec=codec)
+    # in place: raw images packed and pinned, then coded where they lie (DMA both ways)
+    place = CodedSource(layouts, objs(), device="cuda", pin=True, codec=codec, encode_on="in-place")
     assert gpu.images.encode_on == "device" and cpu.images.encode_on == "cpu"
-    for k in range(len(layouts)):
-        n = cpu.images.coded[k]
-        assert n == gpu.images.coded[k] and torch.equal(cpu.images.region(k)[:n], gpu.images.region(k)[:n])
-        assert cpu.images.tables[k].segments == gpu.images.tables[k].segments
-    assert gpu.images.all_pinned
+    for other in (gpu, place):
+        for k in range(len(layouts)):
+            n = cpu.images.coded[k]
+            assert n == other.images.coded[k] and torch.equal(cpu.images.region(k)[:n], other.images.region(k)[:n])
+            assert cpu.images.tables[k].segments == other.images.tables[k].segments
+            assert other.images._regs[k].bytes >= other.images.copy_bytes[k]  # a copy reads one registration
+        assert other.images.all_pinned and not any(other.images.raw)
     cpu.close()
-    gpu.close()  # the streamed model on these bytes: tests/test_coded_source_gpu.py (CUDA codes on the GPU)
+    gpu.close()
+    place.close()  # the streamed model on these bytes: tests/test_coded_source_gpu.py (CUDA codes on the GPU)
 
 
 @pytest.mark.gpu
