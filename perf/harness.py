@@ -477,7 +477,7 @@ def list_text() -> str:
               "single-GPU modes (each in a fresh process):",
               "  resident, resident-graph, resident-compile, resident-tfill (yardsticks)",
               "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, s<N>, mmap, staging, t<N>,",
-              "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu, enccpu",
+              "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu, enccpu, encplace",
               "  layerwise-pinned-half, layerwise-pageable-half",
               "  default, default-<N>gb (OffloadConfig.layerwise() with no arguments: the planned default)",
               "  peers: " + ", ".join(PEER_MODES) + " (accelerate-cpu: flux-12b-512 only)",
