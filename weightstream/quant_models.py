@@ -90,20 +90,14 @@ def load_gguf(model: nn.Module, path, compute_dtype=torch.bfloat16) -> nn.Module
 def _assign_gguf(model: nn.Module, sd: dict, compute_dtype) -> nn.Module:
     """As diffusers' GGUF quantizer: every ``nn.Linear`` whose weight in ``sd`` is a ``GGUFParameter``
     becomes a ``GGUFLinear`` (built on meta, then given ``sd``'s tensors), the rest is cast."""
-    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: PLC0415
+    from diffusers.quantizers.gguf.utils import GGUFParameter  # noqa: PLC0415
+
+    from weightstream.offload.host.checkpoint import gguf_linear  # noqa: PLC0415
 
     for key, v in sd.items():
         owner = key.rsplit(".", 1)[0]
-        lin = model.get_submodule(owner)
-        if key.endswith(".weight") and isinstance(v, GGUFParameter) and type(lin) is nn.Linear:
-            parent, _, child = owner.rpartition(".")
-            new = GGUFLinear(lin.in_features, lin.out_features, lin.bias is not None, compute_dtype=compute_dtype,
-                             device="meta")
-            new.source_cls = type(lin)
-            new.requires_grad_(False)
-            if lin.bias is not None and f"{owner}.bias" not in sd:
-                new.bias = nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
-            model.get_submodule(parent)._modules[child] = new
+        if key.endswith(".weight") and isinstance(v, GGUFParameter) and type(model.get_submodule(owner)) is nn.Linear:
+            gguf_linear(model, owner, compute_dtype, bias_given=f"{owner}.bias" in sd)
     for key, v in sd.items():
         owner, name = key.rsplit(".", 1)
         mod = model.get_submodule(owner)

@@ -514,7 +514,7 @@ def gguf_on_meta(model_on_meta: nn.Module, path, compute_dtype: torch.dtype = to
     ``GGUFParameter`` of the file's byte shape and ``quant_type``; every other tensor the file holds
     takes ``compute_dtype`` (the loader casts them so). Reads the header only; returns the model,
     changed in place, for :func:`~weightstream.offload_from_safetensors` with the same file."""
-    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFLinear, GGUFParameter  # noqa: PLC0415
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFParameter  # noqa: PLC0415
     from gguf import GGMLQuantizationType  # noqa: PLC0415
 
     type_name = gguf_file.type_name
@@ -545,14 +545,7 @@ def gguf_on_meta(model_on_meta: nn.Module, path, compute_dtype: torch.dtype = to
             raise CheckpointFormatError(
                 f"{path}: tensor {key!r} is {type_name(e.quant_type)} of shape {logical} (bytes {e.shape}); the "
                 f"model's {name!r} is an nn.Linear of weight shape {(lin.out_features, lin.in_features)}")
-        new = GGUFLinear(lin.in_features, lin.out_features, lin.bias is not None, compute_dtype=compute_dtype,
-                         device="meta")
-        new.source_cls = type(lin)
-        new.requires_grad_(False)
-        if lin.bias is not None and f"{name}.bias" not in entries:
-            new.bias = nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        model_on_meta.get_submodule(parent)._modules[child] = new
+        gguf_linear(model_on_meta, name, compute_dtype, bias_given=f"{name}.bias" in entries)
     for key, e in entries.items():
         _, leaf, mod = owner_of(key)
         if mod is None:
@@ -567,3 +560,20 @@ def gguf_on_meta(model_on_meta: nn.Module, path, compute_dtype: torch.dtype = to
         elif mod._buffers.get(leaf) is not None:
             mod._buffers[leaf] = torch.empty(mod._buffers[leaf].shape, dtype=compute_dtype, device="meta")
     return model_on_meta.eval()
+
+
+def gguf_linear(model: nn.Module, name: str, compute_dtype: torch.dtype, *, bias_given: bool) -> None:
+    """Replace ``model``'s ``nn.Linear`` ``name`` by the ``GGUFLinear`` diffusers' GGUF quantizer
+    makes of it (on meta, ``compute_dtype``; its own bias cast unless the weights give one:
+    ``bias_given``)."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear  # noqa: PLC0415
+
+    lin = model.get_submodule(name)
+    new = GGUFLinear(lin.in_features, lin.out_features, lin.bias is not None, compute_dtype=compute_dtype,
+                     device="meta")
+    new.source_cls = type(lin)
+    new.requires_grad_(False)
+    if lin.bias is not None and not bias_given:
+        new.bias = nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
+    parent, _, child = name.rpartition(".")
+    model.get_submodule(parent)._modules[child] = new
