@@ -194,26 +194,37 @@ def test_a_failing_stage_raises_its_error_and_nothing_hangs(stage):
     assert finished == [0, 1][: len(finished)] and 3 not in finished
 
 
-def test_coding_in_place_keeps_the_raw_region_as_it_is_past_the_coded_bytes():
-    """The setup's in-place coding (``_code_on_device(keep=True)``, encode_on='in-place' on CUDA;
-    here a CPU store told to take the pipeline): the encoder's bytes and table at each region's
-    start, the raw bytes past them left where they were (no tail given back), nothing raw."""
+def _raw_store(seed: int):
+    """A CPU store of three raw blocks (codec='auto') told to code through the GPU pipeline (the
+    interpreter and RecordingStreams), its layouts and a copy of each raw image."""
     from weightstream.offload.host.images import BlockImages
 
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seed)
     blocks = [_block(gen, 1) for _ in range(3)]
     layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
     images = BlockImages(layouts, [[t.clone() for _, _, t in ts] for ts in blocks], device="cpu", pin=False,
                          codec="auto")
-    raw = [images.region(k)[: lay.nbytes].clone() for k, lay in enumerate(layouts)]
-    images.encode_on, images.levels = "device", PATCHED
+    images.encode_on = "device"
+    return images, layouts, [images.region(k)[: lay.nbytes].clone() for k, lay in enumerate(layouts)]
+
+
+def _assert_coded_like_the_cpu(images, k: int, lay, raw: torch.Tensor) -> None:
+    blobs, table = encode_image(lay, [s.view_of(raw) for s in lay.tensors], levels=PATCHED)
+    want = torch.cat(blobs)
+    assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
+    assert images.tables[k].segments == table.segments
+
+
+def test_coding_in_place_keeps_the_raw_region_as_it_is_past_the_coded_bytes():
+    """The setup's in-place coding (``_code_on_device(keep=True)``, encode_on='in-place' on CUDA;
+    here a CPU store told to take the pipeline): the encoder's bytes and table at each region's
+    start, the raw bytes past them left where they were (no tail given back), nothing raw."""
+    images, layouts, raw = _raw_store(11)
+    images.levels = PATCHED
     images._code_on_device([0, 1, 2], False, keep=True)
     assert images.raw == [False] * 3
     for k, lay in enumerate(layouts):
-        blobs, table = encode_image(lay, [s.view_of(raw[k]) for s in lay.tensors], levels=PATCHED)
-        want = torch.cat(blobs)
-        assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
-        assert images.tables[k].segments == table.segments
+        _assert_coded_like_the_cpu(images, k, lay, raw[k])
         tail = slice(images.copy_bytes[k], lay.nbytes)
         assert torch.equal(images.region(k)[tail], raw[k][tail])  # kept, not given back (keep=True)
     images.close()
@@ -224,22 +235,11 @@ def test_auto_codes_raw_blocks_where_they_lie_through_the_pipeline():
     (AutoCoding._code_on_device; here a CPU store told to take it: the interpreter and
     RecordingStreams): the blocks asked for hold encode_image's bytes and table, the others stay raw,
     no background job is left even when one was asked for."""
-    from weightstream.offload.host.images import BlockImages
-
-    gen = torch.Generator().manual_seed(7)
-    blocks = [_block(gen, 1) for _ in range(3)]
-    layouts = [build_layout(k, f"b{k}", ts) for k, ts in enumerate(blocks)]
-    images = BlockImages(layouts, [[t.clone() for _, _, t in ts] for ts in blocks], device="cpu", pin=False,
-                         codec="auto")
-    raw = [images.region(k)[: lay.nbytes].clone() for k, lay in enumerate(layouts)]
-    images.encode_on = "device"
+    images, layouts, raw = _raw_store(7)
     images.code_blocks([0, 2], "exp-kp", background=True)
     assert not images.coding_active and images.raw == [False, True, False]
     for k in (0, 2):
-        blobs, table = encode_image(layouts[k], [s.view_of(raw[k]) for s in layouts[k].tensors], levels=PATCHED)
-        want = torch.cat(blobs)
-        assert images.coded[k] == want.numel() and torch.equal(images.region(k)[: want.numel()], want)
-        assert images.tables[k].segments == table.segments
+        _assert_coded_like_the_cpu(images, k, layouts[k], raw[k])
     assert torch.equal(images.region(1)[: layouts[1].nbytes], raw[1])
     images.close()
 
