@@ -127,7 +127,9 @@ def offload_from_safetensors(
     """Stream ``model_on_meta``'s blocks straight from safetensors (or GGUF) files.
 
     model_on_meta: the DiT with its parameters on ``meta`` (see :func:`on_meta`,
-    :func:`meta_from_pretrained`; :func:`gguf_on_meta` for a GGUF file); it is bound in place and wrapped.
+    :func:`meta_from_pretrained`; :func:`gguf_on_meta` for a GGUF file; diffusers'
+    ``enable_layerwise_casting`` on it for a checkpoint saved from a cast model, whose float8 tensors
+    bind only entries of their own dtype); it is bound in place and wrapped.
     source: a folder (diffusers layout), a .safetensors or .gguf file, an index.json,
     a :class:`WeightsSource`, a dict with keys path/prefix/subfolder, or a list
     of these; None: the model's ``weights_sources``.

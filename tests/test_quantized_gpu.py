@@ -164,3 +164,33 @@ def test_gguf_streams_from_its_file_on_cuda(quant, tmp_path):
             assert s["source"] == "mmap" and s["quantized_format"] == "gguf", s
             assert s["direct_blocks"] == s["blocks_streamed"], s  # straight from the registered file pages
             w.disable()
+
+
+@pytest.mark.parametrize("storage", ["e4m3fn", "e5m2"])
+def test_fp8_cast_model_streams_from_its_checkpoint_on_cuda(storage, tmp_path):
+    """A layerwise-cast model's save_pretrained (float8 tensors) streamed straight from the mapping
+    on CUDA (direct DMA from the registered file pages), bit-exact against the cast model resident;
+    resident layers too."""
+    import torch
+
+    from weightstream import OffloadConfig, offload_from_safetensors
+    from weightstream.models import flux_inputs, tiny_flux
+    from weightstream.offload.host.checkpoint import on_meta
+    from weightstream.quant_models import layerwise_fp8
+
+    dtype = getattr(torch, f"float8_{storage}")
+    layerwise_fp8(tiny_flux(dtype=torch.bfloat16, **WIDE), dtype).save_pretrained(str(tmp_path))
+    ref = make(f"fp8-{storage}", str(tmp_path), "cuda")  # the same weights, cast, on the GPU
+    x = flux_inputs(ref, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(**x)[0]
+        for resident in (0, 1):
+            with on_meta():
+                meta = layerwise_fp8(tiny_flux(dtype=torch.bfloat16, **WIDE), dtype)
+            cfg = OffloadConfig.layerwise(resident_layers=resident, progress=False)
+            w = offload_from_safetensors(meta, str(tmp_path), cfg, device="cuda")
+            assert all(torch.equal(w(**x)[0], want) for _ in range(3)), (storage, resident)
+            s = w.stats()
+            assert s["source"] == "mmap" and s["quantized_format"] == "layerwise-casting", s
+            assert s["direct_blocks"] == s["blocks_streamed"], s
+            w.disable()

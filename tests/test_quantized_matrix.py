@@ -17,6 +17,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "quantized.md"
 # every supported (format, transport) -> the test that streams it, bit-exact against the same model unwrapped
 COVERED = {
     ("layerwise-casting", "pinned"): "test_quantized::test_wrapper_streams_the_fp8_bytes_bit_exact",
+    ("layerwise-casting", "mmap"): "test_quantized_fp8_mmap::test_streams_bit_exact_from_the_folder",
     ("layerwise-casting", "dlo-allgather"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("layerwise-casting", "dlo-rank-local"): "test_quantized_dlo::test_two_ranks_stream_quantized_images_bit_exact",
     ("layerwise-casting", "module"): "test_quantized::test_pipeline_layer_and_module_mode",

@@ -23,7 +23,7 @@ from torch import nn
 from weightstream.kernels.materialise import Segment, SegmentTable, materialise_torch
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointFormatError, CkptTensor, _listing
 from weightstream.offload.host.gguf_file import type_name
-from weightstream.offload.host.quantized import _gguf_class
+from weightstream.offload.host.quantized import _gguf_class, casting_leaves
 from weightstream.offload.placeholders import empty_like_dtype, give_data
 
 KERNEL_TRANSFORMS = {"qkv_reorder": Segment.qkv_reorder, "qkv_interleave": Segment.qkv_interleave}
@@ -186,12 +186,14 @@ def _kept_fp32(model: nn.Module, name: str) -> bool:
 
 
 def _check_dtypes(model: nn.Module, objs: dict, target_of: dict, out: dict, ckpt: Checkpoint) -> None:
-    """The checkpoint's dtypes replace the model's only as a whole: every floating-point tensor
+    """A float8 tensor binds only an entry of its own dtype (:func:`_check_float8`). Otherwise the
+    checkpoint's dtypes replace the model's only as a whole: every floating-point tensor
     of one model dtype takes one checkpoint dtype (a model built in float32 on meta, loaded
     from a bfloat16 checkpoint), or keeps its own. A key that breaks that (a mix the first
     forward would fail on, or run with), or a non-float key of another dtype, is a
     CheckpointFormatError naming the key, both dtypes and what to do."""
     cls = type(model).__name__
+    _check_float8(model, objs, target_of, out, ckpt)
     groups: dict[torch.dtype, dict[torch.dtype, list[str]]] = {}
     for rname, cname in target_of.items():
         t, b = objs[rname], out.get(id(objs[rname]))
@@ -217,6 +219,40 @@ def _check_dtypes(model: nn.Module, objs: dict, target_of: dict, out: dict, ckpt
         raise _dtype_error(cls, rname, cname, b, mdt, ckpt,
                            f"the checkpoint {gives} ({shown}), so this one would run in another dtype than its "
                            f"neighbours (keys that do so: {_listing(odd)})", to=main)
+
+
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _check_float8(model: nn.Module, objs: dict, target_of: dict, out: dict, ckpt: Checkpoint) -> None:
+    """A float8 tensor (diffusers' layerwise casting storage) binds only a checkpoint entry of its
+    own dtype, and a float8 entry only a tensor of its dtype: the mmap source streams the file's
+    bytes as they are, so the whole-model cast :func:`_check_dtypes` allows between other float
+    dtypes would give a float8-cast model the checkpoint's bf16 (or other float8) weights. The
+    first such key is a CheckpointFormatError naming it, both dtypes and what to do."""
+    bad = [(r, c) for r, c in target_of.items() if (b := out.get(id(objs[r]))) is not None and b.name == r
+           and b.src.quant_type is None and objs[r].dtype != b.dtype
+           and (_is_float8(objs[r].dtype) or _is_float8(b.dtype))]
+    if not bad:
+        return
+    rname, cname = bad[0]
+    t, b = objs[rname], out[id(objs[rname])]
+    where = f"checkpoint key {cname!r} ({ckpt.files[b.src.file].path}) is {b.dtype}"
+    more = f" ({len(bad)} keys so: {_listing([c for _, c in bad])})" if len(bad) > 1 else ""
+    cast = "" if casting_leaves(model) else "not "
+    if _is_float8(t.dtype):
+        raise CheckpointFormatError(
+            f"{where}; {type(model).__name__}'s tensor {rname!r} is stored in {t.dtype} (the model is {cast}layerwise "
+            f"cast){more}: a float8 tensor binds only a checkpoint entry of its own dtype, since the mmap source "
+            f"streams the file's bytes as they are (no cast on the way). Stream a checkpoint saved from the cast "
+            f"model (enable_layerwise_casting(storage_dtype={t.dtype}, ...), then save_pretrained), or load the "
+            "model into memory, cast it and wrap it with OffloadedTransformer")
+    raise CheckpointFormatError(
+        f"{where}; {type(model).__name__}'s tensor {rname!r} is {t.dtype} (the model is {cast}layerwise cast){more}: "
+        f"a float8 entry binds only a tensor of its own dtype. Build the model on meta as the saved one was: "
+        f"enable_layerwise_casting(storage_dtype={b.dtype}, compute_dtype=...) with the same skip_modules_pattern, "
+        "before offload_from_safetensors")
 
 
 def _dtype_error(cls: str, rname: str, cname: str, b: TensorBinding, model_dtype, ckpt: Checkpoint, why: str, *,

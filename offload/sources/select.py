@@ -249,11 +249,10 @@ QUANTIZED_FORMATS = ("none", "layerwise-casting", "gguf", "torchao", "bitsandbyt
 _INTO_MEMORY = ("; load the model (quantized) into memory and wrap it with OffloadedTransformer (pinned host "
                 "images of the quantized bytes)")
 # why the mmap source cannot bind each format's tensors to a checkpoint's (GGUF can: a .gguf file maps like a
-# safetensors file, and gguf_on_meta builds the GGUFLinears its quantized entries bind to; docs/checkpoints.md)
+# safetensors file, and gguf_on_meta builds the GGUFLinears its quantized entries bind to; layerwise casting can:
+# save_pretrained of the cast model writes its float8 tensors, which bind by dtype like any others; a checkpoint
+# of another dtype is a CheckpointFormatError at binding, offload/host/binding.py; docs/checkpoints.md)
 _MMAP_QUANTIZED = {
-    "layerwise-casting": "diffusers' enable_layerwise_casting casts weights already in memory to its float8 storage "
-                         "dtype; a checkpoint holds them uncast, and the mmap source streams a file's bytes as they "
-                         "are (no cast on the way)",
     "torchao": "torchao's tensor subclasses are made by quantize_ from weights in memory, and no checkpoint file "
                "maps to their inner tensors (qdata, scale) by key",
     "bitsandbytes": "bitsandbytes quantizes a weight when it moves to the device and keeps a quant-state object "
