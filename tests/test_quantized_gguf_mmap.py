@@ -210,3 +210,31 @@ def test_a_file_changed_in_place_is_named(case, tmp_path):
         f.write(b)
     with pytest.raises(CheckpointChangedError, match="flux.gguf"):
         run(wrapped, x)
+
+
+def test_bf16_and_f32_tensors_read_as_diffusers_reads_them(tmp_path):
+    """diffusers' loader keeps F32 / F16 tensors plain and makes a BF16 one a GGUFParameter (uint8
+    bytes, quant_type BF16): the parser's entries say the same, byte for byte."""
+    import numpy as np
+
+    path = str(tmp_path / "bf16.gguf")
+    w = gguf.GGUFWriter(path, "flux")
+    weight = (torch.randn(8, 32, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    w.add_tensor("x.weight", weight.view(torch.int16).numpy().view(np.uint16).copy(),
+                 raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.add_tensor("x.bias", np.linspace(-1, 1, 8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = load_gguf_checkpoint(path)
+    ckpt = Checkpoint(path)
+    try:
+        q, b = ckpt.entries["x.weight"], ckpt.entries["x.bias"]
+        assert isinstance(want["x.weight"], GGUFParameter) and q.quant_type == int(want["x.weight"].quant_type)
+        assert q.dtype == torch.uint8 and q.shape == tuple(want["x.weight"].shape) == (8, 64)
+        assert torch.equal(ckpt.tensor(q), want["x.weight"].as_tensor())
+        assert torch.equal(ckpt.tensor(q).view(torch.bfloat16), weight)
+        assert b.quant_type is None and b.dtype == torch.float32 and torch.equal(ckpt.tensor(b), want["x.bias"])
+    finally:
+        ckpt.close()
