@@ -52,7 +52,7 @@ from weightstream.offload.host.encode import (_ALIGN, _capacity, _slack, _write,
                                               encode_workers, encoded_in_order, in_order)
 from weightstream.offload.host.encode_device import by_offset, code_on_device, fill_from_tensors, piece_bytes_for, pieces
 from weightstream.offload.host.packing import malloc_trim
-from weightstream.offload.host.recode import AutoCoding
+from weightstream.offload.host.recode import WHOLE_ON_DEVICE, AutoCoding
 from weightstream.offload.host.registration import HOST_REGISTER_READ_ONLY, BlockRegistration, map_anonymous, release_all
 from weightstream.offload.layout import BlockLayout, align_up
 from weightstream.offload.placeholders import drop_storage
@@ -271,8 +271,10 @@ class BlockImages(AutoCoding):
                     self._store_raw(k, objs[k])
                     stored(k)
                 self.raw = [True] * n
-                self._code_on_device(list(range(n)), progress, keep=True)
-                self.raw = [False] * n
+                on_gpu = [k for k in range(n) if self.layouts[k].nbytes <= WHOLE_ON_DEVICE]
+                self._code_on_device(on_gpu, progress, keep=True)
+                for k in (k for k in range(n) if self.raw[k]):  # too large for the staging pair: on the CPU
+                    self._apply_coded(k, *self._encode_now(k))
             elif encoded is None and self.encode_on == "device":  # up, coded on the GPU, down into the regions
                 def done(k: int, at: int, table) -> None:
                     self._commit(k, at, table, grow=True)
