@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .discovery import OffloadPlan
-from .host.binding import _named_tensors, bind_checkpoint, check_opt_in, drop_meta, host_tensor, leave_meta
+from .host.binding import _named_tensors, bind_checkpoint, check_opt_in, host_tensor
 from .host.checkpoint import Checkpoint, _listing, as_sources
 from .host.copy_plans import COPY_PATHS, build_plan, file_keys, file_ordered_layout
 from .host.encode import encode_image, in_order
@@ -27,7 +27,7 @@ from .host.sidecar import check_sidecar_mode, identity, sidecar_path, try_sideca
 from .host.staging import check_threads
 from .codecs import codec_levels
 from .layout import BlockLayout
-from .placeholders import give_data
+from .placeholders import drop_storage, give_data
 from .sources.decode import decode_placement
 from .sources.mmap import MmapCodedSource, MmapSource
 from .build import streamed_blocks
@@ -44,7 +44,7 @@ def _load_resident(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed
         for _, t in _named_tensors(module):
             b = bindings.get(id(t))
             if b is not None and id(t) not in streamed_ids:
-                leave_meta(t, host_tensor(ckpt, b).to(device, copy=True))
+                give_data(t, host_tensor(ckpt, b).to(device, copy=True))
 
 
 def _private_casts(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed_ids: set) -> dict:
@@ -57,7 +57,7 @@ def _private_casts(module: nn.Module, ckpt: Checkpoint, bindings: dict, streamed
         for _, t in _named_tensors(module):
             b = bindings.get(id(t))
             if b is not None and b.cast is not None and id(t) in streamed_ids:
-                leave_meta(t, host_tensor(ckpt, b))
+                give_data(t, host_tensor(ckpt, b))
                 del kept[id(t)]
     return kept
 
@@ -223,7 +223,7 @@ def mmap_coded_source(req, ckpt: Checkpoint, bindings: dict, sidecar: str = "off
     size = watch.size if watch is not None else 0
     plans = [build_plan(k, lay, ts, bindings) for k, (lay, ts) in enumerate(zip(layouts, tensors))]
     with torch.no_grad():  # streamed tensors leave meta: the source drops them to placeholders
-        drop_meta([t for ts in tensors for t in ts if t.device.type == "meta"], device)
+        drop_storage([t for ts in tensors for t in ts if t.device.type == "meta"], device)
     counter = [0]
     levels = codec_levels(req.codec)
     encoded = regions if regions is not None else _encode_blocks(ckpt, layouts, plans, tensors, bindings, counter,

@@ -291,12 +291,17 @@ def give_data(t: torch.Tensor, data: torch.Tensor) -> None:
 
     ``t.data = data`` cannot move a tensor onto or off ``meta`` (incompatible tensor
     types), so that case swaps in a new tensor of ``t``'s class carrying ``t``'s
-    attributes (``mmap_weight_transform``, ...)."""
+    attributes (``mmap_weight_transform``, a ``GGUFParameter``'s ``quant_type``, ...)."""
     if (t.device.type == "meta") == (data.device.type == "meta"):
         t.data = data
         return
-    # a new tensor object aliasing ``data`` (swap_tensors swaps objects: ``data`` itself may be shared)
-    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data.detach()
+    # a new tensor object aliasing ``data`` (swap_tensors swaps objects: ``data`` itself may be shared);
+    # a Parameter keeps its class (GGUFParameter: what its GGUFLinear dequantizes by), built as
+    # nn.Parameter builds one, without the subclass's own constructor
+    if isinstance(t, torch.nn.Parameter):
+        new = torch.Tensor._make_subclass(type(t), data.detach(), t.requires_grad)
+    else:
+        new = data.detach()
     new.__dict__.update(t.__dict__)
     torch.utils.swap_tensors(t, new)
 

@@ -24,7 +24,6 @@ from weightstream.kernels.materialise import Segment, SegmentTable, materialise_
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointFormatError, CkptTensor, _listing
 from weightstream.offload.host.gguf_file import type_name
 from weightstream.offload.host.quantized import _gguf_class, casting_leaves
-from weightstream.offload.placeholders import empty_like_dtype, give_data
 
 KERNEL_TRANSFORMS = {"qkv_reorder": Segment.qkv_reorder, "qkv_interleave": Segment.qkv_interleave}
 
@@ -363,21 +362,3 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             seen.add(id(t))
             yield name, t
 
-
-def leave_meta(t: torch.Tensor, data: torch.Tensor) -> None:
-    """:func:`~weightstream.offload.placeholders.give_data`, where a ``GGUFParameter`` leaving meta
-    stays a ``GGUFParameter`` (its class and ``quant_type``: what its ``GGUFLinear`` dequantizes by
-    and ``state_dict()`` gives back); ``give_data`` would make it a plain Parameter."""
-    if _gguf_class(t) is not None and t.device.type == "meta" and data.device.type != "meta":
-        new = torch.Tensor._make_subclass(type(t), data, t.requires_grad)
-        new.__dict__.update(t.__dict__)
-        torch.utils.swap_tensors(t, new)
-        return
-    give_data(t, data)
-
-
-def drop_meta(tensors, device) -> None:
-    """:func:`~weightstream.offload.placeholders.drop_storage` of tensors on meta (:func:`leave_meta`)."""
-    empties: dict = {}
-    for t in tensors:
-        leave_meta(t, empty_like_dtype(t.dtype, device, empties))

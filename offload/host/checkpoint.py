@@ -506,7 +506,6 @@ def meta_from_pretrained(cls, path, *, subfolder: str | None = None, **overrides
     return model.eval()
 
 
-
 def gguf_on_meta(model_on_meta: nn.Module, path, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """``model_on_meta`` (parameters on meta) made the model diffusers' GGUF loader makes from the
     ``.gguf`` file at ``path``, still on meta: each ``nn.Linear`` whose ``<name>.weight`` is a

@@ -32,6 +32,7 @@ def _short(value, n: int = 80) -> str:
     r = repr(value)
     return r if len(r) <= n else r[: n - 3] + "..."
 
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -73,7 +74,7 @@ class _Reader:
             self.buf += self.f.read(max(self.at + n - len(self.buf), 1 << 20))
         if self.at + n > len(self.buf):
             raise Malformed(f"{self.path}: the GGUF header ends inside {what} (byte {self.at} of a "
-                                        f"{self.size}-byte file): truncated, or not a GGUF file")
+                            f"{self.size}-byte file): truncated, or not a GGUF file")
 
     def take(self, fmt: str, what: str):
         n = struct.calcsize("<" + fmt)
@@ -86,7 +87,7 @@ class _Reader:
         n = self.take("Q", what)
         if self.at + n > self.size:
             raise Malformed(f"{self.path}: {what} is {n} bytes long, past the file's end (byte "
-                                        f"{self.at} of a {self.size}-byte file): truncated or corrupt")
+                            f"{self.at} of a {self.size}-byte file): truncated or corrupt")
         self._have(n, what)
         raw = self.buf[self.at : self.at + n]
         self.at += n
@@ -117,7 +118,7 @@ def _read_header(path: Path, f, size: int) -> tuple[dict, list[tuple[str, tuple[
         pass  # a file shorter than the preamble: named below by its first bytes
     if len(r.buf) < 24 or r.buf[:4] != MAGIC:
         raise Malformed(f"{path}: not a GGUF file (its first bytes are {_short(bytes(r.buf[:4]))}, "
-                                    f"not {MAGIC!r}; {size} bytes)")
+                        f"not {MAGIC!r}; {size} bytes)")
     r.at = 4
     version = r.take("I", "the version")
     if version not in VERSIONS:
@@ -149,7 +150,7 @@ def _entry(path: Path, name: str, dims: tuple[int, ...], ggml_type: int, rel: in
     where = f"{path}: tensor {name!r}"
     if ggml_type not in GGML_TYPES:
         raise Malformed(f"{where}: ggml type {ggml_type} is not one this loader reads; known: "
-                                    f"{', '.join(n for n, _, _ in GGML_TYPES.values())}")
+                        f"{', '.join(n for n, _, _ in GGML_TYPES.values())}")
     tname, block, nbytes_block = GGML_TYPES[ggml_type]
     shape = tuple(reversed(dims))  # ne0 (fastest) is the last torch dim
     numel = 1
@@ -157,7 +158,7 @@ def _entry(path: Path, name: str, dims: tuple[int, ...], ggml_type: int, rel: in
         numel *= s
     if shape and shape[-1] % block:
         raise Malformed(f"{where}: its rows of {shape[-1]} values do not fill whole {tname} blocks of "
-                                    f"{block} values (shape {shape}); the file is corrupt")
+                        f"{block} values (shape {shape}); the file is corrupt")
     nbytes = numel // block * nbytes_block
     if ggml_type in PLAIN:
         dtype, quant = PLAIN[ggml_type], None
@@ -166,7 +167,7 @@ def _entry(path: Path, name: str, dims: tuple[int, ...], ggml_type: int, rel: in
         shape = shape[:-1] + (shape[-1] // block * nbytes_block,) if shape else shape
     if data + rel + nbytes > size:
         raise Malformed(f"{where}: offset {rel} + {nbytes} bytes of {tname} lie outside the file's "
-                                    f"{size - data} data bytes (truncated or corrupt: re-download or re-write it)")
+                        f"{size - data} data bytes (truncated or corrupt: re-download or re-write it)")
     return dtype, shape, data + rel, nbytes, quant
 
 

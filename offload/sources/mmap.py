@@ -80,7 +80,8 @@ import torch
 
 from weightstream.kernels.materialise import materialise, materialise_torch
 
-from weightstream.offload.host.binding import TensorBinding, drop_meta, host_tensor
+from weightstream.offload.placeholders import drop_storage
+from weightstream.offload.host.binding import TensorBinding, host_tensor
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, _listing
 from weightstream.offload.host.arena import copy_from_image
 from ..layout import BlockLayout
@@ -116,7 +117,7 @@ class MmapSource(WeightSource):
         self.pack_threads: set[str] = set()  # names of the threads that ran pack() (staging)
         self._views = self._host_views()
         with torch.no_grad():  # streamed tensors leave meta: the executor binds placeholders and slot views
-            drop_meta([t for ts in self.tensors for t in ts if t.device.type == "meta"], self.device)
+            drop_storage([t for ts in self.tensors for t in ts if t.device.type == "meta"], self.device)
         self.slots, self.streams, self.wire, self._copies, self.stager = [], None, [], [], None
         self.timings = dict(timings or {}, store_s=time.perf_counter() - t0)
 
