@@ -247,7 +247,7 @@ class DeviceEncoder:
             self._upload(i, fill)
             uploaded.put(i)
 
-        finish = lanes.lane("weightstream-encode-done", lambda item: done(*item))
+        finish = lanes.lane("weightstream-encode-done", lambda item: done(*item), drain=True)
         down = lanes.lane("weightstream-encode-down", self._downloader(dest, coded_free, finish))
         ups = lanes.lane("weightstream-encode-up", upload)
         try:
@@ -317,10 +317,12 @@ class DeviceEncoder:
 
 class _Lane:
     """A thread running ``step(item)`` for each item :meth:`put`, in order, until :meth:`end`;
-    after a failure anywhere (``lanes.stop``) it skips what is left."""
+    after a failure anywhere (``lanes.stop``) it skips what is left, unless ``drain``: then it runs
+    every item it is given (the done stage: each item is a block whose coded bytes already lie in
+    its host region, which must be committed as coded, or the region would be read as raw)."""
 
-    def __init__(self, lanes: "_Lanes", name: str, step):
-        self.lanes, self.step, self.items = lanes, step, queue.Queue()
+    def __init__(self, lanes: "_Lanes", name: str, step, drain: bool = False):
+        self.lanes, self.step, self.items, self.drain = lanes, step, queue.Queue(), drain
         self.thread = threading.Thread(target=self._loop, daemon=True, name=name)
         self.thread.start()
 
@@ -333,7 +335,7 @@ class _Lane:
 
     def _loop(self) -> None:
         while (item := self.items.get()) is not None:
-            if self.lanes.stop.is_set():
+            if self.lanes.stop.is_set() and not self.drain:
                 continue
             try:
                 self.step(item)
@@ -352,8 +354,8 @@ class _Lanes:
         self.failed: list[BaseException] = []
         self.stop = threading.Event()
 
-    def lane(self, name: str, step) -> _Lane:
-        return _Lane(self, name, step)
+    def lane(self, name: str, step, drain: bool = False) -> _Lane:
+        return _Lane(self, name, step, drain)
 
     def _check(self) -> None:
         if self.stop.is_set():

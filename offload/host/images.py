@@ -267,10 +267,10 @@ class BlockImages(AutoCoding):
                 # raw images packed and pinned as the uncoded store packs them, then coded on the GPU where
                 # they lie: DMA up from the registered region, the coded bytes DMA'd back into its start;
                 # the raw registration is kept (no second registration, no tail given back)
+                self.raw = [True] * n  # first: a failure half way gives the stored blocks back from raw bytes
                 for k in range(n):
                     self._store_raw(k, objs[k])
                     stored(k)
-                self.raw = [True] * n
                 on_gpu = [k for k in range(n) if self.layouts[k].nbytes <= WHOLE_ON_DEVICE]
                 self._code_on_device(on_gpu, progress, keep=True)
                 for k in (k for k in range(n) if self.raw[k]):  # too large for the staging pair: on the CPU

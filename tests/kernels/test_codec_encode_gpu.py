@@ -359,3 +359,44 @@ def test_gpu_auto_codes_the_planned_blocks_at_once():
         assert images.tables[k].segments == table.segments
         assert images._regs[k].bytes >= images.copy_bytes[k]
     src.close()
+
+
+def test_a_failed_encode_leaves_every_block_raw_or_coded_never_between(monkeypatch):
+    """An encode that fails half way through coding raw blocks where they lie: the error is raised,
+    and every block is either raw (its bytes untouched) or coded (the encoder's bytes, committed):
+    a block whose coded bytes already came down is committed even after the failure (the done
+    stage drains), so no region holds coded bytes while it is read as raw."""
+    import weightstream.offload.host.encode_device as ed
+
+    import threading
+    import time
+
+    images, layouts, raw = _raw_store(5)
+    images.levels = PATCHED
+    real, calls, failed = ed.encode_jobs, [], threading.Event()
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(0.5)  # the second block comes down meanwhile (its done waits behind the first's)
+            failed.set()
+            raise RuntimeError("injected: the encoder failed on the third block")
+        return real(*a, **kw)
+
+    commit = images._commit
+
+    def late_commit(*a, **kw):  # the done stage runs only after the failure: the window this guards
+        failed.wait(timeout=30)
+        return commit(*a, **kw)
+
+    monkeypatch.setattr(ed, "encode_jobs", failing)
+    monkeypatch.setattr(images, "_commit", late_commit)
+    with pytest.raises(RuntimeError, match="injected"):
+        images._code_on_device([0, 1, 2], False, keep=True)
+    assert images.raw[2] and not images.raw[0]
+    for k, lay in enumerate(layouts):
+        if images.raw[k]:
+            assert torch.equal(images.region(k)[: lay.nbytes], raw[k]), k
+        else:
+            _assert_coded_like_the_cpu(images, k, lay, raw[k])
+    images.close()
