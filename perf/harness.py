@@ -468,6 +468,7 @@ def list_text() -> str:
     from perf.dlo import MODES as DLO_MODES
     from perf.modes import PEER_MODES
     from perf.module_swap import MODES as MODULE_MODES, SCENARIO as MODULE_SCENARIO
+    from perf.quantized import QUANT_VARIANTS
     from perf.scenarios import SCENARIOS
 
     lines = ["scenarios:"]
@@ -478,6 +479,8 @@ def list_text() -> str:
               "  resident, resident-graph, resident-compile, resident-tfill (yardsticks)",
               "  layerwise[-<variant>...], graphs[-<variant>...]; variants: r<N>, auto, <N>gb, s<N>, mmap, staging, t<N>,",
               "    graphs, nextstep, ingraph, compile, coded, coded2, codedp, codedauto, sidecar, encgpu, enccpu, encplace",
+              "    last, one of -lora<R>, -lora<R>fused (peft LoRA of rank R) or a quantized model: "
+              + ", ".join(f"-{q}" for q in QUANT_VARIANTS) + " (also resident-<q>, default-*, diffusers-block-<q>)",
               "  layerwise-pinned-half, layerwise-pageable-half",
               "  default, default-<N>gb (OffloadConfig.layerwise() with no arguments: the planned default)",
               "  peers: " + ", ".join(PEER_MODES) + " (accelerate-cpu: flux-12b-512 only)",
