@@ -76,6 +76,25 @@ print(json.dumps({"baseline": baseline, "built": built, "peak": status("VmHWM"),
                   "in_flight": min(len(layouts), encode_workers()) * max(l.nbytes for l in layouts)}))
 """
 
+# a quantized model (perf/quantized.py, issue 37): quantized on the host, the peak counted from the
+# quantized model on (VmHWM reset), the host store holding the quantized bytes only
+CHILD_QUANT = CHILD.split("model_bytes = tensor_bytes(model)")[0] + r"""
+from perf.quantized import quantize, reset_peak_rss
+model = quantize(model, sys.argv[4])
+model_bytes = tensor_bytes(model)
+if not reset_peak_rss():
+    raise SystemExit("no /proc/self/clear_refs")
+baseline = status("VmRSS") - model_bytes  # what the process holds beside the quantized model
+wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, resident_layers=0, weight_codec="none"),
+                               device=device)
+stats = wrapped.stats()
+print(json.dumps({"baseline": baseline, "built": baseline + model_bytes, "peak": status("VmHWM"),
+                  "after": status("VmRSS"), "model_bytes": model_bytes, "host_bytes": stats["host_bytes"],
+                  "streamed": stats["streamed_bytes_per_step"], "slot_bytes": stats["slot_bytes"]}))
+"""
+QUANT_CASES = ("qfp8", "qgguf8", "qint8")
+
+
 # Wan-shaped (40 uniform blocks, 8.4 MB each) and Flux-shaped (double and
 # single blocks, 42 / 18 MB), bf16, ~340 / ~400 MB: tensors of 0.5-8 MB,
 # which malloc keeps in its heap (the case a trim matters for)
@@ -89,10 +108,10 @@ CASES = {
 LARGE = ("wan-14b-480p", dict(num_attention_heads=12, ffn_dim=6144))
 
 
-def _measure(scenario: str, overrides: dict, device: str = "cpu", child: str = CHILD) -> dict:
+def _measure(scenario: str, overrides: dict, device: str = "cpu", child: str = CHILD, *extra: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", child, scenario, json.dumps(overrides), device], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", child, scenario, json.dumps(overrides), device, *extra], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -117,6 +136,17 @@ def test_coded_setup_peak_rss_within_target(case):
     # a block being encoded holds its originals and its coded bytes: at most one per worker
     # (2 Flux-shaped double blocks here: 0.21 x the model; 16 of them on the H200 host: 0.3 x)
     _check_peak(case, r, allowance=r["in_flight"])
+
+
+@pytest.mark.parametrize("variant", QUANT_CASES)
+def test_quantized_setup_peak_rss_within_target(variant):
+    """Issue 37's host bar on the CPU: a Flux-shaped model quantized (fp8 layerwise casting, GGUF
+    Q8_0, torchao int8 weight-only) sets up within 1.15 x the quantized model, and the host store
+    holds the quantized bytes (no bf16 copy: each image page-aligned, the fixed modules resident)."""
+    r = _measure(*CASES["flux"], "cpu", CHILD_QUANT, variant)
+    assert 0.4 < r["model_bytes"] / 4e8 < 0.7, r  # the quantized bytes: about half the bf16 model's
+    assert r["host_bytes"] <= r["streamed"] + 4096 * 64 and r["streamed"] < r["model_bytes"], r
+    _check_peak(variant, r)
 
 
 @pytest.mark.gpu
