@@ -18,7 +18,8 @@ from weightstream.offload.hooks import StepHook
 from .misuse import UnsupportedOperationError
 from .tracing import not_traced
 from .build import streamed_blocks
-from .host.quantized import host_form
+from .host.quantized import host_form, streams
+from .load_hook import HostLoadHook, WrapperKeys
 from .streamed import (
     StreamedBlocks, explain_failure, install_state_dict_hook, resolve_device,
 )
@@ -110,7 +111,8 @@ class LayerwiseOffloadHandle:
     Made by :func:`apply_layerwise_offload`. What it installs on the module, all
     named and removable: a pre/post hook per streamed block, a step hook on the
     module, a state_dict post-hook (``state_dict()`` / ``save_pretrained`` read
-    the real weights from the host store) and, only with ``cuda_graphs='on'``,
+    the real weights from the host store), load_state_dict hooks (:class:`.load_hook.HostLoadHook`:
+    ``load_state_dict`` writes the streamed keys into the host store) and, only with ``cuda_graphs='on'``,
     a :class:`GraphForward` as the instance's ``forward``. ``remove()`` takes
     all of it off and returns the module with every weight on the device.
     ``intercept=False`` (what :class:`OffloadedTransformer` uses, whose own
@@ -136,6 +138,9 @@ class LayerwiseOffloadHandle:
                 self.streamed.restore()  # nothing lost: the module gets its weights back
                 raise
         self.state_dict_hook = install_state_dict_hook(module, self.streamed)
+        views = self.streamed.host_views
+        self.load_hook = HostLoadHook(f"weightstream.load_state_dict[{type(module).__name__}]", module,
+                                      self.streamed.update_weights, lambda t: streams(t, views))
         # in place, casts and moves are the module's own: a guard on the instance (the wrapper has its own)
         undo = "handle.disable()" if who == "offload_pipeline" else "handle.remove()"
         self.cast_guard = CastGuard(module, self.device, who, undo) if intercept else None
@@ -193,6 +198,7 @@ class LayerwiseOffloadHandle:
                 self.cast_guard = None
             module = self.streamed.restore()
             self.state_dict_hook.remove()
+            self.load_hook.remove()
             self.removed = True
         return module
 
@@ -201,7 +207,7 @@ class LayerwiseOffloadHandle:
             return f"LayerwiseOffloadHandle({type(self.module).__name__}, removed)"
         s = self.streamed.stats()
         parts = [f"streamed={s['blocks_streamed']}", f"resident_blocks={s['blocks_resident']}",
-                 f"slots={s['num_slots']}", f"device={s['device']}", repr(self.state_dict_hook)]
+                 f"slots={s['num_slots']}", f"device={s['device']}", repr(self.state_dict_hook), repr(self.load_hook)]
         if self.forward_override is not None:
             parts.append(f"forward={self.forward_override!r}")
         return f"LayerwiseOffloadHandle({type(self.module).__name__}, {', '.join(parts)})"
@@ -280,6 +286,7 @@ class OffloadedTransformer(nn.Module):
         self._graphs = handle.graphs
         # on the wrapped module itself: save_pretrained and parents reach it without the wrapper
         self.state_dict_hook = handle.state_dict_hook
+        self.load_keys = WrapperKeys("weightstream.load_state_dict[OffloadedTransformer]", self)  # a parent's load
         self._disabled = False
 
     @property
@@ -421,6 +428,7 @@ class OffloadedTransformer(nn.Module):
         """Stop streaming: every weight back on the device, hooks removed; returns the plain module."""
         self._check_live()
         module = self._handle.remove()
+        self.load_keys.remove()
         self._graphs = None
         self._disabled = True
         return module

@@ -77,7 +77,7 @@ from ..adapters import UnitEdits, dora_read_error
 from ..placeholders import Placeholders
 from ..streamed import HostStateDictHook
 from .events import Transition, TransitionLog
-from .hooks import ModuleHook, casting_rebinds, forward_running, unit_hooks
+from .hooks import LoadArrival, ModuleHook, casting_rebinds, forward_running, unit_hooks
 from .selection import MARK, assign_tensors, device_peak, select_units, tensors_of
 from .split import SplitMovers, SplitOffloadMixin, SupportsSplitOffload, undo_split
 from .units import Unit, UnitImages
@@ -192,6 +192,7 @@ class ModuleOffload:
         for u in self.units.values():
             if u.swapped:
                 self.hooks += unit_hooks(self._enter, u)
+                self.hooks.append(LoadArrival(self._enter, u))  # load_state_dict: into its device tensors
                 self.hooks += casting_rebinds(u)  # layerwise casting: tensors back on the unit's buffer
         # a cast or move of a unit would reach its device copy only, not its host master: refused by name
         self.cast_guards = [CastGuard(u.module, self.device, "offload_pipeline (mode='module')", "handle.disable()")

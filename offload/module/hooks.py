@@ -69,6 +69,30 @@ def unit_hooks(enter: Enter, unit: Unit) -> list[ModuleHook]:
     return hooks
 
 
+class LoadArrival(RemovableHooks):
+    """Named, removable ``load_state_dict`` pre-hook on a swapped unit's module: a load that holds
+    some of the unit's keys brings the unit to the device first (as its forward would), so torch
+    copies into its device tensors instead of the empty placeholders; the unit's write-back
+    (offload/adapters.py UnitEdits: the copies move the tensors' version counters) then carries the
+    loaded weights into its host master, before it leaves and before any ``state_dict()``."""
+
+    def __init__(self, enter: Enter, unit: Unit):
+        self.enter, self.unit = enter, unit
+        self.name = f"weightstream.module[{unit.name}].load_state_dict"
+        self._handles = [unit.module.register_load_state_dict_pre_hook(self.pre_load)]
+
+    def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if self.unit.on_device:
+            return
+        mine = {id(t) for t in self.unit.tensors}  # the unit's keys: per load (peft renames them)
+        keys = {k for k, t in module.state_dict(keep_vars=True).items() if id(t) in mine}
+        if any(k[len(prefix):] in keys for k in state_dict if k.startswith(prefix)):
+            self.enter(self.unit, cause=f"{self.unit.name}.load_state_dict", log=True)
+
+    def __repr__(self) -> str:
+        return f"LoadArrival({self.name}, {self.state})"
+
+
 class CastingRebind:
     """Named, removable forward hook on a leaf of a swapped unit that diffusers' layerwise casting
     hooks: the casting hook's ``module.to(storage_dtype)`` after the leaf's forward leaves its
