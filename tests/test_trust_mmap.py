@@ -321,3 +321,29 @@ def test_direct_copies_name_why_a_graph_cannot_hold_them(tmp_path):
     path, _, _, _ = _pair(tmp_path)
     wrapped = _wrap(path, "direct")
     assert "direct copies" in _source(wrapped).uncapturable()
+
+
+# ----------------------------------------------------------------- handed-out tensors
+
+
+@pytest.mark.parametrize("copy_path", ["direct", "staging"])
+def test_an_edit_of_a_state_dict_tensor_is_refused_by_name_not_a_crash(copy_path, tmp_path):
+    """state_dict() of the raw mmap source hands out views of a copy-on-write mapping of the file:
+    an in-place edit lands in a private page (it killed the process with SIGSEGV on the read-only
+    mapping), and the next step or state_dict() raises StreamedWriteError, drops the edit and
+    streams on from the file, bit-exact."""
+    from weightstream.offload.misuse import StreamedWriteError  # noqa: PLC0415
+
+    path, _, a, _ = _pair(tmp_path)
+    x = toy_inputs()
+    with torch.no_grad():
+        want = a(**x)
+        wrapped = _wrap(path, copy_path, resident_layers=0, weight_codec="none")
+        key = next(k for k in wrapped.state_dict() if k.startswith("double_blocks.0."))
+        for then in ("forward", "state_dict"):
+            wrapped.state_dict()[key].mul_(2)
+            with pytest.raises(StreamedWriteError, match="edited in place.*read-only checkpoint mapping"):
+                wrapped(**x) if then == "forward" else wrapped.state_dict()
+            assert torch.equal(wrapped(**x), want)
+            assert torch.equal(wrapped.state_dict()[key], a.state_dict()[key])
+        assert torch.equal(wrapped.disable()(**x), want)

@@ -210,6 +210,7 @@ class MappedFile:
         self.index = index
         self._fd: int | None = None
         self._fd_closer = None
+        self.handed: torch.Tensor | None = None  # see handed_bytes
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -239,6 +240,16 @@ class MappedFile:
     def base(self) -> int:
         return self.u8.data_ptr()
 
+    def handed_bytes(self) -> torch.Tensor:
+        """The file's bytes as ``state_dict()`` hands them out: a private copy-on-write mapping
+        (ACCESS_COPY), so that a write through torch lands in a private page, where the source
+        sees it (the version counter these views share), instead of faulting on the read-only one."""
+        if self.handed is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # frombuffer warns about writable buffers
+                self.handed = torch.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        return self.handed
+
     def check_unchanged(self) -> None:
         """Raise CheckpointChangedError if the mapped inode changed since it was opened."""
         if self._fd is None:
@@ -252,8 +263,7 @@ class MappedFile:
         mmap object but no buffer export, so closing it would unmap memory
         that live views (state_dict values, a transform's output) still read.
         """
-        self.u8 = None
-        self.map = None
+        self.u8 = self.map = self.handed = None
         self._fd = None
         if self._fd_closer is not None:
             self._fd_closer()
@@ -440,8 +450,10 @@ class Checkpoint:
     def bytes(self, t: CkptTensor) -> torch.Tensor:
         return self.files[t.file].u8[t.offset : t.offset + t.nbytes]
 
-    def tensor(self, t: CkptTensor) -> torch.Tensor:
-        return self.bytes(t).view(t.dtype).view(t.shape)
+    def tensor(self, t: CkptTensor, *, handed: bool = False) -> torch.Tensor:
+        """``t`` typed, a view of the read-only mapping, or with ``handed`` of the copy-on-write one."""
+        data = self.files[t.file].handed_bytes() if handed else self.files[t.file].u8
+        return data[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
 
     def drop_pages(self, tensors: list[CkptTensor]) -> None:
         """Give the mapped pages that hold ``tensors`` back (MADV_DONTNEED): read once (encoded

@@ -85,7 +85,7 @@ from weightstream.offload.host.binding import TensorBinding, host_tensor
 from weightstream.offload.host.checkpoint import Checkpoint, CheckpointChangedError, _listing
 from weightstream.offload.host.arena import copy_from_image
 from ..layout import BlockLayout
-from ..misuse import WeightUpdateError
+from ..misuse import StreamedWriteError, WeightUpdateError
 from weightstream.offload.host.staging import Stager, StagingError, check_threads
 from .base import SourceCaps, WeightSource
 from .pinned import CodedSource
@@ -224,8 +224,19 @@ class MmapSource(WeightSource):
             self.pack_threads |= pool.thread_names
 
     def check(self) -> None:
-        """Raise CheckpointChangedError if a mapped file changed (every step start, every replay)."""
+        """Raise CheckpointChangedError if a mapped file changed, StreamedWriteError if a tensor
+        ``state_dict()`` handed out was edited in place (every step start, every replay)."""
         self.ckpt.check_unchanged()
+        edited = [f for f in self.ckpt.files if f.handed is not None and f.handed._version]
+        if edited:
+            for f in edited:
+                f.handed = None  # from now on state_dict() hands out the file's bytes again
+            self._views.update(self._host_views())
+            raise StreamedWriteError(
+                f"a tensor state_dict() gave of {', '.join(f.path.name for f in edited)} was edited in place; the "
+                "mmap source streams the read-only checkpoint mapping, so the model kept its weights and the edit "
+                "was dropped (state_dict() reads the file again). Change weights in an in-memory "
+                "OffloadedTransformer, or write a new checkpoint and stream that")
 
     def reload(self) -> None:
         """Before the ring reloads pending slots: the files are checked; the stager
@@ -264,10 +275,10 @@ class MmapSource(WeightSource):
                     host = next(h for h, d in self.plans[k].local if d == spec.offset)
                     eager[id(t)] = host.view(spec.dtype).view(spec.shape)
                 elif b.transform is None and b.kernel is None:
-                    eager[id(t)] = self.ckpt.tensor(b.src)
+                    eager[id(t)] = self.ckpt.tensor(b.src, handed=True)
                 else:
                     lazy[id(t)] = (lambda b=b: host_tensor(self.ckpt, b))
-        return _HostViews(eager, lazy, self.ckpt.check_unchanged)
+        return _HostViews(eager, lazy, self.check)
 
     def host_views(self) -> "_HostViews":
         """id(tensor) -> runtime host tensor; every lookup checks the files first."""
