@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from weightstream.offload.misuse import UnsupportedCombinationError
 from weightstream.offload.sources.select import (
@@ -63,3 +64,22 @@ def test_no_covered_cell_is_refused():
 
 def test_docs_print_the_table():
     assert quantized_table_markdown() in DOC.read_text()
+
+
+def test_a_model_mixing_formats_is_refused_by_name_with_a_tensor_of_each():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: PLC0415
+
+    from weightstream import OffloadConfig, OffloadedTransformer  # noqa: PLC0415
+    from weightstream.models import flux_inputs, tiny_flux  # noqa: PLC0415
+    from weightstream.quant_models import gguf_random  # noqa: PLC0415
+
+    model = gguf_random(tiny_flux(dtype=torch.bfloat16), "Q8_0")  # the blocks' linears
+    quantize_(model, Int8WeightOnlyConfig(version=2), filter_fn=lambda m, fqn: fqn == "x_embedder")
+    x = flux_inputs(model)
+    with torch.no_grad():
+        want = model(**x)[0]
+    with pytest.raises(UnsupportedCombinationError, match=r"mixes quantized formats: gguf \('transformer_blocks.*"
+                                                          r"torchao \('x_embedder.weight'\)"):
+        OffloadedTransformer(model, OffloadConfig.layerwise(progress=False), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], want)  # refused before any tensor moved

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..misuse import UnsupportedOperationError, WeightUpdateError
+from ..misuse import UnsupportedCombinationError, UnsupportedOperationError, WeightUpdateError
 from . import bnb
 
 
@@ -74,19 +74,21 @@ def tensor_format(t) -> str:
 def quantized_format(module: nn.Module) -> str:
     """The one quantized format of ``module``'s tensors: "layerwise-casting" (diffusers'
     ``enable_layerwise_casting``), "gguf", "torchao", "bitsandbytes", or "none". Reads only."""
-    found = set()
-    for m in module.modules():
+    found: dict[str, str] = {}  # format -> the first module name or tensor key in that format
+    for name, m in module.named_modules():
         if "layerwise_casting" in _hook_names(m):
-            found.add("layerwise-casting")
-        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            found.setdefault("layerwise-casting", name or type(module).__name__)
+        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
             if t is not None:
                 f = tensor_format(t)
                 if f != "none":
-                    found.add(f)
+                    found.setdefault(f, f"{name}.{key}" if name else key)
     if len(found) > 1:
-        raise ValueError(f"{type(module).__name__} mixes quantized formats {sorted(found)}; one format per "
-                         "model streams: quantize the model with one backend")
-    return found.pop() if found else "none"
+        raise UnsupportedCombinationError(
+            f"{type(module).__name__} mixes quantized formats: "
+            f"{', '.join(f'{f} ({where!r})' for f, where in sorted(found.items()))}; one format per model streams: "
+            "quantize the model with one backend (allowed: one of gguf, torchao, bitsandbytes, layerwise-casting)")
+    return next(iter(found)) if found else "none"
 
 
 def _gguf_class(t) -> type | None:

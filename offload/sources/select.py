@@ -83,7 +83,7 @@ _RULES = (
      "or set resident_layers to 0"),
     (lambda t, c, r, g: t == "mmap" and c == AUTO, "weight_codec", AUTO,
      "weight_codec='auto' is not allowed with the mmap source (offload_from_safetensors): it plans from the "
-     "pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2 (with a coded sidecar), none"),
+     "pinned raw images of OffloadedTransformer; choose from: exp-k, exp-k2, exp-kp (each with a coded sidecar), none"),
     (lambda t, c, r, g: t == "mmap" and r == "auto", "layer_options.dit.resident_layers", "auto",
      "layer_options.dit.resident_layers='auto' is not allowed for the mmap source (auto placement writes a "
      "demoted block back into its source, and the checkpoint mapping is read-only); choose from: an int >= 0, "
