@@ -317,7 +317,10 @@ class StreamedBlocks:
         """
         with self.held("update_weights()"):
             self.executor.check_usable("update_weights()")
-            return self._apply(self._plan_update(state_dict, strict))
+            plan = self._plan_update(state_dict, strict)
+            if self.guard is not None:  # DLO AllGather: every rank writes the same weights, or none
+                self.guard.agree_update([(key, new) for key, _, new in plan])
+            return self._apply(plan)
 
     def _apply(self, plan: list) -> list[str]:
         if self.placement is not None:

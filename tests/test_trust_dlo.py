@@ -349,6 +349,29 @@ def check_cut_short(rank, world, codec):
     return out
 
 
+def check_update_on_some_ranks(parallel, rank, world, *, alone: bool):
+    """update_weights under AllGather (a collective) on every rank with the same weights: the next
+    forwards follow it; on the last rank alone (``alone``): the next forward stops on every rank,
+    named, instead of computing with mixed shares."""
+    model, inputs, ref_model = _toy(rank)
+    om = OffloadedTransformer(model, _cfg(weight_transfer="allgather"), device="cpu", parallel=parallel)
+    new = {k: v * 2 for k, v in ref_model.state_dict().items() if k.startswith("double_blocks.0.")}
+    if not alone or rank == world - 1:
+        om.update_weights(new)
+    ref_model.load_state_dict(new, strict=False)
+    with torch.no_grad():
+        want = ref_model(**inputs)
+    out = {"errors": [], "equal": []}
+    for _ in range(2):
+        try:
+            out["equal"].append(torch.equal(_forward(om, inputs), want))
+            out["errors"].append(None)
+        except Exception as e:
+            out["equal"].append(None)
+            out["errors"].append(f"{type(e).__name__}: {e}")
+    return out
+
+
 def scenario(rank, world):
     dp = ParallelConfig(dp=world)
     every, last = tuple(range(world)), world - 1
@@ -373,6 +396,8 @@ def scenario(rank, world):
         c.run("stop_exp_k", check_block_failure, dp, rank, transfer="allgather", failing=(last,),
               exc="KeyboardInterrupt", codec="exp-k", forwards=3)
         c.run("folded_weights", check_folded_weights, dp, rank, last)
+    c.run("update_every_rank", check_update_on_some_ranks, dp, rank, world, alone=False)
+    c.run("update_one_rank", check_update_on_some_ranks, dp, rank, world, alone=True)
     # these time out on purpose, each in a group of its own: last
     c.run("setup_one_rank_fails", check_setup_one_rank_fails, rank, world)
     c.run("peer_stays_alive", check_peer_stays_alive, rank, world)
@@ -665,3 +690,13 @@ def test_dlo_config_keys_are_validated(kw, match):
     cfg = OffloadConfig.layerwise(dlo_timeout_s=3, dlo_verify_weights=False)
     assert cfg.dlo_timeout_s == 3.0 and OffloadConfig.from_dict(cfg.to_dict()) == cfg
     assert OffloadConfig.layerwise().dlo_timeout_s == 60.0 and OffloadConfig.layerwise().dlo_verify_weights
+
+
+def test_update_weights_is_agreed_never_mixed(ranks):
+    """update_weights on every rank: bit-exact after; on one rank only: every rank's next forward
+    raises (the weights versions differ in the end-of-step agreement), none returns mixed shares."""
+    for r, rep in enumerate(get(ranks, "update_every_rank")):
+        assert rep["errors"] == [None, None] and rep["equal"] == [True, True], (r, rep)
+    for r, rep in enumerate(get(ranks, "update_one_rank")):
+        assert rep["equal"] == [None, None], (r, rep)
+        assert all("the ranks hold other weights" in e and "collective" in e for e in rep["errors"]), (r, rep)

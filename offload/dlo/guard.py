@@ -15,7 +15,9 @@ held here and called through a few hooks (``check``, ``mark_failed``,
 """
 from __future__ import annotations
 
-from weightstream.offload.dlo.control import _Control
+import hashlib
+
+from weightstream.offload.dlo.control import _Control, tensor_digests
 
 
 class DLOGuard:
@@ -47,6 +49,9 @@ class DLOGuard:
     def agree_capture(self, ex, ok: bool) -> bool:
         return ok
 
+    def agree_update(self, items: list) -> None:
+        """Before an update writes (``items``: its (key, new tensor) pairs): rank-local, nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({'usable' if self.failure is None else 'failed: ' + self.failure})"
 
@@ -65,6 +70,7 @@ class AllGatherGuard(DLOGuard):
         self._reset_to: int | None = None  # step start every rank agreed to reset to (a capture failed somewhere)
         self._forward_start = 0  # position when the current forward began
         self._open = False  # a forward began and its end (end_forward) has not run yet
+        self.weights_version = 0  # the updates this rank wrote, folded (agree_update)
 
     def _way_out(self) -> str:
         return (" or collective, so it cannot hang on ranks that are out of step; rebuild the "
@@ -87,12 +93,13 @@ class AllGatherGuard(DLOGuard):
         waits) ends the backend: this rank can no longer tell which collectives its peers ran."""
         src = self.source
         try:
-            rows = self.control.status([ex.position, src.ncoll, int(flag)], note, f"the DLO agreement on {what}")
+            rows = self.control.status([ex.position, src.ncoll, int(flag), self.weights_version], note,
+                                       f"the DLO agreement on {what}")
         except BaseException as e:
             self.mark_failed(f"{_what(e)} (in the DLO agreement on {what})")
             raise
         src.ncoll += 1
-        return [{"position": r[0], "ncoll": r[1], "flag": bool(r[2]), "note": n} for r, n in rows]
+        return [{"position": r[0], "ncoll": r[1], "flag": bool(r[2]), "weights": r[3], "note": n} for r, n in rows]
 
     def agree_capture(self, ex, ok: bool) -> bool:
         """Capture succeeded on every rank? One small collective per capture; when it did
@@ -102,6 +109,18 @@ class AllGatherGuard(DLOGuard):
         if not agreed:
             self._reset_to = self.capture_start
         return agreed
+
+    def agree_update(self, items: list) -> None:
+        """update_weights under AllGather is a collective: every rank must write the same weights
+        (each holds 1/N of every block: one rank's new share beside its peers' old ones mixes the
+        weights). Each rank folds the digest of every update (every byte) into its weights version,
+        which the end-of-step agreement compares: ranks that wrote other weights, or that updated
+        alone, stop with the next forward (named, its output discarded) instead of computing with
+        mixed shares. No collective here: a rank calling it alone must not pair a control
+        collective with its peers' gathers."""
+        mine = sorted(zip([key for key, _ in items], tensor_digests([t for _, t in items])))
+        folded = hashlib.sha1(f"{self.weights_version}:{mine!r}".encode()).hexdigest()
+        self.weights_version = int(folded[:15], 16)  # a positive int64: one of the agreement's ints
 
     def _cut_short(self, exc: BaseException | None) -> bool:
         """A load or gather of the source was stopped part-way (by a BaseException that is not an
@@ -162,6 +181,13 @@ class AllGatherGuard(DLOGuard):
         if len({(r["position"], r["ncoll"]) for r in rows}) > 1:
             self.mark_failed("the ranks are out of step after a step (" + ", ".join(
                 f"rank {i}: position {r['position']}, {r['ncoll']} collectives" for i, r in enumerate(rows)) + ")")
+            self.check()
+        if len({r["weights"] for r in rows}) > 1:
+            self.mark_failed("the ranks hold other weights: update_weights() ran with other weights, or on some "
+                             "ranks only (ranks by the updates they wrote: " + ", ".join(
+                                 f"rank {i}: {r['weights']:x}" for i, r in enumerate(rows)) + "); this step's output "
+                             "is discarded. update_weights under AllGather is a collective: call it on every rank "
+                             "with the same weights")
             self.check()
         failed = [(i, r["note"]) for i, r in enumerate(rows) if r["flag"]]
         if failed and exc is None:
