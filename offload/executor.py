@@ -127,6 +127,7 @@ class LayerwiseExecutor:
         if prime not in ("now", "first_forward"):
             raise ValueError(f"prime={prime!r} is not allowed; choose from: now, first_forward")
         self._primed = False
+        self._refill = False  # a load failed: the next step starts from a refill (_issue)
         if prime == "now":
             self._prime()
 
@@ -164,6 +165,9 @@ class LayerwiseExecutor:
         did before (the previous step's readers of the slots)."""
         if not self._primed:
             self._prime()
+        if self._refill:
+            self._resync("a load failed in the previous step (its slot may hold another block)")
+            return
         if self.position % self.schedule.n:
             if self.bindings.bound is not None:
                 self._resync()  # the previous step stopped inside a block (an exception)
@@ -201,7 +205,13 @@ class LayerwiseExecutor:
             self.copies.step_start(loads, defer=self.schedule.defer_last and self.position % self.schedule.n == 0)
 
     def _issue(self, load: Load, *, wait_free: bool = True) -> None:
-        self.copies.issue(load, wait_free=wait_free)
+        try:
+            self.copies.issue(load, wait_free=wait_free)
+        except BaseException:
+            # its slot holds whatever was there before: the next step starts from a refill, even when the
+            # failed load was one the step's end carries into the next step (the position at a boundary)
+            self._refill = True
+            raise
 
     # -- hooks -----------------------------------------------------------------
     def before_block(self, block: int) -> None:
@@ -222,6 +232,9 @@ class LayerwiseExecutor:
         if interrupted:
             self.bindings.unbind_current()
         expected = self.schedule.block_at(self.position)
+        if self._refill and block == self.schedule.first:  # a step entered without the DiT's hook
+            self._resync("a load failed in the previous step (its slot may hold another block)")
+            expected = self.schedule.block_at(self.position)
         if block != expected:
             if not interrupted and own.depth:  # inside the DiT's forward: the blocks in between were skipped
                 self._skip_to(block)
@@ -312,15 +325,13 @@ class LayerwiseExecutor:
                 self._issue(nxt, wait_free=False)
         self.position = end
 
-    def _resync(self) -> None:
+    def _resync(self, why: str = "a forward started before the previous one finished its blocks "
+                                 "(an exception inside the model?)") -> None:
         """A step started while the previous one was cut short (an exception
-        inside the model): wait for outstanding work, unbind, re-prime. Not on
-        the normal path."""
-        warnings.warn(
-            "weightstream: a forward started before the previous one finished its blocks "
-            "(an exception inside the model?); re-priming the slots",
-            stacklevel=4,
-        )
+        inside the model, a failed load): wait for outstanding work, unbind,
+        re-prime. Not on the normal path."""
+        warnings.warn(f"weightstream: {why}; re-priming the slots", stacklevel=4)
+        self._refill = False
         self._to_step_boundary()
         self._started = self.position
         self._host_version = self.source.host_version()  # the refill reads the store as it is now

@@ -16,7 +16,7 @@ from weightstream import (
     SharedStorageError, StreamedModuleAccessError, StreamedWriteError, UnsupportedOperationError,
     WeightUpdateError,
 )
-from weightstream.models import ToyDiT
+from weightstream.models import ToyDiT, toy_inputs
 from weightstream.offload.build import streamed_blocks
 
 from layerwise_cases import build, first
@@ -619,3 +619,44 @@ def test_wrapping_after_a_pipeline_ran_the_model_is_allowed():
     wrapped = OffloadedTransformer(model, None, device=DEV)
     with torch.no_grad():
         assert torch.equal(first(wrapped(**x)), first(ref(**x)))
+
+
+class _FailingLoad:
+    """A source's load that raises at its ``at``-th call (a transient read error), once."""
+
+    def __init__(self, source, at: int):
+        self.calls, self.at, self._load = 0, at, source.load
+        source.load = self  # the instance only: this test's own source object
+
+    def __call__(self, k, slot, **kw):
+        self.calls += 1
+        if self.calls == self.at:
+            raise OSError("injected: a transient read error")
+        return self._load(k, slot, **kw)
+
+
+@pytest.mark.parametrize("at", range(1, 13))
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_failed_load_anywhere_then_every_step_is_bit_exact(at, slots):
+    """A load that raises fails its forward (the error itself); every later step is the resident
+    model's output. Before: a failed load that a step's end carries into the next step (the position
+    already at the boundary) left its slot holding another block, and the next step computed with
+    it silently."""
+    model = ToyDiT()
+    ref, x = copy.deepcopy(model), toy_inputs()
+    wrapped = OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, resident_layers=0,
+                                                                  weight_codec="none", num_slots=slots), device="cpu")
+    failing = _FailingLoad(wrapped.executor.source, at)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the re-priming warning after the failed load
+        want = ref(**x)
+        failed = 0
+        for _ in range(4):
+            try:
+                out = wrapped(**x)
+            except OSError as e:
+                assert "injected" in str(e)
+                failed += 1
+                continue
+            assert torch.equal(out, want), (at, slots, failing.calls)
+    assert failed == (1 if failing.calls >= at else 0)

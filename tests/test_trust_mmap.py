@@ -347,3 +347,34 @@ def test_an_edit_of_a_state_dict_tensor_is_refused_by_name_not_a_crash(copy_path
             assert torch.equal(wrapped(**x), want)
             assert torch.equal(wrapped.state_dict()[key], a.state_dict()[key])
         assert torch.equal(wrapped.disable()(**x), want)
+
+
+def test_a_failed_pack_on_the_packer_thread_fails_one_step_then_streams_on(tmp_path):
+    """A transient failure of the staging packer (a read error) fails the forward that needed the
+    block, named; the packer starts again and every later step is bit-exact (it was sticky: every
+    later forward raised the same error)."""
+    from weightstream.offload.host.staging import StagingError  # noqa: PLC0415
+
+    path, _, a, _ = _pair(tmp_path)
+    x = toy_inputs()
+    with torch.no_grad():
+        want = a(**x)
+        wrapped = _wrap(path, "staging", resident_layers=0, weight_codec="none")
+        stager = _source(wrapped).stager
+        pack, calls = stager._pack, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 7:
+                raise OSError("injected: a transient read error")
+            return pack(*args)
+
+        stager._pack = failing
+        results = []
+        for _ in range(5):
+            try:
+                results.append(torch.equal(wrapped(**x), want))
+            except StagingError as e:
+                assert "injected" in str(e) and "the next one packs again" in str(e)
+                results.append("error")
+        assert results.count("error") == 1 and all(r is True for r in results if r != "error"), results

@@ -201,6 +201,9 @@ class Stager:
         self.restarts = 0
         self.wait_s = 0.0  # time the forward thread waited for packing
         self.pack_s = 0.0
+        self._start_thread()
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="weightstream-stager", daemon=True)
         self._thread.start()
 
@@ -248,10 +251,12 @@ class Stager:
             if position != self._expect:
                 self._restart(position)
             while True:
-                if self._error is not None:
+                if self._error is not None:  # handed out once: the packer starts again (a transient failure)
+                    error, self._error, self._expect = self._error, None, None
+                    self._start_thread()
                     raise StagingError(
-                        f"weightstream: packing a staged block failed on the packer thread: {self._error!r}"
-                    ) from self._error
+                        f"weightstream: packing a staged block failed on the packer thread: {error!r}; this step "
+                        "was stopped, the next one packs again") from error
                 if self._stop:
                     raise RuntimeError("weightstream: the stager was stopped")
                 for b, q in enumerate(self._ready):
