@@ -103,8 +103,9 @@ class GraphRunner:
         if ex.mid_step:
             # an earlier eager step stopped part-way: a replay runs no hooks that could
             # notice, so line the ring up first; a step whose last blocks were skipped
-            # (nothing bound) finishes as skipped, one that raised inside a block re-primes
-            if ex.block_bound:
+            # (nothing bound) finishes as skipped, one that raised inside a block or whose load
+            # failed re-primes
+            if ex.block_bound or ex.load_failed:
                 ex.reset()
             else:
                 ex.finish_step()

@@ -404,8 +404,15 @@ class LayerwiseExecutor:
 
     @property
     def mid_step(self) -> bool:
-        """True when a step stopped part-way (an exception, or its last blocks skipped)."""
-        return self.position % self.schedule.n != 0
+        """True when a step stopped part-way (an exception, or its last blocks skipped), or a
+        load failed (:attr:`load_failed`)."""
+        return self.position % self.schedule.n != 0 or self._refill
+
+    @property
+    def load_failed(self) -> bool:
+        """A load raised since the ring was last primed: a slot may hold another block (a
+        replay must :meth:`reset` first; an eager step re-primes by itself)."""
+        return self._refill
 
     @property
     def block_bound(self) -> bool:
@@ -448,6 +455,7 @@ class LayerwiseExecutor:
         if target is not None:
             self.position = target
         self.copies.tag = None
+        self._refill = False  # first: a reload that fails marks it again
         self.reload_pending()
 
     def reload_pending(self) -> None:
