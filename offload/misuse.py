@@ -40,6 +40,10 @@ class UnsupportedOperationError(OffloadMisuseError, TypeError):
     """An operation on the wrapper that would break streaming (cast, copy, pickle)."""
 
 
+class OffloadDisabledError(OffloadMisuseError, RuntimeError):
+    """A wrapper, handle or module offload used after ``disable()`` / ``remove()``."""
+
+
 class AlreadyOffloadedError(OffloadMisuseError, ValueError):
     """The model is already wrapped, streamed, or carries another library's offload hooks."""
 

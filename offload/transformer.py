@@ -15,7 +15,7 @@ from .discovery import OffloadPlan
 from .distributed import build_streamed
 from weightstream.offload.executor import LayerwiseExecutor
 from weightstream.offload.hooks import StepHook
-from .misuse import UnsupportedOperationError
+from .misuse import OffloadDisabledError, UnsupportedOperationError
 from .tracing import not_traced
 from .build import streamed_blocks
 from .host.quantized import host_form, streams
@@ -166,7 +166,8 @@ class LayerwiseOffloadHandle:
 
     def _check_live(self) -> None:
         if self.removed:
-            raise RuntimeError("this layerwise offload was removed; the module runs as a plain module")
+            raise OffloadDisabledError("this layerwise offload was removed; the module runs as a plain module: "
+                                       "offload it again to stream it")
 
     def stats(self) -> dict:
         self._check_live()
@@ -315,7 +316,7 @@ class OffloadedTransformer(nn.Module):
     @not_traced  # hooks and stream events drive the streaming; not traceable
     def forward(self, *args, **kwargs):
         if self._disabled:
-            raise RuntimeError("this OffloadedTransformer was disabled; call the module disable() returned")
+            raise OffloadDisabledError("this OffloadedTransformer was disabled; call the module disable() returned")
         sb = self._streamed
         depth = sb.ownership.acquire("a forward")  # ConcurrentUseError when another thread is inside
         try:
@@ -453,7 +454,8 @@ class OffloadedTransformer(nn.Module):
 
     def _check_live(self):
         if self._disabled:
-            raise RuntimeError("this OffloadedTransformer was disabled")
+            raise OffloadDisabledError("this OffloadedTransformer was disabled; use the module disable() returned, "
+                                       "or wrap it again")
 
     def extra_repr(self) -> str:
         if self._disabled:

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from weightstream.offload.misuse import OffloadDisabledError
 from weightstream.offload.placeholders import holds_placeholder
 from diffusers import DiffusionPipeline, FluxTransformer2DModel, SD3Transformer2DModel
 
@@ -99,9 +100,9 @@ def test_remove_gives_back_the_plain_module():
     assert all(t.numel() > 0 for t in model.state_dict().values())
     assert torch.equal(_out(model, x), expected)
     assert "removed" in repr(handle)
-    with pytest.raises(RuntimeError, match="removed"):
+    with pytest.raises(OffloadDisabledError, match="removed"):
         handle.remove()
-    with pytest.raises(RuntimeError, match="removed"):
+    with pytest.raises(OffloadDisabledError, match="removed"):
         handle.stats()
     again = apply_layerwise_offload(model, _cfg(), device=DEV)  # can be applied again
     assert torch.equal(_out(model, x), expected)

@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+from weightstream.offload.misuse import OffloadDisabledError
 from weightstream.offload.placeholders import holds_placeholder
 
 from weightstream import OffloadConfig, OffloadedTransformer, OffloadPlan
@@ -168,8 +169,9 @@ def test_disable_restores_an_ordinary_module():
         assert all(p.numel() > 0 for p in b.parameters())
     with torch.no_grad():
         assert torch.equal(plain(**x), ref(**x))
-    with pytest.raises(RuntimeError, match="disabled"):
-        wrapped(**x)
+    for call in (lambda: wrapped(**x), wrapped.stats, wrapped.disable, lambda: wrapped.update_weights({})):
+        with pytest.raises(OffloadDisabledError, match="disabled"):
+            call()
 
 
 def test_update_weights_reaches_streamed_blocks():

@@ -12,7 +12,7 @@ from layerwise_cases import ResidualBlocks
 from weightstream import OffloadConfig
 from weightstream.models import ToyDiT, flux_inputs, tiny_flux, tiny_wan, toy_inputs, wan_inputs
 from weightstream.offload.host.arena import PAGE
-from weightstream.offload.host.checkpoint import Checkpoint, WeightsSource, meta_from_pretrained, on_meta
+from weightstream.offload.host.checkpoint import Checkpoint, CheckpointFormatError, WeightsSource, meta_from_pretrained, on_meta
 from weightstream.offload.host.copy_plans import merge_runs, Run, split_run
 from weightstream.offload.checkpoint_offload import offload_from_safetensors
 from weightstream.offload.host.registration import plan_registration
@@ -212,7 +212,7 @@ def test_meta_left_behind_lists_the_tensors(tmp_path):
     sd = _toy().state_dict()
     del sd["blocks.1.0.weight"], sd["head.bias"]
     path = _save(sd, tmp_path / "toy.safetensors")
-    with pytest.raises(ValueError, match=r"2 expected tensor\(s\) of ResidualBlocks are still on the meta device") as e:
+    with pytest.raises(CheckpointFormatError, match=r"2 expected tensor\(s\) of ResidualBlocks are still on the meta device") as e:
         offload_from_safetensors(_meta(), path, device=DEV)
     assert "'blocks.1.0.weight'" in str(e.value) and "'head.bias'" in str(e.value)
 
@@ -221,7 +221,7 @@ def test_missing_keys_of_a_real_model(tmp_path):
     sd = _toy().state_dict()
     del sd["embed.weight"]
     path = _save(sd, tmp_path / "toy.safetensors")
-    with pytest.raises(ValueError, match=r"parameters of ResidualBlocks missing from the checkpoint: 'embed.weight'"):
+    with pytest.raises(CheckpointFormatError, match=r"parameters of ResidualBlocks missing from the checkpoint: 'embed.weight'"):
         offload_from_safetensors(_toy(), path, device=DEV)  # built for real, not on meta
 
 

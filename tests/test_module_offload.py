@@ -22,6 +22,7 @@ from weightstream.offload.components import SupportsComponentDiscovery, discover
 from weightstream.offload.config import OffloadConfig
 from weightstream.offload.module import ModuleOffload
 from weightstream.offload.pipeline import offload_pipeline
+from weightstream.offload.misuse import AlreadyOffloadedError, OffloadDisabledError
 from weightstream.offload.placeholders import holds_placeholder
 
 ALL = ["dit", "text_encoder", "vae"]
@@ -223,9 +224,9 @@ def test_disable_round_trip(toy):
             assert not (lo <= t.data_ptr() < hi)  # own storage, not a view of the host store
     assert not pipe.vae.decoder._forward_pre_hooks
     assert torch.equal(pipe(**inputs), expected)
-    with pytest.raises(RuntimeError, match="disabled"):
+    with pytest.raises(OffloadDisabledError, match="disabled"):
         handle.stats()
-    with pytest.raises(RuntimeError, match="disabled"):
+    with pytest.raises(OffloadDisabledError, match="disabled"):
         with handle.using("text_encoder"):
             pass
     # offloading again after disable works
@@ -440,7 +441,7 @@ def test_shared_tensor_between_components_rejected():
 def test_offloading_twice_rejected(toy):
     pipe, _, _ = toy
     offload_pipeline(pipe, cfg(), device="cpu")
-    with pytest.raises(ValueError, match="already under module offload"):
+    with pytest.raises(AlreadyOffloadedError, match="already under module offload"):
         offload_pipeline(pipe, cfg(), device="cpu")
 
 

@@ -166,14 +166,15 @@ def bind_checkpoint(model: nn.Module, ckpt: Checkpoint) -> dict[int, TensorBindi
     _check_dtypes(model, objs, target_of, out, ckpt)
     stuck = [n for n, t in objs.items() if id(t) not in out and t.device.type == "meta"]
     if stuck:
-        raise ValueError(
+        raise CheckpointFormatError(
             f"{len(stuck)} expected tensor(s) of {cls} are still on the meta device after checkpoint mapping "
             f"(no checkpoint key maps to them): {_listing(stuck)}; checkpoint files: "
             f"{[str(f.path) for f in ckpt.files][:4]}"
         )
     missing = [n for n, t in objs.items() if id(t) not in out and kinds[n] == "parameter"]
     if missing:
-        raise ValueError(f"parameters of {cls} missing from the checkpoint: {_listing(missing)}")
+        raise CheckpointFormatError(f"parameters of {cls} missing from the checkpoint: {_listing(missing)}; "
+                                    "stream a checkpoint of this model (or build the model from its config)")
     return out
 
 

@@ -70,6 +70,7 @@ from torch import nn
 from ..casts import CastGuard
 from ..components import Component, Components
 from ..config import OffloadConfig
+from ..misuse import OffloadDisabledError
 from ..progress import format_bytes
 from ..host.quantized import host_form, prepare, quantized_format, rehome, streams
 from ..sources.select import Topology, check_quantized, select
@@ -449,7 +450,7 @@ class ModuleOffload:
 
     def _check_live(self) -> None:
         if self._disabled:
-            raise RuntimeError("this module offload was disabled")
+            raise OffloadDisabledError("this module offload was disabled; offload the pipeline again to use it")
 
     @property
     def disabled(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..components import Component, Components
+from ..misuse import AlreadyOffloadedError
 from ..layout import block_tensors, build_layout
 from ..progress import format_bytes
 from .split import SplitMovers, check_parts
@@ -35,7 +36,7 @@ def select_units(controller: "ModuleOffload", components: Components, selected: 
     marked: list[nn.Module] = []
     for c in components.items:
         if getattr(c.module, MARK, None) is not None:
-            raise ValueError(
+            raise AlreadyOffloadedError(
                 f"component {c.name!r} of {components.pipeline} is already under module offload; "
                 "call disable() on the first handle before offloading again"
             )
