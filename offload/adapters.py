@@ -107,6 +107,23 @@ def adapter_state(layer: nn.Module) -> tuple:
             scaling, tuple((id(t), t.data_ptr()) for t in adapter_tensors(layer)))
 
 
+def merge_stopped(root: nn.Module, t: torch.Tensor) -> str:
+    """What to tell a user whose peft merge (``fuse_lora``, ``merge``) was refused at the base
+    weight ``t``: peft merges layer by layer, so the layers it merged before this one (resident
+    ones) stay merged; "" when ``t`` is no tuner layer's base weight or nothing is merged."""
+    layers = tuner_layers(root)
+    if not any(getattr(layer.get_base_layer(), "weight", None) is t for layer in layers):
+        return ""
+    merged = [layer for layer in layers if layer.merged_adapters]
+    if not merged:
+        return ""
+    names = ", ".join(sorted({name for name, m in root.named_modules() if any(m is layer for layer in merged)})[:4])
+    return (f" The merge stopped at this layer: the {len(merged)} adapter layer(s) merged before it ({names}; "
+            "resident weights) keep the merge, and diffusers' unfuse_lora() does not know of it. For the exact "
+            "weights load the originals back (load_state_dict / update_weights); peft's unmerge() on those layers "
+            "subtracts the delta again, with rounding")
+
+
 def dora_read_error(root: nn.Module, t: torch.Tensor, what: str, name: str):
     """The named error for a read of offloaded base weight ``t`` (``name``) that a peft DoRA layer of
     ``root`` makes outside its forward (its merge computes the magnitude from the base weight's
@@ -118,7 +135,7 @@ def dora_read_error(root: nn.Module, t: torch.Tensor, what: str, name: str):
                 f"{what} read the offloaded base weight {name!r} of a peft DoRA layer outside its forward: a DoRA "
                 "merge (merge(), fuse_lora()) computes the magnitude from the base weight's values, which are in "
                 "the host store between forwards, so DoRA merges are not supported on offloaded weights (a plain "
-                "LoRA merge is). Run the DoRA adapter unfused, or merge it before offloading")
+                "LoRA merge is). Run the DoRA adapter unfused, or merge it before offloading." + merge_stopped(root, t))
     return None
 
 

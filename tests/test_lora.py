@@ -164,6 +164,26 @@ def test_dora_runs_unfused_and_its_merge_is_refused_by_name():
         model.add_adapter(LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_k"]), adapter_name="e")
 
 
+def test_a_merge_refused_part_way_names_the_layers_it_left_merged():
+    """peft merges layer by layer: a DoRA adapter on a resident layer (x_embedder) and on streamed
+    ones (to_q) merges x_embedder before the refusal at to_q. The error says so, names the layer,
+    and tells how to get the exact weights back (diffusers' unfuse_lora() does not know of it)."""
+    from peft import LoraConfig
+
+    from weightstream import OffloadConfig, OffloadedTransformer
+    from weightstream.offload.adapters import tuner_layers
+    from weightstream.offload.misuse import AdapterMergeUnsupportedError
+
+    model, x = lc.model_and_inputs("flux", small=True)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+                                 target_modules=["x_embedder", "to_q"]), adapter_name="d")
+    OffloadedTransformer(model, OffloadConfig.layerwise(progress=False, resident_layers=0), device="cpu")
+    with pytest.raises(AdapterMergeUnsupportedError, match=r"merge stopped at this layer: the 1 adapter layer\(s\) "
+                                                          r"merged before it \(x_embedder; .*load the originals back"):
+        model.fuse_lora()
+    assert [layer for layer in tuner_layers(model) if layer.merged_adapters] == [model.x_embedder]
+
+
 def test_lora_with_automatic_placement_matches_the_resident_model(tmp_path):
     """resident_layers="auto" (a device budget on the CPU): the planner promotes blocks after the
     first step; LoRA calls before and after it, fuse and unfuse on promoted and streamed blocks."""
