@@ -333,6 +333,42 @@ def case_autocast_with_its_cache_runs_eager():
 
 # -- pytest entry points ---------------------------------------------------------------------
 
+def case_a_failed_load_then_replays_are_exact():
+    """A load that raises (a transient read error) at each of the first loads: its call fails, every
+    later call (eager, capture or replay) equals the resident model. A replay runs no hook that
+    re-primes: the runner resets the ring first (executor.load_failed)."""
+    import torch
+
+    from layerwise_cases import build, first, stream_config
+    from weightstream import OffloadedTransformer
+
+    for at in range(1, 12):
+        model, ref, x = build("flux", "cuda", torch.bfloat16)
+        w = OffloadedTransformer(model, stream_config(cuda_graphs="on"), device="cuda")
+        src, calls = w.executor.source, []
+        load = src.load
+
+        def failing(k, slot, _load=load, _calls=calls, _at=at, **kw):
+            _calls.append(1)
+            if len(_calls) == _at:
+                raise OSError("injected: a transient read error")
+            return _load(k, slot, **kw)
+
+        src.load = failing
+        with torch.no_grad(), __import__("warnings").catch_warnings():
+            __import__("warnings").simplefilter("ignore")
+            expected, errors = first(ref(**x)), 0
+            for _ in range(6):
+                try:
+                    out = first(w(**x))
+                except OSError:
+                    errors += 1
+                    continue
+                assert torch.equal(out, expected), (at, w.graphs.counts)
+        assert errors <= 1, at
+        w.disable()
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -353,6 +389,7 @@ def case_autocast_with_its_cache_runs_eager():
         "case_unregistered_output_container_runs_eager",
         "case_modes_get_their_own_graphs",
         "case_autocast_with_its_cache_runs_eager",
+        "case_a_failed_load_then_replays_are_exact",
     ],
 )
 def test_graphs(case):
