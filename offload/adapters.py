@@ -34,6 +34,7 @@ surface (``BaseTunerLayer``: ``get_base_layer``, ``merged_adapters``,
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 
 from .hooks import RemovableHooks
 from .layout import block_tensors, tensor_bytes
-from .misuse import AdapterMergeUnsupportedError
+from .misuse import AdapterMergeUnsupportedError, OffloadMisuseError
 
 # peft's tuner module: when it was never imported, no model can hold a tuner layer
 _PEFT_TUNERS = "peft.tuners.tuners_utils"
@@ -122,6 +123,19 @@ def merge_stopped(root: nn.Module, t: torch.Tensor) -> str:
             "resident weights) keep the merge, and diffusers' unfuse_lora() does not know of it. For the exact "
             "weights load the originals back (load_state_dict / update_weights); peft's unmerge() on those layers "
             "subtracts the delta again, with rounding")
+
+
+@contextlib.contextmanager
+def merge_note(root: nn.Module, t: torch.Tensor):
+    """A refused read or write of ``t``'s ``.data`` (a named error) inside a peft merge: raised
+    again with :func:`merge_stopped`'s note of what the merge left merged."""
+    try:
+        yield
+    except OffloadMisuseError as e:
+        note = merge_stopped(root, t)
+        if not note:
+            raise
+        raise type(e)(f"{e}.{note}") from e
 
 
 def dora_read_error(root: nn.Module, t: torch.Tensor, what: str, name: str):

@@ -23,7 +23,7 @@ from .hooks import RemovableHooks
 from .sources.base import check_stats
 from .sources.pinned import SourceRequest
 from .sources.select import Selection, check_quantized
-from .adapters import AdapterWatch, dora_read_error, merge_stopped, streamable_tensors
+from .adapters import AdapterWatch, dora_read_error, merge_note, streamable_tensors
 from .host.quantized import (
     check_update, expand, host_form, parts_of, prepare, quantized_format, rehome, split_update, streams, unhome,
 )
@@ -199,27 +199,16 @@ class StreamedBlocks:
     # -- .data of an unbound streamed tensor (placeholders.py) --------------------------------
     def _read_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A device copy of ``t``'s current weights (its host view)."""
-        with self.held(f"reading .data of {self.placeholders.name(t)!r}"), self._merge_note(t):
+        with self.held(f"reading .data of {self.placeholders.name(t)!r}"), merge_note(self.module, t):
             return host_form(t, self.host_views).to(self.device, copy=True)  # a GGUF weight stays one
 
     def _write_tensor(self, t: torch.Tensor, value) -> None:
         """``t.data = value`` (or an edited ``.data`` copy): an update of that one tensor
         (found by identity: adapters injected since may have renamed its key)."""
         name = self.placeholders.name(t)
-        with self.held(f"writing .data of {name!r}"), self._merge_note(t):
+        with self.held(f"writing .data of {name!r}"), merge_note(self.module, t):
             self.executor.check_usable(f"writing .data of {name!r}")
             self._apply(self._plan_one(name, t, value))
-
-    @contextlib.contextmanager
-    def _merge_note(self, t: torch.Tensor):
-        """A refused read or write of ``t``'s ``.data`` inside a peft merge names what it left merged."""
-        try:
-            yield
-        except OffloadMisuseError as e:
-            note = merge_stopped(self.module, t)
-            if not note:
-                raise
-            raise type(e)(f"{e}.{note}") from e
 
     def add_stats(self, fn) -> None:
         """A front end's extra stats() keys (``fn() -> dict``)."""
