@@ -537,3 +537,24 @@ def test_copies_split_at_registration_chunks(monkeypatch, toy):
         assert torch.equal(pipe(**inputs), expected)
     handle.disable()
     assert torch.equal(pipe(**inputs), expected)
+
+
+def test_module_mode_over_a_component_streamed_in_layer_mode_is_refused_by_name():
+    """offload_pipeline(mode='layer') then mode='module' on the same pipeline: AlreadyOffloadedError
+    naming the component (it was a StreamedWriteError from packing the streamed placeholders)."""
+    from weightstream.models import flux_inputs, tiny_flux
+
+    class Pipe:
+        pass
+
+    pipe = Pipe()
+    pipe.transformer = tiny_flux(dtype=torch.bfloat16)
+    x = flux_inputs(pipe.transformer)
+    with torch.no_grad():
+        want = pipe.transformer(**x)[0]
+    handle = offload_pipeline(pipe, {"mode": "layer", "components": ["dit"], "progress": False}, device="cpu")
+    with pytest.raises(AlreadyOffloadedError, match="FluxTransformer2DModel is already streamed"):
+        offload_pipeline(pipe, {"mode": "module", "components": ["dit"], "progress": False}, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(**x)[0], want)
+    handle.disable()

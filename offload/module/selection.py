@@ -14,6 +14,7 @@ from torch import nn
 
 from ..components import Component, Components
 from ..misuse import AlreadyOffloadedError
+from ..wrap_checks import check_wrappable
 from ..layout import block_tensors, build_layout
 from ..progress import format_bytes
 from .split import SplitMovers, check_parts
@@ -43,6 +44,7 @@ def select_units(controller: "ModuleOffload", components: Components, selected: 
         if c.kind == "resident" or c.kind not in selected:
             resident_only[c.name] = c
             continue
+        check_wrappable(c.module, allow_meta=True)  # streamed in layer mode, or another library's hooks
         marked.append(c.module)
         enable = getattr(c.module, "enable_omni_model_cpu_offload", None)
         if c.kind in SWAPPED_KINDS and callable(enable):
