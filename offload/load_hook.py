@@ -103,18 +103,18 @@ class WrapperKeys(_LoadHooks):
 
     def __init__(self, name: str, wrapper: nn.Module, inner: str = "module"):
         self.name, self._inner = name, inner
-        self._renamed: list[tuple[str, str]] = []  # (prefix, prefix + inner) of the loads under way
+        self._renamed = ("", f"{inner}.")  # (prefix, prefix + inner) of the load under way
         self._install(wrapper)
 
     def pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         inside = f"{prefix}{self._inner}."
-        keys = set(getattr(module, self._inner).state_dict(keep_vars=True))
+        keys = set(module.get_submodule(self._inner).state_dict(keep_vars=True))
         for full in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inside)]:
             if full[len(prefix):] in keys:
                 state_dict[inside + full[len(prefix):]] = state_dict.pop(full)
-        self._renamed.append((prefix, inside))
+        self._renamed = (prefix, inside)
 
     def post(self, module, incompatible_keys) -> None:
-        prefix, inside = self._renamed.pop()
+        prefix, inside = self._renamed
         for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
             keys[:] = [prefix + k[len(inside):] if k.startswith(inside) else k for k in keys]

@@ -317,12 +317,11 @@ class StreamedBlocks:
         """
         with self.held("update_weights()"):
             self.executor.check_usable("update_weights()")
-            plan = self._plan_update(state_dict, strict)
-            if self.guard is not None:  # DLO AllGather: every rank writes the same weights, or none
-                self.guard.agree_update([(key, new) for key, _, new in plan])
-            return self._apply(plan)
+            return self._apply(self._plan_update(state_dict, strict))
 
     def _apply(self, plan: list) -> list[str]:
+        if self.guard is not None:  # DLO AllGather: a write on some ranks only is caught at the next step
+            self.guard.agree_update([(key, new) for key, _, new in plan])
         if self.placement is not None:
             self.placement.sync()  # device edits of resident blocks first: the snapshot below would hide them
         self.executor.synchronize()

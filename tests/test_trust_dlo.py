@@ -349,7 +349,7 @@ def check_cut_short(rank, world, codec):
     return out
 
 
-def check_update_on_some_ranks(parallel, rank, world, *, alone: bool):
+def check_update_on_some_ranks(parallel, rank, world, *, alone: bool, how: str = "update_weights"):
     """update_weights under AllGather (a collective) on every rank with the same weights: the next
     forwards follow it; on the last rank alone (``alone``): the next forward stops on every rank,
     named, instead of computing with mixed shares."""
@@ -357,7 +357,12 @@ def check_update_on_some_ranks(parallel, rank, world, *, alone: bool):
     om = OffloadedTransformer(model, _cfg(weight_transfer="allgather"), device="cpu", parallel=parallel)
     new = {k: v * 2 for k, v in ref_model.state_dict().items() if k.startswith("double_blocks.0.")}
     if not alone or rank == world - 1:
-        om.update_weights(new)
+        if how == "update_weights":
+            om.update_weights(new)
+        else:  # peft's merge writes this way: .data of a streamed parameter assigned
+            params = dict(model.named_parameters())
+            for k, v in new.items():
+                params[k].data = v.clone()
     ref_model.load_state_dict(new, strict=False)
     with torch.no_grad():
         want = ref_model(**inputs)
@@ -398,6 +403,7 @@ def scenario(rank, world):
         c.run("folded_weights", check_folded_weights, dp, rank, last)
     c.run("update_every_rank", check_update_on_some_ranks, dp, rank, world, alone=False)
     c.run("update_one_rank", check_update_on_some_ranks, dp, rank, world, alone=True)
+    c.run("data_write_one_rank", check_update_on_some_ranks, dp, rank, world, alone=True, how="data")
     # these time out on purpose, each in a group of its own: last
     c.run("setup_one_rank_fails", check_setup_one_rank_fails, rank, world)
     c.run("peer_stays_alive", check_peer_stays_alive, rank, world)
@@ -697,6 +703,6 @@ def test_update_weights_is_agreed_never_mixed(ranks):
     raises (the weights versions differ in the end-of-step agreement), none returns mixed shares."""
     for r, rep in enumerate(get(ranks, "update_every_rank")):
         assert rep["errors"] == [None, None] and rep["equal"] == [True, True], (r, rep)
-    for r, rep in enumerate(get(ranks, "update_one_rank")):
+    for r, rep in enumerate(get(ranks, "update_one_rank") + get(ranks, "data_write_one_rank")):
         assert rep["equal"] == [None, None], (r, rep)
         assert all("the ranks hold other weights" in e and "collective" in e for e in rep["errors"]), (r, rep)
